@@ -1,0 +1,373 @@
+"""AccelerateMixin: skorch's lifecycle with HuggingFace accelerate."""
+from contextlib import contextmanager
+
+import torch
+from accelerate.utils import convert_to_fp32
+from skorch.callbacks import LRScheduler
+from skorch.dataset import unpack_data
+from skorch.utils import TeeGenerator
+
+from accel_mixin.distributed import check_process_layout, run_collectively, sink_for
+from accel_mixin.portable import PortableAccelerator
+from accel_mixin.wrapping import PreparedObjects, Slot, requires_closure
+
+__all__ = ['AccelerateMixin']
+
+
+class AccelerateMixin:
+    """Mixin class that trains a skorch net with HuggingFace accelerate.
+
+    Put it before a skorch net class and pass an ``accelerate.Accelerator``.
+    The net then trains with distributed data parallel across the processes
+    that ``accelerate launch`` or ``torchrun`` start, with mixed precision and
+    gradient accumulation as the accelerator is configured, and keeps
+    skorch's API: ``fit``, ``predict``, callbacks, ``GridSearchCV``,
+    ``save_params`` and ``load_params``, pickle.
+
+    It is a drop-in replacement for ``skorch.hf.AccelerateMixin`` with the
+    same constructor arguments.
+
+    Run the same script on every process. ``predict`` and ``predict_proba``
+    return all ``len(X)`` rows on every process, ``save_params`` writes on
+    the main process only and returns once the files are complete, and
+    ``load_params`` loads on every process.
+
+    Examples
+    --------
+    >>> from accelerate import Accelerator
+    >>> from skorch import NeuralNetClassifier
+    >>> from accel_mixin import AccelerateMixin
+    >>>
+    >>> class AcceleratedNet(AccelerateMixin, NeuralNetClassifier):
+    ...     '''NeuralNetClassifier with accelerate support'''
+    >>>
+    >>> net = AcceleratedNet(MyModule, accelerator=Accelerator())
+    >>> net.fit(X, y)
+
+    Parameters
+    ----------
+    accelerator : accelerate.Accelerator
+      In addition to the usual parameters, pass an instance of
+      ``accelerate.Accelerator`` with the desired settings. It decides the
+      device, the mixed precision and the number of gradient accumulation
+      steps. With ``N`` processes, every process draws ``batch_size`` samples
+      per step, so a step sees ``N * batch_size`` samples.
+
+    device : None (default=None)
+      Leave device placement to the accelerator. Any other value raises an
+      error unless the accelerator was created with
+      ``device_placement=False``.
+
+    unwrap_after_train : bool (default=True)
+      Whether the modules, criteria, optimizers and LR schedulers are
+      unwrapped after training, i.e. the objects the net built are put back
+      in place of what accelerate made of them (DDP wrappers etc.). An
+      unwrapped net pickles cleanly. Unwrapping and rewrapping are cheap
+      reference swaps; ``partial_fit`` and ``fit`` with ``warm_start=True``
+      rewrap before they train, and mixed precision applies to inference
+      either way.
+
+    callbacks__print_log__sink : 'auto' or callable (default='auto')
+      If 'auto', the epoch table is printed by the main process only, and
+      ``verbose=0`` silences it as in skorch.
+
+    """
+    def __init__(
+            self,
+            *args,
+            accelerator,
+            device=None,
+            unwrap_after_train=True,
+            callbacks__print_log__sink='auto',
+            **kwargs
+    ):
+        super().__init__(
+            *args,
+            device=device,
+            callbacks__print_log__sink=callbacks__print_log__sink,
+            **kwargs
+        )
+        self.accelerator = accelerator
+        self.unwrap_after_train = unwrap_after_train
+
+    # --- what accelerate prepares -------------------------------------------
+
+    @property
+    def _prepared(self):
+        # The name ends with an underscore so that get_params and clone skip it.
+        prepared = self.__dict__.get('accelerate_prepared_')
+        if prepared is None:
+            prepared = PreparedObjects()
+            self.__dict__['accelerate_prepared_'] = prepared
+        return prepared
+
+    def _accelerate_slots(self):
+        """Every object accelerate prepares, in the order it must be prepared."""
+        for kind, names in (
+                ('module', self._modules),
+                ('criterion', self._criteria),
+                ('optimizer', self._optimizers),
+        ):
+            for name in names:
+                yield Slot(name + '_', self, name + '_', kind)
+        for cb_name, cb in getattr(self, 'callbacks_', []):
+            if isinstance(cb, LRScheduler):
+                yield Slot(
+                    f'callbacks__{cb_name}__lr_scheduler_', cb, 'lr_scheduler_',
+                    'scheduler', step_once=cb.step_every != 'batch',
+                )
+
+    def _validate_params(self):
+        super()._validate_params()
+        if self.accelerator.device_placement and (self.device is not None):
+            raise ValueError(
+                "When device placement is performed by the accelerator, set device=None"
+            )
+
+    def _raw(self, name):
+        """The object the net built for ``name``, whether wrapped or not."""
+        return self._prepared.raw_or_current(name + '_', self, name + '_')
+
+    def _check_optimizers(self):
+        for name in self._optimizers:
+            optimizer = self._raw(name)
+            if requires_closure(optimizer):
+                raise ValueError(
+                    f"The optimizer {name}_ ({type(optimizer).__name__}) needs a "
+                    "closure to step, which accelerate's gradient scaling and "
+                    "accumulation do not support; choose an optimizer whose step() "
+                    "works without arguments (e.g. torch.optim.Adam), or train "
+                    "without AccelerateMixin."
+                )
+
+    def _initialize_accelerator(self):
+        """Prepare what is new for accelerate and wrap everything.
+
+        Idempotent: objects prepared before are put back, never prepared
+        again, so no new DDP wrapper is built and nothing is broadcast.
+
+        """
+        check_process_layout(self.accelerator)
+        self._check_optimizers()
+        self._prepared.prepare(self.accelerator, self._accelerate_slots())
+        return self
+
+    def _unwrap_accelerator(self):
+        """Put back the objects the net built in place of the prepared ones."""
+        self._prepared.unwrap()
+        return self
+
+    @contextmanager
+    def _unwrapped(self):
+        was_wrapped = self._prepared.wrapped
+        self._unwrap_accelerator()
+        try:
+            yield self
+        finally:
+            if was_wrapped:
+                self._prepared.wrap(self.accelerator)
+
+    def initialize(self):
+        """Initializes all of its components and returns self."""
+        self.check_training_readiness()
+
+        self._initialize_virtual_params()
+        self._initialize_callbacks()
+        self._initialize_module()
+        self._initialize_criterion()
+        self._initialize_optimizer()
+        self._initialize_history()
+
+        self._validate_params()
+        self._initialize_accelerator()
+
+        self.initialized_ = True
+        return self
+
+    def _initialize_callbacks(self):
+        if self.callbacks__print_log__sink != 'auto':
+            return super()._initialize_callbacks()
+        # resolve 'auto' for the callbacks only: the parameter stays 'auto'
+        # so that clone and get_params see what the user passed
+        self.callbacks__print_log__sink = sink_for(self.accelerator)
+        try:
+            return super()._initialize_callbacks()
+        finally:
+            self.callbacks__print_log__sink = 'auto'
+
+    def get_all_learnable_params(self):
+        # As in skorch, but from the raw modules, so that the names carry no
+        # DDP prefix, and without swapping: callers may consume this lazily.
+        seen = set()
+        for name in self._modules + self._criteria:
+            module = self._raw(name)
+            named_parameters = getattr(module, 'named_parameters', None)
+            if not named_parameters:
+                continue
+            for param_name, param in named_parameters():
+                if param not in seen:
+                    seen.add(param)
+                    yield param_name, param
+
+    # --- training -----------------------------------------------------------
+
+    def notify(self, method_name, **cb_kwargs):
+        if method_name != 'on_train_begin':
+            return super().notify(method_name, **cb_kwargs)
+        # Callbacks set up on the net's own objects (an LR scheduler is built
+        # on the raw optimizer); what they build is prepared right after.
+        self._unwrap_accelerator()
+        super().notify(method_name, **cb_kwargs)
+        self._initialize_accelerator()
+        return None
+
+    def on_train_begin(self, net, X=None, y=None, **kwargs):
+        super().on_train_begin(net, X=X, y=y, **kwargs)
+        # an interrupted fit may have left half-accumulated gradients
+        self.accelerator.step = 0
+        for name in self._optimizers:
+            optimizer = getattr(self, name + '_')
+            if optimizer is not None:
+                optimizer.zero_grad()
+
+    def _accumulation_modules(self):
+        return [
+            getattr(self, name + '_') for name in self._modules + self._criteria
+            if isinstance(getattr(self, name + '_', None), torch.nn.Module)
+        ]
+
+    def train_step_single(self, batch, **fit_params):
+        self._set_training(True)
+        Xi, yi = unpack_data(batch)
+        with self.accelerator.autocast():
+            y_pred = self.infer(Xi, **fit_params)
+            loss = self.get_loss(y_pred, yi, X=Xi, training=True)
+        self.accelerator.backward(loss)
+        return {
+            'loss': loss,
+            'y_pred': y_pred,
+        }
+
+    def train_step(self, batch, **fit_params):
+        """Forward, backward, optimizer step and zeroing of the gradients.
+
+        Runs within ``accelerator.accumulate`` for all modules, so that with
+        gradient accumulation the optimizers step, and DDP syncs gradients,
+        only every ``gradient_accumulation_steps`` batches. The gradients are
+        zeroed after the step rather than before the forward pass, which
+        would discard the accumulated ones.
+
+        """
+        step_accumulator = self.get_train_step_accumulator()
+
+        def step_fn():
+            step = self.train_step_single(batch, **fit_params)
+            step_accumulator.store_step(step)
+            self.notify(
+                'on_grad_computed',
+                named_parameters=TeeGenerator(self.get_all_learnable_params()),
+                batch=batch,
+                training=True,
+            )
+            return step['loss']
+
+        with self.accelerator.accumulate(*self._accumulation_modules()):
+            self._step_optimizer(step_fn)
+            self._zero_grad_optimizer()
+        return step_accumulator.get_step()
+
+    def _step_optimizer(self, step_fn):
+        # GradScaler cannot step with a closure: compute, then step.
+        step_fn()
+        for name in self._optimizers:
+            getattr(self, name + '_').step()
+
+    def validation_step(self, batch, **fit_params):
+        with self.accelerator.autocast():
+            return super().validation_step(batch, **fit_params)
+
+    def evaluation_step(self, batch, training=False):
+        # Autocast here rather than only in the prepared module's forward, so
+        # that unwrapped nets predict with the same precision.
+        with self.accelerator.autocast():
+            y_infer = super().evaluation_step(batch, training=training)
+        return self.accelerator.gather_for_metrics(convert_to_fp32(y_infer))
+
+    def get_iterator(self, dataset, training=False):
+        iterator = self.accelerator.prepare_data_loader(
+            super().get_iterator(dataset, training=training))
+        # Dataloaders are built anew for every fit and predict; registered,
+        # they would pile up in the accelerator and in every pickle of it.
+        dataloaders = self.accelerator._dataloaders  # pylint: disable=protected-access
+        dataloaders[:] = [dl for dl in dataloaders if dl is not iterator]
+        return iterator
+
+    # pylint: disable=unused-argument
+    def on_train_end(self, net, X=None, y=None, **kwargs):
+        self.accelerator.wait_for_everyone()
+        super().on_train_end(net, X=X, y=y, **kwargs)
+        if self.unwrap_after_train:
+            self._unwrap_accelerator()
+        return self
+
+    # --- saving and loading -------------------------------------------------
+
+    def save_params(self, *args, **kwargs):
+        """Save the parameters of the net's modules, optimizers and history.
+
+        Accepts the arguments of ``skorch.net.NeuralNet.save_params``. The
+        state is taken from the unwrapped objects, so the keys carry no DDP
+        prefix and the files load into accelerated and plain skorch nets
+        alike. Only the main process writes; every process returns once the
+        files are complete, and raises if the write failed.
+
+        """
+        save = super().save_params
+        self.accelerator.wait_for_everyone()
+        with self._unwrapped():
+            run_collectively(
+                self.accelerator, lambda: save(*args, **kwargs),
+                what='save_params', main_only=True)
+
+    def load_params(self, *args, **kwargs):
+        """Load the parameters of the net's modules, optimizers and history.
+
+        Accepts the arguments of ``skorch.net.NeuralNet.load_params``. Every
+        process loads into the unwrapped objects, so that DDP keeps its
+        wrapper around the loaded weights. With ``device=None`` the files are
+        mapped to the CPU, and the accelerator's device placement stays in
+        charge. If loading fails on any process, every process raises.
+
+        """
+        if kwargs.get('checkpoint') is not None and not self.initialized_:
+            self.initialize()
+        load = super().load_params
+        self.accelerator.wait_for_everyone()
+        with self._unwrapped():
+            run_collectively(
+                self.accelerator, lambda: load(*args, **kwargs), what='load_params')
+
+    def _check_device(self, requested_device, map_device):
+        if requested_device is None:
+            # The accelerator places the objects: map files to the CPU, keep
+            # device=None and say nothing.
+            return None
+        return super()._check_device(requested_device, map_device)
+
+    # --- copies -------------------------------------------------------------
+
+    def __getstate__(self):
+        with self._unwrapped():
+            state = super().__getstate__()
+        state.pop('accelerate_prepared_', None)
+        state['accelerator'] = PortableAccelerator(self.accelerator)
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        accelerator = self.accelerator
+        if accelerator.device_placement:
+            for name in self._modules + self._criteria:
+                module = getattr(self, name + '_', None)
+                if isinstance(module, torch.nn.Module):
+                    module.to(accelerator.device)

@@ -1,0 +1,70 @@
+"""Carry an Accelerator through pickle as settings, not as state.
+
+An Accelerator's state lives in per-process singletons. Pickled as is, it
+arrives with private, stale copies of them (the gradient state of the last
+dataloader, the rank of the process that pickled it) and with every object it
+ever prepared. A pickled net therefore carries the accelerator's settings, and
+unpickling builds an Accelerator from them that uses the live state of the
+process. A deep copy keeps the same Accelerator, as accelerate itself does.
+"""
+import warnings
+
+from accelerate import Accelerator
+from accelerate.utils import GradientAccumulationPlugin
+
+__all__ = ['PortableAccelerator', 'accelerator_settings', 'build_accelerator']
+
+_HANDLERS = ('ddp_handler', 'scaler_handler', 'init_handler', 'autocast_handler')
+
+
+def accelerator_settings(accelerator):
+    """The keyword arguments that rebuild ``accelerator`` in another process."""
+    return {
+        'device_placement': accelerator.device_placement,
+        'mixed_precision': str(accelerator.mixed_precision),
+        'cpu': accelerator.device.type == 'cpu',
+        'dataloader_config': accelerator.dataloader_config,
+        'gradient_accumulation_plugin': GradientAccumulationPlugin(
+            **accelerator.gradient_state.plugin_kwargs),
+        'step_scheduler_with_optimizer': accelerator.step_scheduler_with_optimizer,
+        'rng_types': list(accelerator.rng_types),
+        'kwargs_handlers': [
+            handler for handler in (getattr(accelerator, name, None) for name in _HANDLERS)
+            if handler is not None
+        ],
+    }
+
+
+def build_accelerator(settings):
+    """Build an Accelerator from ``settings`` on the live state of this process.
+
+    If this process already runs accelerate with other settings (another
+    precision, say), those cannot change: the live state is used and a
+    warning says which settings were dropped.
+
+    """
+    try:
+        return Accelerator(**settings)
+    except (ValueError, RuntimeError) as exc:
+        warnings.warn(
+            "accel_mixin: the unpickled net's accelerator settings "
+            f"(mixed_precision={settings['mixed_precision']!r}, cpu={settings['cpu']}) "
+            f"cannot be used in this process ({exc}); using the accelerate "
+            "state this process already has.",
+            RuntimeWarning,
+        )
+        return Accelerator(
+            gradient_accumulation_plugin=settings['gradient_accumulation_plugin'])
+
+
+class PortableAccelerator:
+    """Stand-in for an Accelerator inside a net's pickled state."""
+
+    def __init__(self, accelerator):
+        self.accelerator = accelerator
+
+    def __deepcopy__(self, memo):
+        return self.accelerator
+
+    def __reduce__(self):
+        return build_accelerator, (accelerator_settings(self.accelerator),)

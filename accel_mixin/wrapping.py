@@ -1,0 +1,220 @@
+"""Prepare once; afterwards unwrap and rewrap by swapping references.
+
+``accelerator.prepare`` wraps modules in DDP (which broadcasts every
+parameter), wraps optimizers and schedulers, and patches ``forward`` of the raw
+module for autocast. Doing that again after every save or load is slow, and
+since accelerate 1.14 it silently does nothing for an object it already marked
+as prepared. So each slot of the net (``module_``, ``optimizer_``, a
+callback's ``lr_scheduler_``, ...) keeps its raw object and what accelerate
+made of it; unwrapping and rewrapping only swap references, stash or restore
+the forward patch, and keep the accelerator's lists holding exactly what is
+wrapped now.
+"""
+import weakref
+from collections import namedtuple
+
+import torch
+from torch.optim.lr_scheduler import ReduceLROnPlateau
+
+__all__ = ['Slot', 'PreparedObjects', 'requires_closure']
+
+Slot = namedtuple('Slot', ['key', 'owner', 'attr', 'kind', 'step_once'], defaults=[False])
+Slot.__doc__ = """Where a preparable object lives.
+
+key : str
+  Unique name of the slot, e.g. ``'module_'``.
+owner, attr
+  The object lives at ``getattr(owner, attr)``.
+kind : str
+  One of ``'module'``, ``'criterion'``, ``'optimizer'``, ``'scheduler'``.
+step_once : bool
+  Schedulers only: step once per call, whatever the number of processes.
+"""
+
+# accelerate's marks on a raw module: the autocast patch of ``forward`` and
+# the flag that makes ``prepare`` return the module untouched.
+_ACCELERATE_MARKS = ('forward', '_original_forward', '_is_accelerate_prepared')
+
+_LIST_OF_KIND = {
+    'module': '_models',
+    'criterion': '_models',
+    'optimizer': '_optimizers',
+    'scheduler': '_schedulers',
+}
+
+_TYPE_OF_KIND = {
+    'module': torch.nn.Module,
+    'criterion': torch.nn.Module,
+    'optimizer': torch.optim.Optimizer,
+    'scheduler': (torch.optim.lr_scheduler.LRScheduler, ReduceLROnPlateau),
+}
+
+
+def requires_closure(optimizer):
+    """Whether ``optimizer.step`` cannot be called without a closure (LBFGS)."""
+    import inspect
+
+    try:
+        param = inspect.signature(optimizer.step).parameters.get('closure')
+    except (TypeError, ValueError):
+        return False
+    return param is not None and param.default is inspect.Parameter.empty
+
+
+def _pop_marks(obj):
+    """Remove accelerate's marks from a raw module and return them."""
+    attrs = getattr(obj, '__dict__', {})
+    if '_original_forward' not in attrs:
+        # only the patch that accelerate made is ours to remove
+        return {k: attrs.pop(k) for k in ('_is_accelerate_prepared',) if k in attrs}
+    return {k: attrs.pop(k) for k in _ACCELERATE_MARKS if k in attrs}
+
+
+def _release(held):
+    """Take every registered object off the accelerator's lists."""
+    for container, obj in held.values():
+        container[:] = [item for item in container if item is not obj]
+    held.clear()
+
+
+class _Entry:
+    __slots__ = ('slot', 'raw', 'prepared', 'registered', 'marks')
+
+    def __init__(self, slot, raw, prepared, registered):
+        self.slot = slot
+        self.raw = raw
+        self.prepared = prepared
+        # what accelerate put in its list: the raw module for DDP, the
+        # wrapper for optimizers and schedulers
+        self.registered = registered
+        self.marks = {}
+
+    def holds(self, owner, obj):
+        return (
+            owner is self.slot.owner
+            and obj is not None
+            and (obj is self.raw or obj is self.prepared)
+        )
+
+
+class PreparedObjects:
+    """The raw and prepared objects of a net, and which of them are in use.
+
+    ``prepare`` is the only method that calls accelerate's ``prepare``, and
+    only for objects it has not seen; ``wrap`` and ``unwrap`` just swap.
+    The accelerator's lists hold exactly the objects wrapped now, and lose
+    them when this registry is garbage collected with its net.
+
+    """
+    def __init__(self):
+        self._entries = {}
+        # key -> (accelerator list, object); also read by the finalizer,
+        # which must not reference the entries: they reference the net.
+        self._held = {}
+        weakref.finalize(self, _release, self._held)
+        self.wrapped = False
+
+    def __len__(self):
+        return len(self._entries)
+
+    def raw_or_current(self, key, owner, attr):
+        """The raw object at ``owner.attr``, or the current one if unknown."""
+        current = getattr(owner, attr, None)
+        entry = self._entries.get(key)
+        if entry is not None and entry.holds(owner, current):
+            return entry.raw
+        return current
+
+    def prepare(self, accelerator, slots):
+        """Prepare the objects not seen before, then wrap all of them.
+
+        Slots must come in the order modules, criteria, optimizers,
+        schedulers: a scheduler is matched to an already prepared optimizer.
+
+        """
+        slots = list(slots)
+        live = {slot.key for slot in slots}
+        for key in [key for key in self._entries if key not in live]:
+            self._forget(key)
+
+        for slot in slots:
+            current = getattr(slot.owner, slot.attr, None)
+            entry = self._entries.get(slot.key)
+            if entry is not None and not entry.holds(slot.owner, current):
+                self._forget(slot.key)
+                entry = None
+            if entry is None:
+                if not isinstance(current, _TYPE_OF_KIND[slot.kind]):
+                    continue  # e.g. a criterion that is a plain function
+                entry = _prepare_entry(accelerator, current, slot)
+                self._entries[slot.key] = entry
+            self._wrap_entry(accelerator, entry)
+        self.wrapped = True
+
+    def wrap(self, accelerator):
+        """Put back what was prepared before; never prepares."""
+        for entry in self._entries.values():
+            self._wrap_entry(accelerator, entry)
+        self.wrapped = True
+
+    def unwrap(self):
+        """Put the raw objects in place and take them off the accelerator."""
+        for entry in self._entries.values():
+            slot = entry.slot
+            if getattr(slot.owner, slot.attr, None) is entry.prepared:
+                setattr(slot.owner, slot.attr, entry.raw)
+            if slot.kind in ('module', 'criterion'):
+                entry.marks.update(_pop_marks(entry.raw))
+        _release(self._held)
+        self.wrapped = False
+
+    def _wrap_entry(self, accelerator, entry):
+        slot = entry.slot
+        if entry.marks:
+            vars(entry.raw).update(entry.marks)
+            entry.marks = {}
+        if getattr(slot.owner, slot.attr, None) is not entry.prepared:
+            setattr(slot.owner, slot.attr, entry.prepared)
+        container = _container(accelerator, slot)
+        if not any(item is entry.registered for item in container):
+            container.append(entry.registered)
+        self._held[slot.key] = (container, entry.registered)
+
+    def _forget(self, key):
+        del self._entries[key]
+        held = self._held.pop(key, None)
+        if held is not None:
+            _release({key: held})
+
+
+def _container(accelerator, slot):
+    return getattr(accelerator, _LIST_OF_KIND[slot.kind])
+
+
+def _prepare_entry(accelerator, obj, slot):
+    container = _container(accelerator, slot)
+    before = list(container)
+    prepared = _prepare_one(accelerator, obj, slot)
+    added = [item for item in container if not any(item is b for b in before)]
+    registered = added[0] if added else prepared
+    return _Entry(slot, obj, prepared, registered)
+
+
+def _prepare_one(accelerator, obj, slot):
+    if slot.kind in ('module', 'criterion'):
+        # Marks left by another net or a pickled copy would make accelerate
+        # skip DDP and autocast for this module.
+        _pop_marks(obj)
+        trainable = any(p.requires_grad for p in obj.parameters())
+        # DDP refuses a module without trainable parameters (NLLLoss, ...);
+        # evaluation mode still places it on the device and adds autocast.
+        return accelerator.prepare_model(obj, evaluation_mode=not trainable)
+    if slot.kind == 'optimizer':
+        return accelerator.prepare_optimizer(obj)
+    prepared = accelerator.prepare_scheduler(obj)
+    if slot.step_once or isinstance(obj, ReduceLROnPlateau):
+        # accelerate steps a scheduler once per process per call, which
+        # suits per-batch schedules; per-epoch schedules and plateau
+        # detection count epochs, which every process shares.
+        prepared.split_batches = True
+    return prepared

@@ -1,0 +1,39 @@
+"""Fixtures: a fresh accelerate state per test, data, modules, net classes."""
+import sys
+from pathlib import Path
+
+import pytest
+from accelerate.state import AcceleratorState, GradientState
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / 'launched'))
+
+# pylint: disable=wrong-import-position
+from common import LogitMLP, MLP, make_data  # noqa: E402
+
+
+def reset_accelerate():
+    """accelerate keeps its state in per-process singletons; start afresh."""
+    AcceleratorState._reset_state(reset_partial_state=True)  # pylint: disable=protected-access
+    GradientState._reset_state()  # pylint: disable=protected-access
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    reset_accelerate()
+    yield
+    reset_accelerate()
+
+
+@pytest.fixture
+def data():
+    return make_data(200)
+
+
+@pytest.fixture
+def mlp():
+    return MLP
+
+
+@pytest.fixture
+def logit_mlp():
+    return LogitMLP

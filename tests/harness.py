@@ -1,0 +1,122 @@
+"""Run a script under several real processes, the way users launch them.
+
+``run_processes`` starts ``torchrun`` with ``ACCELERATE_USE_CPU=true`` (DDP
+over gloo on this machine), on a free port, in its own process group. Every
+rank writes its results as JSON through ``launched/common.py``'s ``report``.
+A run that exceeds its timeout is killed as a whole, and the test fails with
+every rank's output.
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LAUNCHED = Path(__file__).resolve().parent / 'launched'
+
+__all__ = ['LAUNCHED', 'Launch', 'free_port', 'run_processes']
+
+
+def free_port():
+    """A TCP port that was free a moment ago on the loopback interface."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(('127.0.0.1', 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Launch:
+    """The outcome of a launch: exit status, combined output, per-rank JSON."""
+    returncode: int
+    output: str
+    timed_out: bool
+    ranks: list = field(default_factory=list)
+
+    def describe(self):
+        state = 'timed out' if self.timed_out else f'exit status {self.returncode}'
+        return f'launch {state}; output of every rank:\n{self.output}'
+
+    def check(self):
+        """Fail the test unless every rank finished and reported."""
+        if self.timed_out or self.returncode != 0 or any(r is None for r in self.ranks):
+            pytest.fail(self.describe(), pytrace=False)
+        return self.ranks
+
+
+def run_processes(script, *args, nproc=2, timeout=180, cpu_env=True, env=None):
+    """Run ``script`` under ``nproc`` processes with torchrun.
+
+    Parameters
+    ----------
+    script : str or Path
+      A script in ``tests/launched`` or a path.
+
+    *args : str
+      Command-line arguments of the script.
+
+    nproc : int (default=2)
+      Number of processes.
+
+    timeout : float (default=180)
+      Seconds before the whole process group is killed.
+
+    cpu_env : bool (default=True)
+      Whether to set ``ACCELERATE_USE_CPU=true``, which makes accelerate see
+      the processes as one MULTI_CPU group.
+
+    env : dict or None
+      Additional environment variables.
+
+    Returns
+    -------
+    launch : Launch
+
+    """
+    script = Path(script)
+    if not script.is_absolute():
+        script = LAUNCHED / script
+    with tempfile.TemporaryDirectory(prefix='accel_mixin_launch_') as tmp:
+        tmp = Path(tmp)
+        run_env = dict(os.environ)
+        run_env.pop('ACCELERATE_USE_CPU', None)
+        run_env.update({
+            'ACCEL_RESULTS_DIR': str(tmp),
+            'OMP_NUM_THREADS': '1',
+            'PYTHONUNBUFFERED': '1',
+            'PYTHONPATH': os.pathsep.join(
+                [str(ROOT), str(LAUNCHED), run_env.get('PYTHONPATH', '')]),
+        })
+        if cpu_env:
+            run_env['ACCELERATE_USE_CPU'] = 'true'
+        run_env.update(env or {})
+        cmd = [
+            sys.executable, '-m', 'torch.distributed.run',
+            f'--nproc_per_node={nproc}', '--master_addr=127.0.0.1',
+            f'--master_port={free_port()}', '--tee=3',
+            str(script), *map(str, args),
+        ]
+        log_path = tmp / 'output.log'
+        with open(log_path, 'wb') as log:
+            proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=run_env,
+                cwd=tmp, start_new_session=True)
+            timed_out = False
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        output = log_path.read_text(errors='replace')
+        ranks = []
+        for rank in range(nproc):
+            path = tmp / f'rank{rank}.json'
+            ranks.append(json.loads(path.read_text()) if path.exists() else None)
+    return Launch(proc.returncode, output, timed_out, ranks)

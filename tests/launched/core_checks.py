@@ -1,0 +1,296 @@
+"""Core behaviour under several real processes.
+
+Usage: torchrun --nproc_per_node 2 core_checks.py ours|incumbent
+
+Runs the same checks against accel_mixin or skorch.hf.AccelerateMixin and
+reports, per rank, what each check saw. For the incumbent, every check but
+the default-criterion one uses the criterion workaround it needs to fit.
+"""
+import copy
+import gc
+import pickle
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from accelerate.utils import gather_object
+from skorch import NeuralNetClassifier
+from skorch.history import History
+
+from common import Checks, LogitMLP, MLP, ParamNLLLoss, make_accelerator, make_data, report
+
+IMPL = sys.argv[1]
+if IMPL == 'ours':
+    from accel_mixin import AccelerateMixin
+else:
+    from skorch.hf import AccelerateMixin
+
+
+class Net(AccelerateMixin, NeuralNetClassifier):
+    pass
+
+
+accelerator = make_accelerator()
+rank = accelerator.process_index
+X, y = make_data(600)
+checks = Checks()
+
+
+def make_net(workaround=True, **kwargs):
+    params = dict(
+        module=MLP, accelerator=accelerator, max_epochs=2, lr=0.2,
+        batch_size=16, verbose=0, iterator_train__shuffle=True,
+    )
+    if IMPL == 'incumbent' and workaround:
+        params['criterion'] = ParamNLLLoss
+    params.update(kwargs)
+    return Net(**params)
+
+
+def max_param_spread(net):
+    """Largest difference of any parameter between the ranks."""
+    mine = torch.cat([p.detach().flatten() for p in net.module_.parameters()])
+    everyone = gather_object([mine.numpy()])
+    return float(max(np.abs(other - everyone[0]).max() for other in everyone))
+
+
+def plain_probabilities(module, X):
+    with torch.no_grad():
+        return module(torch.as_tensor(X)).numpy()
+
+
+def list_lengths():
+    gc.collect()  # nets of earlier checks die in reference cycles
+    return {
+        name: len(getattr(accelerator, name))
+        for name in ('_models', '_optimizers', '_schedulers', '_dataloaders')
+    }
+
+
+@checks
+def default_criterion_fit():
+    out = {}
+    for name, module, criterion in [
+            ('nll', MLP, torch.nn.NLLLoss),
+            ('cross_entropy', LogitMLP, torch.nn.CrossEntropyLoss),
+    ]:
+        net = make_net(workaround=False, module=module, criterion=criterion,
+                       unwrap_after_train=False)
+        net.fit(X, y)
+        out[name] = {
+            'train_loss': net.history[-1, 'train_loss'],
+            'criterion_type': type(net.criterion_).__name__,
+            'spread': max_param_spread(net),
+        }
+    return out
+
+
+net = make_net()
+net.fit(X, y)
+
+
+@checks
+def predict_rows():
+    out = {}
+    for n in (333, 97, 17, 5):
+        proba = net.predict_proba(X[:n])
+        expected = plain_probabilities(net.module_, X[:n])
+        out[str(n)] = {
+            'rows': len(proba),
+            'predict_rows': len(net.predict(X[:n])),
+            'max_diff': float(np.abs(proba - expected).max()),
+        }
+    return out
+
+
+@checks
+def save_load_combinations():
+    trained = make_net(unwrap_after_train=False)
+    trained.fit(X, y)
+    reference = trained.predict_proba(X)
+    trained.save_params(f_params='wrapped.pt')
+    trained._unwrap_accelerator()  # pylint: disable=protected-access
+    trained.save_params(f_params='unwrapped.pt')
+    out = {}
+    for source in ('wrapped', 'unwrapped'):
+        accelerated = make_net().initialize()
+        accelerated.load_params(f_params=f'{source}.pt')
+        plain = NeuralNetClassifier(MLP, criterion=torch.nn.NLLLoss).initialize()
+        plain.load_params(f_params=f'{source}.pt')
+        for target, loaded in (('accelerated', accelerated), ('plain', plain)):
+            out[f'{source}->{target}'] = float(
+                np.abs(loaded.predict_proba(X) - reference).max())
+    return out
+
+
+@checks
+def only_main_writes():
+    calls = []
+    original_save, original_to_file = torch.save, History.to_file
+
+    def counting_save(*args, **kwargs):
+        calls.append('torch.save')
+        return original_save(*args, **kwargs)
+
+    def counting_to_file(self, *args, **kwargs):
+        calls.append('history')
+        return original_to_file(self, *args, **kwargs)
+
+    torch.save, History.to_file = counting_save, counting_to_file
+    try:
+        net.save_params(f_params='p.pt', f_optimizer='o.pt', f_history='h.json')
+    finally:
+        torch.save, History.to_file = original_save, original_to_file
+    return {'writes': len(calls)}
+
+
+class Wide(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.hidden = torch.nn.Linear(20, 2048)
+        self.mid = torch.nn.Linear(2048, 2048)
+        self.out = torch.nn.Linear(2048, 2)
+
+    def forward(self, X):
+        return torch.softmax(self.out(self.mid(self.hidden(X))), dim=-1)
+
+
+@checks
+def file_complete_on_return():
+    big = make_net(module=Wide, max_epochs=1)
+    big.fit(X[:64], y[:64])
+    failures = []
+    for i in range(10):
+        name = f'big_{i}.pt'
+        big.save_params(f_params=name)
+        if rank != 0:
+            try:
+                torch.load(name, weights_only=True)
+            except Exception as exc:  # pylint: disable=broad-except
+                failures.append(f'{type(exc).__name__}: {exc}')
+        for path in Path('.').glob('big_*.pt'):
+            if rank == 0 and path.name != name:
+                path.unlink()
+    return {'failures': failures, 'iterations': 10,
+            'size_mb': Path(name).stat().st_size / 2**20 if rank == 0 else None}
+
+
+@checks
+def partial_fit_in_sync():
+    trained = make_net()
+    trained.fit(X, y)
+    trained.partial_fit(X, y)
+    after_partial = max_param_spread(trained)
+    trained.set_params(warm_start=True)
+    trained.fit(X, y)
+    return {'partial_fit': after_partial, 'warm_start': max_param_spread(trained)}
+
+
+@checks
+def no_list_growth():
+    import torch.nn.parallel as parallel
+
+    wrappers = []
+    original_init = parallel.DistributedDataParallel.__init__
+
+    def counting_init(self, *args, **kwargs):
+        wrappers.append(1)
+        original_init(self, *args, **kwargs)
+
+    trained = make_net(unwrap_after_train=False)
+    trained.fit(X, y)
+    before = list_lengths()
+    module_before = trained.module_
+    parallel.DistributedDataParallel.__init__ = counting_init
+    try:
+        for _ in range(5):
+            trained.save_params(f_params='growth.pt')
+            trained.load_params(f_params='growth.pt')
+            trained.predict(X)
+            trained.partial_fit(X, y)
+        wrappers_without_refit = len(wrappers)
+        same_module = trained.module_ is module_before
+        for _ in range(2):
+            trained.fit(X, y)
+    finally:
+        parallel.DistributedDataParallel.__init__ = original_init
+    return {
+        'before': before,
+        'after': list_lengths(),
+        'new_ddp_without_refit': wrappers_without_refit,
+        'same_module': same_module,
+    }
+
+
+@checks
+def pickle_rows():
+    sizes = []
+    for _ in range(2):
+        for _ in range(10):
+            net.predict(X[:333])
+        sizes.append(len(pickle.dumps(net)))
+    restored = pickle.loads(pickle.dumps(net))
+    return {
+        'rows': len(restored.predict(X[:333])),
+        'pickle_sizes': sizes,
+        'same_predictions': bool(
+            np.allclose(restored.predict_proba(X[:333]), net.predict_proba(X[:333]))),
+    }
+
+
+@checks
+def copies():
+    from sklearn.base import clone
+
+    copied = copy.deepcopy(net)
+    cloned = clone(net)
+    cloned.fit(X, y)
+    return {
+        'deepcopy_rows': len(copied.predict(X[:333])),
+        'deepcopy_same': bool(
+            np.allclose(copied.predict_proba(X[:333]), net.predict_proba(X[:333]))),
+        'clone_rows': len(cloned.predict(X[:333])),
+        'clone_spread': max_param_spread(cloned),
+    }
+
+
+@checks
+def save_failure_reaches_every_rank():
+    import time
+
+    start = time.monotonic()
+    try:
+        net.save_params(f_params='no_such_dir/p.pt')
+    except Exception as exc:  # pylint: disable=broad-except
+        return {'error': f'{type(exc).__name__}: {exc}',
+                'seconds': time.monotonic() - start}
+    return {'error': None}
+
+
+@checks
+def load_failure_on_one_rank_reaches_every_rank():
+    import time
+
+    net.save_params(f_params='exists.pt')
+    start = time.monotonic()
+    try:
+        net.load_params(f_params='exists.pt' if rank == 0 else 'missing.pt')
+    except Exception as exc:  # pylint: disable=broad-except
+        return {'error': f'{type(exc).__name__}: {exc}',
+                'seconds': time.monotonic() - start}
+    return {'error': None}
+
+
+@checks
+def learnable_param_names():
+    wrapped = make_net(unwrap_after_train=False)
+    wrapped.fit(X, y)
+    return {
+        'module_type': type(wrapped.module_).__name__,
+        'names': [name for name, _ in wrapped.get_all_learnable_params()],
+    }
+
+
+report({'rank': rank, 'num_processes': accelerator.num_processes,
+        'checks': checks.results})
