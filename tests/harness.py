@@ -31,6 +31,23 @@ def free_port():
         return sock.getsockname()[1]
 
 
+def _kill_tree(proc):
+    """Kill torchrun and its workers, which run in sessions of their own."""
+    import psutil
+
+    try:
+        workers = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        workers = []
+    os.killpg(proc.pid, signal.SIGKILL)
+    for worker in workers:
+        try:
+            worker.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
+
+
 @dataclass
 class Launch:
     """The outcome of a launch: exit status, combined output, per-rank JSON."""
@@ -112,8 +129,7 @@ def run_processes(script, *args, nproc=2, timeout=180, cpu_env=True, env=None):
                 proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 timed_out = True
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                _kill_tree(proc)
         output = log_path.read_text(errors='replace')
         ranks = []
         for rank in range(nproc):

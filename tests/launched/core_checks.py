@@ -10,6 +10,7 @@ import copy
 import gc
 import pickle
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -255,31 +256,27 @@ def copies():
     }
 
 
-@checks
-def save_failure_reaches_every_rank():
-    import time
-
+def error_and_seconds(fn):
+    """What ``fn`` raised on this rank, and how long it took to raise."""
     start = time.monotonic()
     try:
-        net.save_params(f_params='no_such_dir/p.pt')
+        fn()
     except Exception as exc:  # pylint: disable=broad-except
         return {'error': f'{type(exc).__name__}: {exc}',
                 'seconds': time.monotonic() - start}
     return {'error': None}
+
+
+@checks
+def save_failure_reaches_every_rank():
+    return error_and_seconds(lambda: net.save_params(f_params='no_such_dir/p.pt'))
 
 
 @checks
 def load_failure_on_one_rank_reaches_every_rank():
-    import time
-
     net.save_params(f_params='exists.pt')
-    start = time.monotonic()
-    try:
-        net.load_params(f_params='exists.pt' if rank == 0 else 'missing.pt')
-    except Exception as exc:  # pylint: disable=broad-except
-        return {'error': f'{type(exc).__name__}: {exc}',
-                'seconds': time.monotonic() - start}
-    return {'error': None}
+    return error_and_seconds(
+        lambda: net.load_params(f_params='exists.pt' if rank == 0 else 'missing.pt'))
 
 
 @checks
