@@ -9,9 +9,15 @@ from skorch.utils import TeeGenerator
 
 from accel_mixin.distributed import check_process_layout, run_collectively, sink_for
 from accel_mixin.portable import PortableAccelerator
+from accel_mixin.stepping import Stepper
 from accel_mixin.wrapping import PreparedObjects, Slot, requires_closure
 
 __all__ = ['AccelerateMixin']
+
+# process-local state, never pickled; the names end with "_" so that
+# get_params and clone skip them
+_REGISTRY = 'accelerate_prepared_'
+_STEPPER = 'accelerate_stepper_'
 
 
 class AccelerateMixin:
@@ -94,12 +100,17 @@ class AccelerateMixin:
 
     @property
     def _prepared(self):
-        # The name ends with an underscore so that get_params and clone skip it.
-        prepared = self.__dict__.get('accelerate_prepared_')
+        prepared = self.__dict__.get(_REGISTRY)
         if prepared is None:
-            prepared = PreparedObjects()
-            self.__dict__['accelerate_prepared_'] = prepared
+            prepared = self.__dict__[_REGISTRY] = PreparedObjects()
         return prepared
+
+    @property
+    def _stepper(self):
+        stepper = self.__dict__.get(_STEPPER)
+        if stepper is None or stepper.accelerator is not self.accelerator:
+            stepper = self.__dict__[_STEPPER] = Stepper(self.accelerator)
+        return stepper
 
     def _accelerate_slots(self):
         """Every object accelerate prepares, in the order it must be prepared."""
@@ -212,14 +223,21 @@ class AccelerateMixin:
     # --- training -----------------------------------------------------------
 
     def notify(self, method_name, **cb_kwargs):
-        if method_name != 'on_train_begin':
-            return super().notify(method_name, **cb_kwargs)
-        # Callbacks set up on the net's own objects (an LR scheduler is built
-        # on the raw optimizer); what they build is prepared right after.
-        self._unwrap_accelerator()
-        super().notify(method_name, **cb_kwargs)
-        self._initialize_accelerator()
-        return None
+        if method_name == 'on_train_begin':
+            # Callbacks set up on the net's own objects (an LR scheduler is
+            # built on the raw optimizer); what they build is prepared next.
+            self._unwrap_accelerator()
+            super().notify(method_name, **cb_kwargs)
+            self._initialize_accelerator()
+            self.__dict__[_STEPPER] = Stepper(self.accelerator)
+        elif method_name == 'on_train_end':
+            # Unwrap only after the callbacks: EarlyStopping(load_best=True)
+            # restores weights it took from the wrapped module.
+            super().notify(method_name, **cb_kwargs)
+            if self.unwrap_after_train:
+                self._unwrap_accelerator()
+        else:
+            super().notify(method_name, **cb_kwargs)
 
     def on_train_begin(self, net, X=None, y=None, **kwargs):
         super().on_train_begin(net, X=X, y=y, **kwargs)
@@ -239,10 +257,10 @@ class AccelerateMixin:
     def train_step_single(self, batch, **fit_params):
         self._set_training(True)
         Xi, yi = unpack_data(batch)
-        with self.accelerator.autocast():
+        with self._stepper.autocast():
             y_pred = self.infer(Xi, **fit_params)
             loss = self.get_loss(y_pred, yi, X=Xi, training=True)
-        self.accelerator.backward(loss)
+        self._stepper.backward(loss)
         return {
             'loss': loss,
             'y_pred': y_pred,
@@ -271,7 +289,7 @@ class AccelerateMixin:
             )
             return step['loss']
 
-        with self.accelerator.accumulate(*self._accumulation_modules()):
+        with self._stepper.accumulate(self._accumulation_modules):
             self._step_optimizer(step_fn)
             self._zero_grad_optimizer()
         return step_accumulator.get_step()
@@ -280,16 +298,20 @@ class AccelerateMixin:
         # GradScaler cannot step with a closure: compute, then step.
         step_fn()
         for name in self._optimizers:
-            getattr(self, name + '_').step()
+            self._stepper.step(getattr(self, name + '_'))
+
+    def _zero_grad_optimizer(self, set_to_none=None):
+        for name in self._optimizers:
+            self._stepper.zero_grad(getattr(self, name + '_'), set_to_none=set_to_none)
 
     def validation_step(self, batch, **fit_params):
-        with self.accelerator.autocast():
+        with self._stepper.autocast():
             return super().validation_step(batch, **fit_params)
 
     def evaluation_step(self, batch, training=False):
         # Autocast here rather than only in the prepared module's forward, so
         # that unwrapped nets predict with the same precision.
-        with self.accelerator.autocast():
+        with self._stepper.autocast():
             y_infer = super().evaluation_step(batch, training=training)
         return self.accelerator.gather_for_metrics(convert_to_fp32(y_infer))
 
@@ -306,9 +328,6 @@ class AccelerateMixin:
     def on_train_end(self, net, X=None, y=None, **kwargs):
         self.accelerator.wait_for_everyone()
         super().on_train_end(net, X=X, y=y, **kwargs)
-        if self.unwrap_after_train:
-            self._unwrap_accelerator()
-        return self
 
     # --- saving and loading -------------------------------------------------
 
@@ -359,7 +378,8 @@ class AccelerateMixin:
     def __getstate__(self):
         with self._unwrapped():
             state = super().__getstate__()
-        state.pop('accelerate_prepared_', None)
+        state.pop(_REGISTRY, None)
+        state.pop(_STEPPER, None)
         state['accelerator'] = PortableAccelerator(self.accelerator)
         return state
 

@@ -14,6 +14,7 @@ import weakref
 from collections import namedtuple
 
 import torch
+from accelerate.scheduler import AcceleratedScheduler
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 __all__ = ['Slot', 'PreparedObjects', 'requires_closure']
@@ -62,12 +63,25 @@ def requires_closure(optimizer):
 
 
 def _pop_marks(obj):
-    """Remove accelerate's marks from a raw module and return them."""
-    attrs = getattr(obj, '__dict__', {})
-    if '_original_forward' not in attrs:
-        # only the patch that accelerate made is ours to remove
-        return {k: attrs.pop(k) for k in ('_is_accelerate_prepared',) if k in attrs}
-    return {k: attrs.pop(k) for k in _ACCELERATE_MARKS if k in attrs}
+    """Remove accelerate's marks from a raw module; return them for restoring.
+
+    A compiled module keeps part of them on its ``_orig_mod``.
+    """
+    targets = [obj] + [t for t in (vars(obj).get('_modules', {}).get('_orig_mod'),) if t]
+    patched = any('_original_forward' in vars(t) for t in targets)
+    # only the forward that accelerate patched is ours to remove
+    keys = _ACCELERATE_MARKS if patched else ('_is_accelerate_prepared',)
+    marks = [(t, {k: vars(t).pop(k) for k in keys if k in vars(t)}) for t in targets]
+    original = next((m['_original_forward'] for _, m in marks if '_original_forward' in m), None)
+    if original is not None and getattr(original, '__func__', None) is not type(obj).forward:
+        # the forward accelerate replaced was the instance's own (torch.compile's)
+        vars(obj)['forward'] = original
+    return marks
+
+
+def _put_marks(marks):
+    for target, attrs in marks:
+        vars(target).update(attrs)
 
 
 def _release(held):
@@ -87,7 +101,7 @@ class _Entry:
         # what accelerate put in its list: the raw module for DDP, the
         # wrapper for optimizers and schedulers
         self.registered = registered
-        self.marks = {}
+        self.marks = []
 
     def holds(self, owner, obj):
         return (
@@ -152,9 +166,18 @@ class PreparedObjects:
         self.wrapped = True
 
     def wrap(self, accelerator):
-        """Put back what was prepared before; never prepares."""
-        for entry in self._entries.values():
-            self._wrap_entry(accelerator, entry)
+        """Put back what was prepared before; never prepares.
+
+        A slot that was emptied or refilled meanwhile (``trim_for_prediction``,
+        a re-initialized module) keeps its new value and loses its entry.
+
+        """
+        for key, entry in list(self._entries.items()):
+            slot = entry.slot
+            if entry.holds(slot.owner, getattr(slot.owner, slot.attr, None)):
+                self._wrap_entry(accelerator, entry)
+            else:
+                self._forget(key)
         self.wrapped = True
 
     def unwrap(self):
@@ -163,16 +186,15 @@ class PreparedObjects:
             slot = entry.slot
             if getattr(slot.owner, slot.attr, None) is entry.prepared:
                 setattr(slot.owner, slot.attr, entry.raw)
-            if slot.kind in ('module', 'criterion'):
-                entry.marks.update(_pop_marks(entry.raw))
+            if slot.kind in ('module', 'criterion') and not entry.marks:
+                entry.marks = _pop_marks(entry.raw)
         _release(self._held)
         self.wrapped = False
 
     def _wrap_entry(self, accelerator, entry):
         slot = entry.slot
-        if entry.marks:
-            vars(entry.raw).update(entry.marks)
-            entry.marks = {}
+        _put_marks(entry.marks)
+        entry.marks = []
         if getattr(slot.owner, slot.attr, None) is not entry.prepared:
             setattr(slot.owner, slot.attr, entry.prepared)
         container = _container(accelerator, slot)
@@ -212,9 +234,22 @@ def _prepare_one(accelerator, obj, slot):
     if slot.kind == 'optimizer':
         return accelerator.prepare_optimizer(obj)
     prepared = accelerator.prepare_scheduler(obj)
+    if isinstance(obj, ReduceLROnPlateau):
+        prepared.__class__ = AcceleratedPlateauScheduler
     if slot.step_once or isinstance(obj, ReduceLROnPlateau):
         # accelerate steps a scheduler once per process per call, which
         # suits per-batch schedules; per-epoch schedules and plateau
         # detection count epochs, which every process shares.
         prepared.split_batches = True
     return prepared
+
+
+class AcceleratedPlateauScheduler(AcceleratedScheduler, ReduceLROnPlateau):
+    """accelerate's scheduler wrapper that still passes for ReduceLROnPlateau.
+
+    skorch's ``LRScheduler`` steps a ``ReduceLROnPlateau`` with the monitored
+    score and finds it with ``isinstance``; all behaviour is
+    ``AcceleratedScheduler``'s, which passes the score on.
+    """
+    __init__ = AcceleratedScheduler.__init__
+    step = AcceleratedScheduler.step

@@ -46,6 +46,7 @@ def _kill_tree(proc):
         except psutil.NoSuchProcess:
             pass
     proc.wait()
+    psutil.wait_procs(workers, timeout=10)
 
 
 @dataclass

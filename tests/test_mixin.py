@@ -143,6 +143,16 @@ def test_the_stepping_scheduler_is_the_prepared_one(Net, mlp, data):
     assert net.optimizer_.param_groups[0]['lr'] == pytest.approx(0.5 ** 4)
 
 
+def test_reduce_lr_on_plateau_gets_the_score(mlp, data):
+    net = make_net(
+        AcceleratedNet, mlp, max_epochs=4, lr=0.1,
+        callbacks=[LRScheduler(torch.optim.lr_scheduler.ReduceLROnPlateau,
+                               monitor=lambda net: 1.0, patience=0, factor=0.5)])
+    net.fit(*data)
+    # the constant score stops improving after the first epoch
+    assert net.optimizer_.param_groups[0]['lr'] == pytest.approx(0.1 * 0.5 ** 3)
+
+
 @pytest.mark.parametrize('Net', [ours(), incumbent('prints with accelerator.print whatever verbose says')])
 def test_verbose_0_prints_nothing(Net, mlp, data, capsys):
     make_net(Net, mlp, verbose=0).fit(*data)
@@ -217,6 +227,23 @@ def test_bf16_survives_save_load_unwrap_and_rewrap(Net, mlp, data, tmp_path):
     assert inner_dtypes(net, X) == {torch.bfloat16}
 
 
+def test_training_runs_under_autocast(mlp, data):
+    seen = set()
+
+    class Hook(Callback):
+        def on_train_begin(self, net, **kwargs):
+            layer = net.accelerator.unwrap_model(net.module_).hidden
+            self.handle_ = layer.register_forward_hook(
+                lambda m, i, o: seen.add((m.training, o.dtype)))
+
+        def on_train_end(self, net, **kwargs):
+            self.handle_.remove()
+
+    accelerator = Accelerator(cpu=True, mixed_precision='bf16')
+    make_net(AcceleratedNet, mlp, accelerator, callbacks=[Hook()]).fit(*data)
+    assert seen == {(True, torch.bfloat16), (False, torch.bfloat16)}
+
+
 def test_unwrapped_net_still_predicts_in_bf16(mlp, data):
     accelerator = Accelerator(cpu=True, mixed_precision='bf16')
     net = make_net(AcceleratedNet, mlp, accelerator)
@@ -273,12 +300,6 @@ def test_load_params_with_checkpoint_initializes_first(mlp, data, tmp_path):
     assert fresh._prepared.wrapped
 
 
-def test_learnable_params_keep_plain_names(mlp):
-    net = make_net(AcceleratedNet, mlp).initialize()
-    names = [name for name, _ in net.get_all_learnable_params()]
-    assert names == ['hidden.weight', 'hidden.bias', 'out.weight', 'out.bias']
-
-
 # --- copies ----------------------------------------------------------------
 
 @pytest.mark.parametrize('Net', [ours(), incumbent('the pickled accelerator carries every dataloader')])
@@ -310,10 +331,11 @@ def test_pickle_of_a_wrapped_net(mlp, data):
     np.testing.assert_array_equal(restored.predict_proba(data[0]), net.predict_proba(data[0]))
 
 
-def test_deepcopy_and_clone_share_the_accelerator(mlp, data):
+@pytest.mark.parametrize('Net', [ours(), incumbent('its flag _wrapped_with_accelerator breaks clone')])
+def test_deepcopy_and_clone_share_the_accelerator(Net, mlp, data):
     from sklearn.base import clone
 
-    net = make_net(AcceleratedNet, mlp, unwrap_after_train=False)
+    net = make_net(Net, mlp, unwrap_after_train=False)
     net.fit(*data)
     copied = copy.deepcopy(net)
     assert copied.accelerator is net.accelerator
@@ -325,6 +347,27 @@ def test_deepcopy_and_clone_share_the_accelerator(mlp, data):
     assert not hasattr(cloned, 'module_')
     cloned.fit(*data)
     assert cloned.predict(data[0]).shape == (len(data[0]),)
+
+
+def test_trimmed_net_stays_trimmed(mlp, data, tmp_path):
+    net = make_net(AcceleratedNet, mlp, unwrap_after_train=False)
+    net.fit(*data)
+    expected = net.predict_proba(data[0])
+    net.trim_for_prediction()
+    net.save_params(f_params=tmp_path / 'p.pt')
+    restored = pickle.loads(pickle.dumps(net))
+    assert net.optimizer_ is None and net.criterion_ is None
+    assert net.accelerator._optimizers == []
+    np.testing.assert_array_equal(restored.predict_proba(data[0]), expected)
+
+
+def test_compiled_bf16_net_pickles_and_copies(mlp, data):
+    net = make_net(AcceleratedNet, mlp, compile=True, compile__backend='eager',
+                   accelerator=Accelerator(cpu=True, mixed_precision='bf16'))
+    net.fit(*data)
+    expected = net.predict_proba(data[0])
+    for copied in (pickle.loads(pickle.dumps(net)), copy.deepcopy(net)):
+        np.testing.assert_array_equal(copied.predict_proba(data[0]), expected)
 
 
 def test_grid_search(mlp, data):

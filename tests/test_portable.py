@@ -30,9 +30,10 @@ def test_pickle_gives_a_fresh_accelerator_on_the_live_state():
     accelerator = Accelerator(cpu=True)
     accelerator._dataloaders.extend(range(100))  # stale state must not travel
     restored = pickle.loads(pickle.dumps(PortableAccelerator(accelerator)))
-    assert isinstance(restored, Accelerator)
-    assert restored._dataloaders == []
+    assert isinstance(restored, Accelerator) and restored is not accelerator
+    # a plainly pickled accelerator would bring private copies of both
     assert restored.gradient_state.__dict__ is accelerator.gradient_state.__dict__
+    assert restored.state.__dict__ is accelerator.state.__dict__
 
 
 def test_settings_the_live_state_cannot_take_fall_back_with_a_warning():

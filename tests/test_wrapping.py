@@ -173,6 +173,7 @@ def test_stale_marks_do_not_skip_preparation():
 
 @pytest.mark.parametrize('step_once', [True, False])
 def test_schedulers_step_once_per_call_when_asked(step_once):
+    # what this does in several processes: test_multiprocess.py
     accelerator = Accelerator(cpu=True)
     owner, callback, slots = make_owner()
     slots[3] = slots[3]._replace(step_once=step_once)
@@ -180,13 +181,49 @@ def test_schedulers_step_once_per_call_when_asked(step_once):
     assert callback.lr_scheduler_.split_batches is step_once
 
 
-def test_plateau_scheduler_always_steps_once():
+def test_plateau_scheduler_still_passes_for_one():
     accelerator = Accelerator(cpu=True)
     owner, callback, slots = make_owner()
-    callback.lr_scheduler_ = torch.optim.lr_scheduler.ReduceLROnPlateau(owner.optimizer_)
+    callback.lr_scheduler_ = torch.optim.lr_scheduler.ReduceLROnPlateau(
+        owner.optimizer_, patience=0, factor=0.5)
     slots[3] = slots[3]._replace(step_once=False)
     PreparedObjects().prepare(accelerator, slots)
-    assert callback.lr_scheduler_.split_batches
+    scheduler = callback.lr_scheduler_
+    assert isinstance(scheduler, AcceleratedScheduler)
+    assert isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    for _ in range(3):
+        scheduler.step(1.0)  # no improvement after the first
+    assert owner.optimizer_.param_groups[0]['lr'] == pytest.approx(0.1 * 0.5 ** 2)
+
+
+def test_wrap_leaves_emptied_slots_alone():
+    accelerator = Accelerator(cpu=True)
+    owner, _, slots = make_owner()
+    prepared = PreparedObjects()
+    prepared.prepare(accelerator, slots)
+    prepared.unwrap()
+    owner.optimizer_ = None  # as trim_for_prediction does
+    prepared.wrap(accelerator)
+    assert owner.optimizer_ is None
+    assert lengths(accelerator) == (2, 0, 1)
+
+
+def test_compiled_module_is_stripped_of_every_mark():
+    accelerator = Accelerator(cpu=True, mixed_precision='bf16')
+    owner, _, slots = make_owner()
+    owner.module_ = torch.compile(owner.module_, backend='eager')
+    compiled_forward = vars(owner.module_)['forward']  # torch.compile's own
+    prepared = PreparedObjects()
+    prepared.prepare(accelerator, slots[:1])
+    assert vars(owner.module_)['forward'] is not compiled_forward
+    prepared.unwrap()
+    assert vars(owner.module_)['forward'] is compiled_forward
+    for target in (owner.module_, owner.module_._orig_mod):
+        assert not set(vars(target)) & {'_original_forward', '_is_accelerate_prepared'}
+    assert 'forward' not in vars(owner.module_._orig_mod)
+    pickle.dumps(owner.module_)
+    prepared.wrap(accelerator)
+    assert vars(owner.module_)['forward'] is not compiled_forward
 
 
 def test_requires_closure():

@@ -22,6 +22,7 @@ __all__ = [
     'LogitMLP',
     'MLP',
     'ParamNLLLoss',
+    'TwoStageNet',
     'make_accelerator',
     'make_data',
     'report',
@@ -34,6 +35,18 @@ class AcceleratedNet(AccelerateMixin, NeuralNetClassifier):
 
 class IncumbentNet(IncumbentMixin, NeuralNetClassifier):
     """skorch.hf.AccelerateMixin, to show the defects we fix."""
+
+
+class TwoStageNet(AcceleratedNet):
+    """Two modules in the forward pass: ``module_`` then ``module2_``."""
+
+    def initialize_module(self):
+        super().initialize_module()
+        self.module2_ = torch.nn.Linear(2, 2)
+        return self
+
+    def infer(self, x, **fit_params):
+        return torch.softmax(self.module2_(super().infer(x, **fit_params)), dim=-1)
 
 
 def make_accelerator(**kwargs):

@@ -19,7 +19,8 @@ from accelerate.utils import gather_object
 from skorch import NeuralNetClassifier
 from skorch.history import History
 
-from common import Checks, LogitMLP, MLP, ParamNLLLoss, make_accelerator, make_data, report
+from common import (
+    Checks, LogitMLP, MLP, ParamNLLLoss, TwoStageNet, make_accelerator, make_data, report)
 
 IMPL = sys.argv[1]
 if IMPL == 'ours':
@@ -286,6 +287,73 @@ def learnable_param_names():
     return {
         'module_type': type(wrapped.module_).__name__,
         'names': [name for name, _ in wrapped.get_all_learnable_params()],
+    }
+
+
+@checks
+def schedulers():
+    from skorch.callbacks import LRScheduler
+
+    StepLR = torch.optim.lr_scheduler.StepLR
+    out = {}
+    for name, callback in (
+            ('epoch', LRScheduler(StepLR, step_size=1, gamma=0.5)),
+            ('batch', LRScheduler(StepLR, step_size=1, gamma=0.9, step_every='batch')),
+            ('plateau', LRScheduler(torch.optim.lr_scheduler.ReduceLROnPlateau,
+                                    monitor=lambda net: 1.0, patience=0, factor=0.5)),
+    ):
+        trained = make_net(max_epochs=3, lr=0.1, callbacks=[callback])
+        trained.fit(X, y)
+        out[name] = {
+            'lr': trained.optimizer_.param_groups[0]['lr'],
+            'train_batches': int(sum(trained.history[:, 'train_batch_count'])),
+        }
+    return out
+
+
+@checks
+def early_stopping_load_best():
+    from skorch.callbacks import EarlyStopping
+
+    trained = make_net(max_epochs=4, lr=1.0,
+                       callbacks=[EarlyStopping(patience=100, load_best=True)])
+    trained.fit(X, y)
+    return {'epochs': len(trained.history)}
+
+
+@checks
+def accumulation_over_two_modules():
+    """Batches of 8 accumulated twice equal batches of 16: both are a mean over
+    the same 32 samples per step across two ranks. DDP syncs each module once
+    per optimizer step, not per batch."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    def train(batch_size, steps):
+        torch.manual_seed(0)
+        accelerator.gradient_accumulation_steps = steps
+        two = TwoStageNet(LogitMLP, accelerator=accelerator, max_epochs=1, lr=0.5,
+                          batch_size=batch_size, train_split=None, verbose=0,
+                          unwrap_after_train=False).initialize()
+        syncs = {'module_': [], 'module2_': []}
+        for name, calls in syncs.items():
+            def hook(state, bucket, _calls=calls):
+                _calls.append(1)
+                return allreduce_hook(state, bucket)
+            getattr(two, name).register_comm_hook(None, hook)
+        two.partial_fit(X[:256], y[:256])
+        params = [p.detach().clone() for name in ('module_', 'module2_')
+                  for p in getattr(two, name).parameters()]
+        return params, {k: len(v) for k, v in syncs.items()}
+
+    try:
+        accumulated, syncs = train(8, 2)
+        single, syncs_single = train(16, 1)
+    finally:
+        accelerator.gradient_accumulation_steps = 1
+    return {
+        'max_diff': max(float((a - b).abs().max()) for a, b in zip(accumulated, single)),
+        'syncs_accumulated': syncs,
+        'syncs_single': syncs_single,
     }
 
 

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 dist.init_process_group('gloo')
 rank = dist.get_rank()
-print(f'rank {rank} started', flush=True)
+print(f'rank {rank} started as pid {os.getpid()}', flush=True)
 if rank == 1:
     time.sleep(3600)
 dist.barrier()

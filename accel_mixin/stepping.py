@@ -1,0 +1,81 @@
+"""accelerate's per-batch calls, without their per-call cost where it buys nothing.
+
+``accelerator.accumulate``, ``accelerator.backward``, ``accelerator.autocast``
+and ``AcceleratedOptimizer.step``/``zero_grad`` walk accelerate's state
+singletons, inspect signatures and look up optional packages on every call:
+about 0.4 ms per training step on this machine, 20% of a small model's step.
+In the plain case (no gradient scaler, no DeepSpeed, Megatron, TPU or LOMO)
+their effect is a few lines, which ``Stepper`` runs directly; everything else
+goes through accelerate.
+"""
+import contextlib
+
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import DistributedType
+
+__all__ = ['Stepper']
+
+_SPECIAL = (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA)
+
+
+class Stepper:
+    """Backward, step, zero_grad, accumulate and autocast for one fit.
+
+    Built when training starts: it reads the accelerator's configuration once.
+
+    Parameters
+    ----------
+    accelerator : accelerate.Accelerator
+      The prepared accelerator.
+
+    """
+    def __init__(self, accelerator):
+        self.accelerator = accelerator
+        self.steps = accelerator.gradient_accumulation_steps
+        self.plain = (
+            accelerator.scaler is None
+            and accelerator.distributed_type not in _SPECIAL
+            and not getattr(accelerator, 'has_lomo_optimizer', False)
+        )
+        self._autocast = accelerator.autocast if accelerator.native_amp else contextlib.nullcontext
+        if self.plain and self.steps == 1:
+            # without accumulation every step syncs; accumulate() would only
+            # set this again before every batch
+            accelerator.gradient_state._set_sync_gradients(True)  # pylint: disable=protected-access
+
+    @property
+    def sync_gradients(self):
+        return self.accelerator.gradient_state.sync_gradients
+
+    def autocast(self):
+        return self._autocast()
+
+    def accumulate(self, get_modules):
+        """``accelerator.accumulate(*get_modules())``, a no-op without accumulation."""
+        if self.plain and self.steps == 1:
+            return contextlib.nullcontext()
+        return self.accelerator.accumulate(*get_modules())
+
+    def backward(self, loss):
+        if not self.plain:
+            self.accelerator.backward(loss)
+            return
+        if self.steps > 1:
+            loss = loss / self.steps
+        loss.backward()
+
+    def step(self, optimizer):
+        if not (self.plain and isinstance(optimizer, AcceleratedOptimizer)):
+            optimizer.step()
+        elif self.sync_gradients:
+            optimizer.optimizer.step()
+
+    def zero_grad(self, optimizer, set_to_none=None):
+        kwargs = {} if set_to_none is None else {'set_to_none': set_to_none}
+        if isinstance(optimizer, AcceleratedOptimizer):
+            if not self.sync_gradients:
+                return
+            # what AcceleratedOptimizer.zero_grad does, without inspecting
+            # the signature on every call; torch defaults to set_to_none=True
+            optimizer = optimizer.optimizer
+        optimizer.zero_grad(**kwargs)

@@ -1,0 +1,81 @@
+"""Timing helpers shared by the benchmarks: alternation, medians, ranks."""
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+__all__ = ['Timer', 'alternate', 'barrier', 'is_main', 'summarize', 'write_result']
+
+
+def is_main():
+    return int(os.environ.get('RANK', '0')) == 0
+
+
+def barrier():
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+class Timer:
+    """Wall time of a block, started and stopped with every rank in step."""
+
+    def __enter__(self):
+        barrier()
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        barrier()
+        self.seconds = time.perf_counter() - self.start
+
+
+def alternate(variants, repeats, measure):
+    """Measure every variant ``repeats`` times, rotating the order each round.
+
+    This machine drifts by tens of percent between neighbouring runs; a
+    rotating order spreads the drift evenly over the variants.
+
+    Returns
+    -------
+    times : dict
+      Variant name to the list of its measurements.
+
+    """
+    names = list(variants)
+    times = {name: [] for name in names}
+    for round_ in range(repeats):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            times[name].append(measure(name))
+    return times
+
+
+def summarize(times, baseline):
+    """Median seconds per variant, and each median over the baseline's."""
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    return {
+        name: {
+            'median_s': medians[name],
+            'ratio': medians[name] / medians[baseline],
+            'runs_s': values,
+        }
+        for name, values in times.items()
+    }
+
+
+def write_result(path, payload):
+    """Write the benchmark's JSON, from the main process only."""
+    if not is_main():
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1, default=float))
+
+
+def seed_everything(seed=0):
+    torch.manual_seed(seed)
+    np.random.seed(seed)

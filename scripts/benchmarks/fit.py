@@ -1,0 +1,168 @@
+"""Fit time: plain skorch, the incumbent, accel_mixin and a hand-written
+accelerate loop doing the same work (training, then per-epoch validation loss
+and accuracy on a 20% stratified split).
+
+    python scripts/benchmarks/fit.py --out results/raw/fit_1.json
+    ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2 scripts/benchmarks/fit.py --out ...
+
+With several processes, plain skorch is left out (it would train one model
+per process), and the incumbent uses the criterion workaround it needs to fit
+at all (a criterion with a dummy trainable parameter; see FIELD_NOTES).
+"""
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from sklearn.datasets import make_classification
+from sklearn.model_selection import train_test_split
+from skorch import NeuralNetClassifier
+from skorch.hf import AccelerateMixin as IncumbentMixin
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# pylint: disable=wrong-import-position
+from common import Timer, alternate, seed_everything, summarize, write_result  # noqa: E402
+
+from accel_mixin import AccelerateMixin  # noqa: E402
+
+
+class OursNet(AccelerateMixin, NeuralNetClassifier):
+    pass
+
+
+class IncumbentNet(IncumbentMixin, NeuralNetClassifier):
+    pass
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, n_features=100, hidden=256, n_classes=2):
+        super().__init__()
+        self.layers = torch.nn.Sequential(
+            torch.nn.Linear(n_features, hidden), torch.nn.ReLU(),
+            torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
+            torch.nn.Linear(hidden, n_classes), torch.nn.Softmax(dim=-1),
+        )
+
+    def forward(self, X):
+        return self.layers(X)
+
+
+class ParamNLLLoss(torch.nn.NLLLoss):
+    """The incumbent's workaround: a trainable parameter makes DDP accept the
+    criterion. It takes log-probabilities itself because, wrapped in DDP, the
+    criterion no longer looks like NLLLoss to skorch."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.dummy = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, y_pred, y_true):
+        return super().forward(torch.log(y_pred + 1e-7), y_true) + 0.0 * self.dummy.sum()
+
+
+def skorch_fit(net_cls, X, y, args, **kwargs):
+    net = net_cls(
+        MLP, max_epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+        verbose=0, **kwargs)
+    net.fit(X, y)
+    return net.history[-1, 'valid_acc']
+
+
+def loop_fit(accelerator, X, y, args):
+    """What a user writes by hand with accelerate for the same work."""
+    X_train, X_valid, y_train, y_valid = train_test_split(
+        X, y, test_size=0.2, stratify=y, random_state=0)
+    loaders = [
+        torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(torch.as_tensor(Xs), torch.as_tensor(ys)),
+            batch_size=args.batch_size)
+        for Xs, ys in ((X_train, y_train), (X_valid, y_valid))
+    ]
+    model = MLP()
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    model, optimizer, train_loader, valid_loader = accelerator.prepare(
+        model, optimizer, *loaders)
+    criterion = torch.nn.NLLLoss()
+    history = []
+    for _ in range(args.epochs):
+        model.train()
+        train_losses = []
+        for xb, yb in train_loader:
+            with accelerator.accumulate(model):
+                loss = criterion(torch.log(model(xb) + 1e-7), yb)
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            train_losses.append(loss.item())
+        model.eval()
+        valid_losses, correct, seen = [], 0, 0
+        with torch.no_grad():
+            for xb, yb in valid_loader:
+                proba = model(xb)
+                valid_losses.append(criterion(torch.log(proba + 1e-7), yb).item())
+                preds, targets = accelerator.gather_for_metrics((proba.argmax(-1), yb))
+                correct += (preds == targets).sum().item()
+                seen += len(targets)
+        history.append((np.mean(train_losses), np.mean(valid_losses), correct / seen))
+    # without this the loop's objects would pile up over the repeats
+    for name in ('_models', '_optimizers', '_schedulers', '_dataloaders'):
+        getattr(accelerator, name).clear()
+    return history[-1][2]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--out', required=True)
+    parser.add_argument('--samples', type=int, default=20000)
+    parser.add_argument('--epochs', type=int, default=5)
+    parser.add_argument('--batch-size', type=int, default=128)
+    parser.add_argument('--lr', type=float, default=0.05)
+    parser.add_argument('--repeats', type=int, default=7)
+    args = parser.parse_args()
+
+    accelerator = Accelerator()
+    processes = accelerator.num_processes
+    X, y = make_classification(args.samples, 100, n_informative=20, random_state=0)
+    X = X.astype(np.float32)
+
+    variants = {
+        'accel_mixin': lambda: skorch_fit(OursNet, X, y, args, accelerator=accelerator),
+        'incumbent': lambda: skorch_fit(
+            IncumbentNet, X, y, args, accelerator=accelerator,
+            **({'criterion': ParamNLLLoss} if processes > 1 else {})),
+        'accelerate loop': lambda: loop_fit(accelerator, X, y, args),
+    }
+    if processes == 1:
+        variants = {'skorch': lambda: skorch_fit(NeuralNetClassifier, X, y, args), **variants}
+    baseline = next(iter(variants))
+
+    # The first optimizer a process builds imports torch._dynamo (about
+    # 1.5 s): warm every variant up before timing.
+    for fit in variants.values():
+        fit()
+
+    accuracy = {}
+
+    def measure(name):
+        seed_everything(0)
+        with Timer() as timer:
+            accuracy[name] = variants[name]()
+        return timer.seconds
+
+    times = alternate(variants, args.repeats, measure)
+    write_result(args.out, {
+        'benchmark': 'fit',
+        'processes': processes,
+        'setup': (f'{args.samples} x 100 MLP (2 hidden layers of 256), {args.epochs} epochs, '
+                  f'batch {args.batch_size} per process, 20% validation'),
+        'baseline': baseline,
+        'incumbent_workaround': processes > 1,
+        'valid_acc': accuracy,
+        'results': summarize(times, baseline),
+    })
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,151 @@
+"""Turn the benchmarks' JSON into a markdown table, a PNG chart, and the
+README's benchmark section."""
+import argparse
+import json
+import re
+from pathlib import Path
+
+README_START = '<!-- bench:start -->'
+README_END = '<!-- bench:end -->'
+
+
+def load(raw, name):
+    path = Path(raw) / f'{name}.json'
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def verdict(ok):
+    return 'met' if ok else '**missed**'
+
+
+def fit_table(result, title):
+    res = result['results']
+    lines = [
+        f"**{title}** ({result['setup']}; median of {len(next(iter(res.values()))['runs_s'])} "
+        "runs in rotating order, after a warm-up)",
+        '',
+        '| variant | median fit (s) | vs ' + result['baseline'] + ' | vs incumbent | valid_acc |',
+        '|---|---:|---:|---:|---:|',
+    ]
+    incumbent = res['incumbent']['median_s']
+    for name, row in res.items():
+        shown = name + (' (criterion workaround)' if name == 'incumbent'
+                        and result['incumbent_workaround'] else '')
+        lines.append(
+            f"| {shown} | {row['median_s']:.3f} | {row['ratio']:.3f} | "
+            f"{row['median_s'] / incumbent:.3f} | {result['valid_acc'][name]:.4f} |")
+    return lines
+
+
+def checkpoint_tables(result):
+    lines = [
+        f"**save_params / load_params** ({result['processes']} processes, "
+        f"{result['params'] / 1e6:.1f}M parameters, {result['file_mb']:.0f} MB file; the "
+        "baseline is a raw torch.save of the same state dict on rank 0, or torch.load "
+        "plus load_state_dict on every rank)",
+        '',
+        '| operation | variant | median (s) | vs raw torch |',
+        '|---|---|---:|---:|',
+    ]
+    for operation in ('save', 'load'):
+        for name, row in result[operation].items():
+            lines.append(f"| {operation} | {name} | {row['median_s']:.3f} | {row['ratio']:.2f} |")
+    lines += [
+        '',
+        '**unwrap + rewrap** (median of one call, rank 0)',
+        '',
+        '| model | parameters | accel_mixin (ms) | incumbent (ms) |',
+        '|---|---:|---:|---:|',
+    ]
+    for size, row in result['rewrap'].items():
+        lines.append(f"| {size} | {row['params']:,} | {row['accel_mixin_ms']:.3f} | "
+                     f"{row['incumbent_ms']:.1f} |")
+    return lines
+
+
+def targets(fit1, fit2, checkpoint):
+    rows = []
+    if fit1:
+        res = fit1['results']
+        ours = res['accel_mixin']['median_s']
+        ratio = ours / res['skorch']['median_s']
+        rows.append(('fit, 1 process: at most 1.05 x plain skorch', f'{ratio:.3f}', ratio <= 1.05))
+        ratio = ours / res['incumbent']['median_s']
+        rows.append(('fit, 1 process: no slower than the incumbent', f'{ratio:.3f}', ratio <= 1.0))
+    if fit2:
+        res = fit2['results']
+        ratio = res['accel_mixin']['median_s'] / res['incumbent']['median_s']
+        rows.append(('fit, 2 processes: no slower than the incumbent', f'{ratio:.3f}', ratio <= 1.0))
+    if checkpoint:
+        ratio = checkpoint['save']['accel_mixin']['ratio']
+        rows.append(('save_params: at most 1.15 x raw torch.save', f'{ratio:.2f}', ratio <= 1.15))
+        worst = max(row['accel_mixin_ms'] for row in checkpoint['rewrap'].values())
+        rows.append(('unwrap + rewrap: under 1 ms at every size', f'{worst:.3f} ms', worst < 1.0))
+    lines = ['| target | measured | |', '|---|---:|---|']
+    lines += [f'| {name} | {value} | {verdict(ok)} |' for name, value, ok in rows]
+    return lines
+
+
+def chart(fit1, fit2, checkpoint, path):
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+
+    panels = [p for p in (
+        ('fit, 1 process (s)', fit1 and fit1['results']),
+        ('fit, 2 processes (s)', fit2 and fit2['results']),
+        ('save_params, 2 processes (s)', checkpoint and checkpoint['save']),
+        ('load_params, 2 processes (s)', checkpoint and checkpoint['load']),
+    ) if p[1]]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.5), squeeze=False)
+    for ax, (title, res) in zip(axes[0], panels):
+        names = list(res)
+        ax.bar(range(len(names)), [res[n]['median_s'] for n in names],
+               color=['#d62728' if n == 'accel_mixin' else '#7f7f7f' for n in names])
+        for i, name in enumerate(names):
+            ax.plot([i] * len(res[name]['runs_s']), res[name]['runs_s'], 'k.', ms=3)
+        ax.set_xticks(range(len(names)), names, rotation=30, ha='right')
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--raw', required=True)
+    parser.add_argument('--out', required=True)
+    parser.add_argument('--readme', default=None)
+    parser.add_argument('--command', default='scripts/bench')
+    args = parser.parse_args()
+
+    fit1, fit2, checkpoint = (load(args.raw, n) for n in ('fit_1', 'fit_2', 'checkpoint_2'))
+    lines = [f'Reproduce with `{args.command}`. Bars are medians, dots single runs.', '']
+    for result, title in ((fit1, 'fit, 1 process'), (fit2, 'fit, 2 processes')):
+        if result:
+            lines += fit_table(result, title) + ['']
+    if checkpoint:
+        lines += checkpoint_tables(checkpoint) + ['']
+    lines += targets(fit1, fit2, checkpoint)
+    text = '\n'.join(lines) + '\n'
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / 'bench.md').write_text(text)
+    has_chart = chart(fit1, fit2, checkpoint, out / 'bench.png')
+    print(text)
+
+    if args.readme:
+        readme = Path(args.readme)
+        block = text + ('\n![benchmarks](results/bench.png)\n' if has_chart else '')
+        pattern = re.compile(re.escape(README_START) + '.*?' + re.escape(README_END), re.S)
+        new = pattern.sub(lambda _: f'{README_START}\n{block}{README_END}', readme.read_text())
+        readme.write_text(new)
+
+
+if __name__ == '__main__':
+    main()

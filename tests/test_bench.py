@@ -1,0 +1,38 @@
+"""The benchmarks run, at tiny sizes; they measure, they do not assert times."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from harness import ROOT
+
+pytestmark = pytest.mark.multiprocess
+
+
+def test_benchmarks_run_and_report(tmp_path):
+    readme = tmp_path / 'README.md'
+    readme.write_text('before\n<!-- bench:start -->\nold\n<!-- bench:end -->\nafter\n')
+    out = subprocess.run(
+        [sys.executable, str(ROOT / 'scripts' / 'benchmarks' / 'run.py'), '--quick',
+         '--out', str(tmp_path / 'results'), '--readme', str(readme)],
+        capture_output=True, text=True, timeout=600, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+    results = tmp_path / 'results'
+    fit_1 = json.loads((results / 'raw' / 'fit_1.json').read_text())
+    assert set(fit_1['results']) == {'skorch', 'accel_mixin', 'incumbent', 'accelerate loop'}
+    assert fit_1['results']['skorch']['ratio'] == 1.0
+    assert all(len(row['runs_s']) == 2 for row in fit_1['results'].values())
+    fit_2 = json.loads((results / 'raw' / 'fit_2.json').read_text())
+    assert fit_2['processes'] == 2 and 'skorch' not in fit_2['results']
+    checkpoint = json.loads((results / 'raw' / 'checkpoint_2.json').read_text())
+    assert set(checkpoint['save']) == {'torch.save', 'accel_mixin', 'incumbent'}
+    assert set(checkpoint['rewrap']) == {'small', 'large'}
+
+    table = (results / 'bench.md').read_text()
+    assert 'unwrap + rewrap' in table and '| target |' in table
+    assert (results / 'bench.png').read_bytes()[:4] == b'\x89PNG'
+    text = readme.read_text()
+    assert 'old' not in text and table in text
+    assert text.startswith('before\n') and text.endswith('after\n')
