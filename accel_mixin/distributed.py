@@ -1,19 +1,14 @@
-"""Rank helpers: the process layout, collective sections, one voice."""
+"""Rank helpers: the process layout, and one voice."""
+import contextlib
 import os
-
-from accelerate.utils import gather_object
+import warnings
 
 __all__ = [
-    'DistributedError',
     'check_process_layout',
-    'run_collectively',
+    'quiet_unless_main',
     'silent',
     'sink_for',
 ]
-
-
-class DistributedError(RuntimeError):
-    """Raised on every rank when a collective section failed on another rank."""
 
 
 def _env_int(name, default=1):
@@ -51,57 +46,6 @@ def check_process_layout(accelerator):
     )
 
 
-def run_collectively(accelerator, fn, *, what, main_only=False):
-    """Run ``fn`` on the main process or on all, then agree on the outcome.
-
-    Every process returns only once ``fn`` finished wherever it ran, so a
-    file written on the main process is complete when any process returns.
-    If ``fn`` failed anywhere, every process raises: the failing process its
-    own exception, the others a :class:`DistributedError` that names the
-    rank and its error. This costs one collective and no rank is left
-    waiting for a rank that already failed.
-
-    Parameters
-    ----------
-    accelerator : accelerate.Accelerator
-      Gives the process layout.
-
-    fn : callable
-      Called without arguments.
-
-    what : str
-      Name of the operation, used in error messages.
-
-    main_only : bool (default=False)
-      Whether to call ``fn`` on the main process only.
-
-    Returns
-    -------
-    result
-      What ``fn`` returned on this process, or None where it did not run.
-
-    """
-    result, error = None, None
-    if not main_only or accelerator.is_main_process:
-        try:
-            result = fn()
-        except Exception as exc:  # pylint: disable=broad-except
-            error = exc
-
-    if accelerator.num_processes > 1:
-        message = None if error is None else f"{type(error).__name__}: {error}"
-        outcomes = gather_object([message])
-        failures = [
-            f"rank {rank}: {msg}" for rank, msg in enumerate(outcomes) if msg
-        ]
-        if failures and error is None:
-            raise DistributedError(
-                f"{what} failed on another process; " + "; ".join(failures))
-    if error is not None:
-        raise error
-    return result
-
-
 def silent(*args, **kwargs):  # pylint: disable=unused-argument
     """A sink that prints nothing: the sink of processes other than the main."""
 
@@ -114,3 +58,30 @@ def sink_for(accelerator):
 
     """
     return print if accelerator.is_main_process else silent
+
+
+@contextlib.contextmanager
+def quiet_unless_main(accelerator):
+    """On processes other than the main one, silence stdout, stderr and warnings.
+
+    Callbacks print epoch tables, progress bars and warnings on every
+    process; the main process speaks for all.
+
+    """
+    if accelerator.is_main_process:
+        yield
+        return
+    with contextlib.redirect_stdout(_devnull()), contextlib.redirect_stderr(_devnull()), \
+            warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        yield
+
+
+_DEVNULL = []
+
+
+def _devnull():
+    # One file, never closed: a progress bar made while quiet keeps it.
+    if not _DEVNULL:
+        _DEVNULL.append(open(os.devnull, 'w', encoding='utf-8'))  # noqa: SIM115
+    return _DEVNULL[0]

@@ -4,10 +4,13 @@ from contextlib import contextmanager
 import torch
 from accelerate.utils import convert_to_fp32
 from skorch.callbacks import LRScheduler
-from skorch.dataset import unpack_data
+from skorch.dataset import get_len, unpack_data
 from skorch.utils import TeeGenerator
 
-from accel_mixin.distributed import check_process_layout, run_collectively, sink_for
+from accel_mixin.adapters import main_process_pickles
+from accel_mixin.coordination import coordinator_for
+from accel_mixin.distributed import check_process_layout, quiet_unless_main, sink_for
+from accel_mixin.history_sync import agree_on_row, first, merge_epoch, real_samples
 from accel_mixin.portable import PortableAccelerator
 from accel_mixin.stepping import Stepper
 from accel_mixin.wrapping import PreparedObjects, Slot, requires_closure
@@ -106,6 +109,10 @@ class AccelerateMixin:
         return prepared
 
     @property
+    def _coordinator(self):
+        return coordinator_for(self.accelerator)
+
+    @property
     def _stepper(self):
         stepper = self.__dict__.get(_STEPPER)
         if stepper is None or stepper.accelerator is not self.accelerator:
@@ -180,20 +187,29 @@ class AccelerateMixin:
 
     def initialize(self):
         """Initializes all of its components and returns self."""
-        self.check_training_readiness()
+        with quiet_unless_main(self.accelerator):
+            self.check_training_readiness()
 
-        self._initialize_virtual_params()
-        self._initialize_callbacks()
-        self._initialize_module()
-        self._initialize_criterion()
-        self._initialize_optimizer()
-        self._initialize_history()
+            self._initialize_virtual_params()
+            self._initialize_callbacks()
+            self._initialize_module()
+            self._initialize_criterion()
+            self._initialize_optimizer()
+            self._initialize_history()
 
-        self._validate_params()
-        self._initialize_accelerator()
+            self._validate_params()
+            self._initialize_accelerator()
 
         self.initialized_ = True
         return self
+
+    def fit(self, X, y=None, **fit_params):
+        with self._coordinator.session('fit'), quiet_unless_main(self.accelerator):
+            return super().fit(X, y, **fit_params)
+
+    def partial_fit(self, X, y=None, classes=None, **fit_params):
+        with self._coordinator.session('partial_fit'), quiet_unless_main(self.accelerator):
+            return super().partial_fit(X, y, classes=classes, **fit_params)
 
     def _initialize_callbacks(self):
         if self.callbacks__print_log__sink != 'auto':
@@ -223,21 +239,90 @@ class AccelerateMixin:
     # --- training -----------------------------------------------------------
 
     def notify(self, method_name, **cb_kwargs):
-        if method_name == 'on_train_begin':
-            # Callbacks set up on the net's own objects (an LR scheduler is
-            # built on the raw optimizer); what they build is prepared next.
-            self._unwrap_accelerator()
-            super().notify(method_name, **cb_kwargs)
-            self._initialize_accelerator()
-            self.__dict__[_STEPPER] = Stepper(self.accelerator)
-        elif method_name == 'on_train_end':
-            # Unwrap only after the callbacks: EarlyStopping(load_best=True)
-            # restores weights it took from the wrapped module.
-            super().notify(method_name, **cb_kwargs)
-            if self.unwrap_after_train:
+        # Every notification is a section: an error on one rank reaches the
+        # others at their next barrier rather than leaving them waiting.
+        with self._coordinator.section(method_name):
+            if method_name == 'on_train_begin':
+                # Callbacks set up on the net's own objects (an LR scheduler
+                # is built on the raw optimizer); what they build is prepared
+                # next.
                 self._unwrap_accelerator()
-        else:
-            super().notify(method_name, **cb_kwargs)
+                super().notify(method_name, **cb_kwargs)
+                self._initialize_accelerator()
+                self.__dict__[_STEPPER] = Stepper(self.accelerator)
+            elif method_name == 'on_epoch_end':
+                self._end_epoch(**cb_kwargs)
+            elif method_name == 'on_train_end':
+                with main_process_pickles(self.callbacks_, self.accelerator.is_main_process):
+                    super().notify(method_name, **cb_kwargs)
+                self._coordinator.barrier('on_train_end')
+                # Unwrap only after the callbacks: EarlyStopping(load_best=True)
+                # restores weights it took from the wrapped module.
+                if self.unwrap_after_train:
+                    self._unwrap_accelerator()
+            else:
+                super().notify(method_name, **cb_kwargs)
+
+    def _end_epoch(self, **cb_kwargs):
+        """Sync the epoch, run the callbacks, and agree on the row and on stopping.
+
+        Callbacks decide on scores of the whole data, the same on every
+        rank. EarlyStopping stops training by raising KeyboardInterrupt; if
+        any rank stops, all do.
+
+        """
+        distributed = self.accelerator.num_processes > 1
+        if distributed:
+            self._coordinator.barrier('history sync')
+            merge_epoch(self)
+        stop = False
+        try:
+            with main_process_pickles(self.callbacks_, self.accelerator.is_main_process):
+                super().notify('on_epoch_end', **cb_kwargs)
+        except KeyboardInterrupt:
+            stop = True
+        if distributed:
+            self._coordinator.barrier('on_epoch_end')
+            stop = agree_on_row(self, stop)
+        if stop:
+            raise KeyboardInterrupt
+
+    def run_single_epoch(self, iterator, training, prefix, step_fn, **fit_params):
+        """Run one epoch of training or validation, as skorch does.
+
+        With several processes, the padding that even batches add trains (it
+        keeps the ranks in step) but is not counted: the history records the
+        loss and size of the real samples of each batch, and callbacks see
+        only those, or, for a batch with none, the whole batch recorded with
+        size 0.
+
+        """
+        if iterator is None:
+            return
+        gradient_state = self.accelerator.gradient_state
+        processes, rank = self.accelerator.num_processes, self.accelerator.process_index
+        batch_count = 0
+        for batch in iterator:
+            size = get_len(batch[0]) if isinstance(batch, (tuple, list)) else get_len(batch)
+            real = real_samples(gradient_state, processes, rank, size)
+            view = batch if real in (0, size) else first(batch, real)
+            self.notify('on_batch_begin', batch=view, training=training)
+            step = step_fn(batch, **fit_params)
+            if view is not batch:
+                step = self._real_step(step, view, real, training)
+            self.history.record_batch(prefix + '_loss', step['loss'].item() if real else 0.0)
+            self.history.record_batch(prefix + '_batch_size', real)
+            self.notify('on_batch_end', batch=view, training=training, **step)
+            batch_count += 1
+        self.history.record(prefix + '_batch_count', batch_count)
+
+    def _real_step(self, step, view, real, training):
+        """The step's loss and prediction for the real samples of its batch."""
+        y_pred = first(step['y_pred'], real)
+        Xi, yi = unpack_data(view)
+        with torch.no_grad(), self._stepper.autocast():
+            loss = self.get_loss(y_pred, yi, X=Xi, training=training)
+        return dict(step, loss=loss, y_pred=y_pred)
 
     def on_train_begin(self, net, X=None, y=None, **kwargs):
         super().on_train_begin(net, X=X, y=y, **kwargs)
@@ -324,11 +409,6 @@ class AccelerateMixin:
         dataloaders[:] = [dl for dl in dataloaders if dl is not iterator]
         return iterator
 
-    # pylint: disable=unused-argument
-    def on_train_end(self, net, X=None, y=None, **kwargs):
-        self.accelerator.wait_for_everyone()
-        super().on_train_end(net, X=X, y=y, **kwargs)
-
     # --- saving and loading -------------------------------------------------
 
     def save_params(self, *args, **kwargs):
@@ -342,11 +422,9 @@ class AccelerateMixin:
 
         """
         save = super().save_params
-        self.accelerator.wait_for_everyone()
-        with self._unwrapped():
-            run_collectively(
-                self.accelerator, lambda: save(*args, **kwargs),
-                what='save_params', main_only=True)
+        with self._unwrapped(), quiet_unless_main(self.accelerator):
+            self._coordinator.run(
+                lambda: save(*args, **kwargs), what='save_params', main_only=True)
 
     def load_params(self, *args, **kwargs):
         """Load the parameters of the net's modules, optimizers and history.
@@ -361,10 +439,8 @@ class AccelerateMixin:
         if kwargs.get('checkpoint') is not None and not self.initialized_:
             self.initialize()
         load = super().load_params
-        self.accelerator.wait_for_everyone()
-        with self._unwrapped():
-            run_collectively(
-                self.accelerator, lambda: load(*args, **kwargs), what='load_params')
+        with self._unwrapped(), quiet_unless_main(self.accelerator):
+            self._coordinator.run(lambda: load(*args, **kwargs), what='load_params')
 
     def _check_device(self, requested_device, map_device):
         if requested_device is None:

@@ -26,12 +26,14 @@ def test_benchmarks_run_and_report(tmp_path):
     assert all(len(row['runs_s']) == 2 for row in fit_1['results'].values())
     fit_2 = json.loads((results / 'raw' / 'fit_2.json').read_text())
     assert fit_2['processes'] == 2 and 'skorch' not in fit_2['results']
+    assert 'accel_mixin, no history sync' in fit_2['results']
     checkpoint = json.loads((results / 'raw' / 'checkpoint_2.json').read_text())
     assert set(checkpoint['save']) == {'torch.save', 'accel_mixin', 'incumbent'}
     assert set(checkpoint['rewrap']) == {'small', 'large'}
 
     table = (results / 'bench.md').read_text()
     assert 'unwrap + rewrap' in table and '| target |' in table
+    assert 'history sync: at most 1.05' in table
     assert (results / 'bench.png').read_bytes()[:4] == b'\x89PNG'
     text = readme.read_text()
     assert 'old' not in text and table in text

@@ -6,7 +6,7 @@ import pytest
 from accelerate import Accelerator
 
 from accel_mixin.distributed import (
-    check_process_layout, run_collectively, silent, sink_for)
+    check_process_layout, quiet_unless_main, silent, sink_for)
 
 
 def fake_accelerator(main=True, processes=1):
@@ -40,32 +40,19 @@ def test_layout_accepts_a_group_the_accelerator_sees(monkeypatch):
     check_process_layout(fake_accelerator(processes=2))
 
 
-def test_run_collectively_returns_the_result():
-    assert run_collectively(fake_accelerator(), lambda: 42, what='x') == 42
-
-
-def test_run_collectively_reraises_the_original_error():
-    def fail():
-        raise FileNotFoundError('missing.pt')
-
-    with pytest.raises(FileNotFoundError, match='missing.pt'):
-        run_collectively(fake_accelerator(), fail, what='load_params')
-
-
-def test_run_collectively_main_only_skips_other_processes():
-    calls = []
-    assert run_collectively(
-        fake_accelerator(main=False), lambda: calls.append(1),
-        what='save_params', main_only=True) is None
-    assert not calls
-    run_collectively(
-        fake_accelerator(main=True), lambda: calls.append(1),
-        what='save_params', main_only=True)
-    assert calls == [1]
-
-
 def test_sink_is_print_on_the_main_process_only(capsys):
     assert sink_for(fake_accelerator(main=True)) is print
     assert sink_for(fake_accelerator(main=False)) is silent
     silent('nothing')
     assert capsys.readouterr().out == ''
+
+
+def test_quiet_unless_main(capsys):
+    import warnings
+
+    with quiet_unless_main(fake_accelerator(main=False)):
+        print('rank 1 says')
+        warnings.warn('rank 1 warns')
+    with quiet_unless_main(fake_accelerator(main=True)):
+        print('rank 0 says')
+    assert capsys.readouterr().out == 'rank 0 says\n'

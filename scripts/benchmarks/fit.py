@@ -18,7 +18,7 @@ import torch
 from accelerate import Accelerator
 from sklearn.datasets import make_classification
 from sklearn.model_selection import train_test_split
-from skorch import NeuralNetClassifier
+from skorch import NeuralNet, NeuralNetClassifier
 from skorch.hf import AccelerateMixin as IncumbentMixin
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -34,6 +34,15 @@ class OursNet(AccelerateMixin, NeuralNetClassifier):
 
 class IncumbentNet(IncumbentMixin, NeuralNetClassifier):
     pass
+
+
+class NoSyncNet(OursNet):
+    """accel_mixin without history sync (no padding accounting, no merge at
+    the end of an epoch): what the sync costs."""
+    run_single_epoch = NeuralNet.run_single_epoch
+
+    def _end_epoch(self, **cb_kwargs):
+        NeuralNet.notify(self, 'on_epoch_end', **cb_kwargs)
 
 
 class MLP(torch.nn.Module):
@@ -60,6 +69,9 @@ class ParamNLLLoss(torch.nn.NLLLoss):
 
     def forward(self, y_pred, y_true):
         return super().forward(torch.log(y_pred + 1e-7), y_true) + 0.0 * self.dummy.sum()
+
+
+NO_SYNC = 'accel_mixin, no history sync'
 
 
 def skorch_fit(net_cls, X, y, args, **kwargs):
@@ -136,6 +148,8 @@ def main():
     }
     if processes == 1:
         variants = {'skorch': lambda: skorch_fit(NeuralNetClassifier, X, y, args), **variants}
+    else:
+        variants[NO_SYNC] = lambda: skorch_fit(NoSyncNet, X, y, args, accelerator=accelerator)
     baseline = next(iter(variants))
 
     # The first optimizer a process builds imports torch._dynamo (about

@@ -1,0 +1,120 @@
+"""One history on every rank.
+
+With even batches, accelerate pads the last batches of an epoch with samples
+from its start, so that every rank takes the same number of steps. The net
+records, for every batch, the loss and the number of real samples, and shows
+callbacks only the real ones. At the end of an epoch the ranks exchange their
+batch records and the predictions that scoring callbacks cached, once, and
+every rank then holds the records and caches of the whole epoch, in dataset
+order. Epoch scores computed from them are the scores of one process on the
+whole data; rank 0's row is then taken as the row of every rank.
+"""
+from accelerate.utils import gather_object, recursively_apply
+from skorch.callbacks import EpochScoring
+
+__all__ = [
+    'agree_on_row',
+    'first',
+    'interleave',
+    'merge_epoch',
+    'real_samples',
+]
+
+
+def real_samples(gradient_state, num_processes, process_index, batch_size):
+    """How many samples of the current batch are real rather than padding.
+
+    The padding that even batches add sits at the end of the last step: the
+    gathered last batches of all ranks hold ``remainder`` real samples first,
+    as ``gather_for_metrics`` assumes.
+
+    """
+    if num_processes == 1 or not gradient_state.end_of_dataloader:
+        return batch_size
+    remainder = gradient_state.remainder
+    if remainder is None or remainder <= 0:
+        return batch_size
+    return min(max(remainder - process_index * batch_size, 0), batch_size)
+
+
+def first(data, n):
+    """The first ``n`` samples of a batch or a model output (nested tensors)."""
+    return recursively_apply(lambda tensor: tensor[:n], data)
+
+
+def _to_cpu(data):
+    return recursively_apply(lambda tensor: tensor.detach().cpu(), data)
+
+
+def interleave(per_rank):
+    """Merge per-rank lists step by step: rank 0's first item, rank 1's, ...
+
+    Rank ``r`` takes batches ``r, r + N, ...`` of the dataset, so this
+    restores dataset order; lists may be one item short at the end.
+
+    """
+    longest = max((len(items) for items in per_rank), default=0)
+    return [items[i] for i in range(longest) for items in per_rank if i < len(items)]
+
+
+def _cached_scorers(net):
+    """EpochScoring callbacks whose on_epoch_end uses the cached predictions."""
+    for name, cb in net.callbacks_:
+        if not isinstance(cb, EpochScoring):
+            continue
+        use_caching = cb.use_caching if net.use_caching == 'auto' else net.use_caching
+        if use_caching and cb.use_caching:
+            yield name, cb
+
+
+def _local_caches(net, batches):
+    caches = {}
+    for name, cb in _cached_scorers(net):
+        key = ('train' if cb.on_train else 'valid') + '_batch_size'
+        sizes = [batch[key] for batch in batches if key in batch]
+        # batches with no real sample were cached whole; drop them
+        keep = [i for i, size in enumerate(sizes) if size > 0]
+        preds = [_to_cpu(cb.y_preds_[i]) for i in keep if i < len(cb.y_preds_)]
+        trues = [_to_cpu(cb.y_trues_[i]) for i in keep if i < len(cb.y_trues_)]
+        caches[name] = (preds, trues)
+    return caches
+
+
+def merge_epoch(net):
+    """Give every rank the batch records and scoring caches of all ranks.
+
+    One collective. Afterwards the epoch's ``batches`` hold every rank's
+    records in dataset order, ``*_batch_count`` count them all, and each
+    caching ``EpochScoring`` holds the predictions of the whole data.
+
+    """
+    row = net.history[-1]
+    batches = row.get('batches', [])
+    payload = {
+        'batches': batches,
+        'counts': {k: v for k, v in row.items() if k.endswith('_batch_count')},
+        'caches': _local_caches(net, batches),
+    }
+    payloads = gather_object([payload])
+
+    row['batches'] = interleave([p['batches'] for p in payloads])
+    for key in payload['counts']:
+        row[key] = sum(p['counts'][key] for p in payloads)
+    callbacks = dict(net.callbacks_)
+    for name in payload['caches']:
+        callbacks[name].y_preds_ = interleave([p['caches'][name][0] for p in payloads])
+        callbacks[name].y_trues_ = interleave([p['caches'][name][1] for p in payloads])
+
+
+def agree_on_row(net, stop):
+    """Take rank 0's epoch row everywhere; stop if any rank asked to.
+
+    One collective. Rows already agree on everything computed from synced
+    data; this settles what each rank measured itself (``dur``).
+
+    """
+    row = net.history[-1]
+    mine = {k: v for k, v in row.items() if k != 'batches'} if net.accelerator.is_main_process else None
+    answers = gather_object([(mine, bool(stop))])
+    row.update(answers[0][0])
+    return any(stop for _, stop in answers)

@@ -1,0 +1,194 @@
+"""One truth on every rank: synced history, scores over the whole data,
+skorch's callbacks, one voice, failures that reach every rank.
+
+Usage: torchrun --nproc_per_node 2 sync_checks.py
+"""
+import pickle
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from accelerate.utils import gather_object
+from sklearn.metrics import accuracy_score
+from skorch.callbacks import (
+    BatchScoring, Callback, Checkpoint, EarlyStopping, EpochScoring, LoadInitState,
+    LRScheduler, ProgressBar, TrainEndCheckpoint)
+
+from common import AcceleratedNet, Checks, MLP, make_accelerator, make_data, report
+
+accelerator = make_accelerator()
+rank = accelerator.process_index
+X, y = make_data(600, noise=0.3, seed=1)  # noisy: scores move up and down
+checks = Checks()
+
+
+def make_net(**kwargs):
+    params = dict(module=MLP, accelerator=accelerator, max_epochs=3, lr=0.3,
+                  batch_size=16, verbose=0, iterator_train__shuffle=True)
+    params.update(kwargs)
+    return AcceleratedNet(**params)
+
+
+def spread(net):
+    mine = torch.cat([p.detach().flatten() for p in net.module_.parameters()]).numpy()
+    everyone = gather_object([mine])
+    return float(max(np.abs(other - everyone[0]).max() for other in everyone))
+
+
+def rows(net):
+    """The history as plain data, for comparing ranks."""
+    return [dict(row) for row in net.history]
+
+
+class CountWrites:
+    """Counts the files this rank writes: torch.save to a path, f_pickle, history."""
+
+    def __enter__(self):
+        import os
+        import skorch.callbacks.training as training
+        from skorch.history import History
+
+        self.calls = []
+        self.saved = (torch.save, training.open_file_like, History.to_file)
+
+        def save(obj, f, *args, **kwargs):
+            if isinstance(f, (str, os.PathLike)):
+                self.calls.append(str(f))
+            return self.saved[0](obj, f, *args, **kwargs)
+
+        def open_file_like(f, mode):
+            self.calls.append(str(f))
+            return self.saved[1](f, mode)
+
+        def to_file(history, f):
+            self.calls.append(str(f))
+            return self.saved[2](history, f)
+
+        torch.save, training.open_file_like, History.to_file = save, open_file_like, to_file
+        return self
+
+    def __exit__(self, *exc):
+        import skorch.callbacks.training as training
+        from skorch.history import History
+
+        torch.save, training.open_file_like, History.to_file = self.saved
+
+
+@checks
+def rows_and_scores():
+    net = make_net(callbacks=[
+        EpochScoring('accuracy', lower_is_better=False, use_caching=False,
+                     name='valid_acc_nocache'),
+        BatchScoring('accuracy', lower_is_better=False, name='valid_acc_batch'),
+    ])
+    net.fit(X, y)
+    _, dataset_valid = net.get_split_datasets(X, y)
+    X_valid, y_valid = X[dataset_valid.indices], y[dataset_valid.indices]
+    proba = net.predict_proba(X_valid)
+    eps = np.finfo(np.float32).eps
+    last = net.history[-1]
+    return {
+        'rows': rows(net),
+        'n_train': len(X) - len(X_valid),
+        'n_valid': len(X_valid),
+        'train_sizes': [sum(b['train_batch_size'] for b in r['batches'] if 'train_batch_size' in b)
+                        for r in net.history],
+        'valid_sizes': [sum(b['valid_batch_size'] for b in r['batches'] if 'valid_batch_size' in b)
+                        for r in net.history],
+        'scores': {k: last[k] for k in ('valid_acc', 'valid_acc_nocache', 'valid_acc_batch', 'valid_loss')},
+        'one_process': {
+            'accuracy': accuracy_score(y_valid, net.predict(X_valid)),
+            'loss': float(-np.mean(np.log(proba[np.arange(len(y_valid)), y_valid] + eps))),
+        },
+    }
+
+
+@checks
+def checkpoint_on_best_accuracy():
+    net = make_net(max_epochs=12, lr=1.0, callbacks=[
+        Checkpoint(monitor='valid_acc_best', dirname='cp_best', f_pickle='net.pkl')])
+    with CountWrites() as writes:
+        net.fit(X, y)
+    with open('cp_best/net.pkl', 'rb') as f:  # every rank: predict is collective
+        restored_rows = len(pickle.load(f).predict(X[:333]))
+    return {
+        'event_cp': net.history[:, 'event_cp'],
+        'writes': len(writes.calls),
+        'pickle_rows': restored_rows,
+    }
+
+
+@checks
+def early_stopping():
+    net = make_net(max_epochs=40, lr=1.0, callbacks=[EarlyStopping(patience=2)])
+    net.fit(X, y)
+    return {'epochs': len(net.history)}
+
+
+@checks
+def load_best():
+    net = make_net(max_epochs=6, lr=1.0, callbacks=[
+        Checkpoint(monitor='valid_loss_best', dirname='cp_load_best', load_best=True)])
+    net.fit(X, y)
+    return {'rows': rows(net), 'spread': spread(net)}
+
+
+@checks
+def load_init_state_resume():
+    first = make_net(max_epochs=2, callbacks=[Checkpoint(monitor=None, dirname='cp_resume')])
+    first.fit(X, y)
+    checkpoint = Checkpoint(monitor=None, dirname='cp_resume')
+    second = make_net(max_epochs=2, callbacks=[checkpoint, LoadInitState(checkpoint)])
+    second.fit(X, y)
+    return {'rows': rows(second), 'epochs': len(second.history), 'spread': spread(second)}
+
+
+@checks
+def reduce_lr_on_plateau():
+    net = make_net(max_epochs=8, lr=1.0, callbacks=[
+        LRScheduler(torch.optim.lr_scheduler.ReduceLROnPlateau, monitor='valid_loss',
+                    patience=0, factor=0.5)])
+    net.fit(X, y)
+    return {'event_lr': net.history[:, 'event_lr'], 'spread': spread(net)}
+
+
+@checks
+def train_end_checkpoint():
+    net = make_net(callbacks=[TrainEndCheckpoint(dirname='cp_end')])
+    with CountWrites() as writes:
+        net.fit(X, y)
+    return {'writes': len(writes.calls), 'files': sorted(p.name for p in Path('cp_end').iterdir())}
+
+
+@checks
+def one_voice():
+    print('=== one voice starts', flush=True)
+    # monitor='valid_loss' makes skorch's Checkpoint warn every epoch
+    net = make_net(verbose=1, max_epochs=2, callbacks=[
+        ProgressBar(), Checkpoint(monitor='valid_loss', dirname='cp_voice', sink=print)])
+    net.fit(X, y)
+    print('=== one voice ends', flush=True)
+    return {'epochs': len(net.history)}
+
+
+class FailOnRank1(Callback):
+    def on_epoch_end(self, net, **kwargs):
+        if rank == 1 and len(net.history) == 2:
+            raise ValueError('boom from rank 1')
+
+
+@checks
+def error_in_a_callback_on_rank_1():
+    # Checkpoint comes after the failing callback: rank 0 waits in save_params
+    net = make_net(max_epochs=4, callbacks=[
+        FailOnRank1(), Checkpoint(monitor=None, dirname='cp_error')])
+    start = time.monotonic()
+    try:
+        net.fit(X, y)
+    except Exception as exc:  # pylint: disable=broad-except
+        return {'error': f'{type(exc).__name__}: {exc}', 'seconds': time.monotonic() - start}
+    return {'error': None}
+
+
+report({'rank': rank, 'checks': checks.results})

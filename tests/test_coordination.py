@@ -1,0 +1,147 @@
+"""Fail-fast sections, with two coordinators on one in-memory store, in threads.
+
+The same over real processes: test_multiprocess.py and test_sync.py.
+"""
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from accel_mixin.coordination import Coordinator, DistributedError
+
+
+def pair(timeout=30.0):
+    store = dist.HashStore()
+    return [Coordinator(2, rank, timeout=timeout, store=store) for rank in (0, 1)]
+
+
+def run_ranks(*bodies):
+    """Run one body per rank in threads; return what each raised or returned."""
+    results = [None] * len(bodies)
+
+    def target(i):
+        try:
+            results[i] = ('ok', bodies[i]())
+        except BaseException as exc:  # pylint: disable=broad-except
+            results[i] = ('raised', exc)
+
+    threads = [threading.Thread(target=target, args=(i,)) for i in range(len(bodies))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    return results
+
+
+def test_single_process_needs_no_store():
+    coordinator = Coordinator(1, 0)
+    assert not coordinator.distributed
+    coordinator.barrier('nothing to wait for')
+    assert coordinator.run(lambda: 42, what='x') == 42
+    with pytest.raises(ValueError):
+        coordinator.run(lambda: int('x'), what='x')
+
+
+def test_barrier_waits_for_every_rank():
+    rank0, rank1 = pair()
+    arrived = []
+
+    def late():
+        time.sleep(0.3)
+        arrived.append(time.monotonic())
+        with rank1.session('s'):
+            rank1.barrier('b')
+
+    def early():
+        with rank0.session('s'):
+            rank0.barrier('b')
+        return time.monotonic()
+
+    (_, done), _ = run_ranks(early, late)
+    assert done >= arrived[0]
+
+
+def test_an_error_on_one_rank_reaches_the_other_promptly():
+    rank0, rank1 = pair(timeout=30)
+
+    def failing():
+        with rank1.session('fit'), rank1.section('on_epoch_end'):
+            time.sleep(0.1)
+            raise ValueError('boom on rank 1')
+
+    def waiting():
+        start = time.monotonic()
+        try:
+            with rank0.session('fit'), rank0.section('on_epoch_end'):
+                rank0.run(lambda: None, what='save_params', main_only=True)
+        finally:
+            waiting.seconds = time.monotonic() - start
+
+    (kind0, exc0), (kind1, exc1) = run_ranks(waiting, failing)
+    assert (kind0, kind1) == ('raised', 'raised')
+    assert isinstance(exc1, ValueError)
+    assert isinstance(exc0, DistributedError)
+    assert 'on_epoch_end failed on rank 1: ValueError: boom on rank 1' in str(exc0)
+    assert waiting.seconds < 5
+
+
+def test_main_only_failure_reaches_the_others():
+    rank0, rank1 = pair()
+
+    def fail():
+        raise OSError('disk full')
+
+    results = run_ranks(
+        lambda: rank0.run(fail, what='save_params', main_only=True),
+        lambda: rank1.run(lambda: pytest.fail('not the main process'),
+                          what='save_params', main_only=True),
+    )
+    assert isinstance(results[0][1], OSError)
+    assert isinstance(results[1][1], DistributedError)
+    assert 'rank 0: OSError: disk full' in str(results[1][1])
+
+
+def test_a_caught_error_leaves_the_enclosing_section_healthy():
+    rank0, rank1 = pair()
+
+    def body(coordinator):
+        def save():
+            raise OSError('disk full')
+
+        with coordinator.session('fit'), coordinator.section('on_epoch_end'):
+            try:
+                coordinator.run(save, what='save_params', main_only=True)
+            except (OSError, DistributedError):
+                pass  # as skorch's Checkpoint does
+            coordinator.barrier('on_epoch_end')
+        return 'done'
+
+    results = run_ranks(lambda: body(rank0), lambda: body(rank1))
+    assert results == [('ok', 'done'), ('ok', 'done')]
+
+
+def test_the_next_session_starts_afresh():
+    rank0, rank1 = pair()
+
+    def body(coordinator, fail):
+        try:
+            with coordinator.session('first'):
+                if fail:
+                    raise ValueError('only in the first session')
+                coordinator.barrier('first')
+        except (ValueError, DistributedError):
+            pass
+        with coordinator.session('second'):
+            coordinator.barrier('second')
+        return 'second passed'
+
+    results = run_ranks(lambda: body(rank0, False), lambda: body(rank1, True))
+    assert results == [('ok', 'second passed'), ('ok', 'second passed')]
+
+
+def test_a_rank_that_never_arrives_times_out():
+    rank0, _ = pair(timeout=0.2)
+    with pytest.raises(DistributedError, match='neither arrived nor reported'):
+        with rank0.session('s'):
+            rank0.barrier('b')

@@ -1,0 +1,108 @@
+"""One truth on every rank, in two real processes (launched/sync_checks.py)."""
+import re
+
+import pytest
+
+from harness import run_processes
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.fixture(scope='module')
+def launch():
+    return run_processes('sync_checks.py', timeout=300)
+
+
+@pytest.fixture(scope='module')
+def ranks(launch):
+    return [r['checks'] for r in launch.check()]
+
+
+def values(ranks, check):
+    out = []
+    for rank, checks in enumerate(ranks):
+        result = checks[check]
+        assert result['ok'], f"{check} failed on rank {rank}: {result['error']}"
+        out.append(result['value'])
+    return out
+
+
+def test_history_rows_are_identical_on_every_rank(ranks):
+    for check in ('rows_and_scores', 'load_best', 'load_init_state_resume'):
+        rank0, rank1 = values(ranks, check)
+        assert rank0['rows'] == rank1['rows'], check
+
+
+def test_losses_count_every_real_sample_once(ranks):
+    for value in values(ranks, 'rows_and_scores'):
+        # 600 samples, 2 ranks, batches of 16: the last batches are padded
+        assert value['train_sizes'] == [value['n_train']] * 3
+        assert value['valid_sizes'] == [value['n_valid']] * 3
+
+
+def test_scores_equal_one_process_on_the_whole_validation_set(ranks):
+    for value in values(ranks, 'rows_and_scores'):
+        scores, expected = value['scores'], value['one_process']
+        for name in ('valid_acc', 'valid_acc_nocache', 'valid_acc_batch'):
+            assert scores[name] == pytest.approx(expected['accuracy'], abs=1e-12), name
+        assert scores['valid_loss'] == pytest.approx(expected['loss'], rel=1e-5)
+
+
+def test_checkpoint_on_best_accuracy_decides_alike_and_writes_once(ranks):
+    rank0, rank1 = values(ranks, 'checkpoint_on_best_accuracy')
+    assert rank0['event_cp'] == rank1['event_cp']
+    assert len(rank0['event_cp']) == 12
+    saves = sum(rank0['event_cp'])
+    # params, optimizer, criterion, history and the pickle, per checkpoint
+    assert (rank0['writes'], rank1['writes']) == (5 * saves, 0)
+    assert rank0['pickle_rows'] == rank1['pickle_rows'] == 333
+
+
+def test_early_stopping_stops_at_the_same_epoch(ranks):
+    rank0, rank1 = values(ranks, 'early_stopping')
+    assert rank0['epochs'] == rank1['epochs'] < 40
+
+
+def test_load_best_and_load_init_state_keep_ranks_in_sync(ranks):
+    for value in values(ranks, 'load_best'):
+        assert value['spread'] == 0.0
+    for value in values(ranks, 'load_init_state_resume'):
+        assert value['epochs'] == 4  # two loaded, two trained
+        assert value['spread'] == 0.0
+
+
+def test_reduce_lr_on_plateau_on_valid_loss(ranks):
+    rank0, rank1 = values(ranks, 'reduce_lr_on_plateau')
+    assert rank0['event_lr'] == rank1['event_lr']
+    assert rank0['event_lr'][-1] < 1.0
+    assert rank0['spread'] == 0.0
+
+
+def test_train_end_checkpoint_writes_once(ranks):
+    rank0, rank1 = values(ranks, 'train_end_checkpoint')
+    assert (rank0['writes'], rank1['writes']) == (4, 0)
+    assert rank0['files'] == rank1['files']
+
+
+def test_one_voice(launch):
+    out = launch.output
+    section = out[out.index('=== one voice starts'):out.index('=== one voice ends')]
+    lines = section.splitlines()
+    assert sum('epoch    train_loss' in line for line in lines) == 1
+    assert sum('A checkpoint was triggered in epoch 2.' in line for line in lines) == 1
+    # skorch's warning, once per epoch as in one process, from rank 0 only
+    warnings = [line for line in lines if 'Perhaps you meant' in line]
+    assert warnings and all(line.startswith('[default0]') for line in warnings)
+    assert '%|' in section  # the progress bar
+    # progress bars end lines with carriage returns, so ranks share lines
+    said_by_rank1 = re.findall(r'\[default1\]:(.*?)(?=\[default|$)', section, re.M)
+    # (the section ends just before rank 1's closing marker)
+    assert all(text.startswith('=== one voice') for text in said_by_rank1 if text)
+
+
+def test_an_error_on_rank_1_reaches_rank_0_promptly(ranks):
+    rank0, rank1 = values(ranks, 'error_in_a_callback_on_rank_1')
+    assert rank1['error'] == 'ValueError: boom from rank 1'
+    assert rank0['error'].startswith('DistributedError: on_epoch_end failed on rank 1')
+    assert 'boom from rank 1' in rank0['error']
+    assert max(rank0['seconds'], rank1['seconds']) < 5  # the collective timeout is 30 s
