@@ -21,7 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCHED = Path(__file__).resolve().parent / 'launched'
 
-__all__ = ['LAUNCHED', 'Launch', 'free_port', 'run_processes']
+__all__ = ['LAUNCHED', 'Launch', 'check_values', 'free_port', 'run_processes']
 
 
 def free_port():
@@ -137,3 +137,14 @@ def run_processes(script, *args, nproc=2, timeout=180, cpu_env=True, env=None):
             path = tmp / f'rank{rank}.json'
             ranks.append(json.loads(path.read_text()) if path.exists() else None)
     return Launch(proc.returncode, output, timed_out, ranks)
+
+
+def check_values(ranks, check):
+    """The value a ``Checks`` check returned on every rank; fails the test if
+    it raised on any rank."""
+    out = []
+    for rank, checks in enumerate(ranks):
+        result = checks[check]
+        assert result['ok'], f"{check} failed on rank {rank}: {result['error']}"
+        out.append(result['value'])
+    return out

@@ -6,7 +6,7 @@ Each launched script runs many checks in one launch; the incumbent
 """
 import pytest
 
-from harness import run_processes
+from harness import check_values as values, run_processes
 
 pytestmark = pytest.mark.multiprocess
 
@@ -24,16 +24,6 @@ def ours():
 @pytest.fixture(scope='module')
 def incumbent():
     return checks_of(run_processes('core_checks.py', 'incumbent', timeout=300))
-
-
-def values(ranks, check):
-    """The value of ``check`` on every rank; fails if it raised anywhere."""
-    out = []
-    for rank, checks in enumerate(ranks):
-        result = checks[check]
-        assert result['ok'], f"{check} failed on rank {rank}: {result['error']}"
-        out.append(result['value'])
-    return out
 
 
 def errors(ranks, check):

@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from harness import run_processes
+from harness import check_values as values, run_processes
 
 pytestmark = pytest.mark.multiprocess
 
@@ -16,15 +16,6 @@ def launch():
 @pytest.fixture(scope='module')
 def ranks(launch):
     return [r['checks'] for r in launch.check()]
-
-
-def values(ranks, check):
-    out = []
-    for rank, checks in enumerate(ranks):
-        result = checks[check]
-        assert result['ok'], f"{check} failed on rank {rank}: {result['error']}"
-        out.append(result['value'])
-    return out
 
 
 def test_history_rows_are_identical_on_every_rank(ranks):
