@@ -2,6 +2,14 @@
 gradient accumulation, and checkpoints that are right in every process layout."""
 from accel_mixin.coordination import DistributedError
 from accel_mixin.mixin import AccelerateMixin
+from accel_mixin.params import SafeParamsMixin
+from accel_mixin.state_dict import CheckpointError, strip_wrapper_prefixes
 
-__all__ = ['AccelerateMixin', 'DistributedError']
+__all__ = [
+    'AccelerateMixin',
+    'CheckpointError',
+    'DistributedError',
+    'SafeParamsMixin',
+    'strip_wrapper_prefixes',
+]
 __version__ = '0.1.0'

@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 __all__ = ['Coordinator', 'DistributedError', 'coordinator_for']
 
-_POLL_SECONDS = 0.002
+# polls start fast and slow down: a long wait (a big save) costs little CPU
+_POLL_FIRST, _POLL_MAX = 0.0005, 0.02
 
 
 class DistributedError(RuntimeError):
@@ -144,20 +145,24 @@ class Coordinator:
         key = self._child('b')
         self.store.add(key, 1)
         deadline = time.monotonic() + self.timeout
+        pause = _POLL_FIRST
         while True:
+            # arrivals first: once all arrived the barrier is passed, even if
+            # a faster rank has failed since, after it
+            if self.store.add(key, 0) >= self.num_processes:
+                return
             failure = self.failure()
             if failure is not None:
                 raise DistributedError(failure)
-            if self.store.add(key, 0) >= self.num_processes:
-                return
             if time.monotonic() > deadline:
                 raise DistributedError(
                     f'{what}: rank {self.process_index} waited {self.timeout:.0f} s for '
                     'the other ranks, which neither arrived nor reported a failure')
-            time.sleep(_POLL_SECONDS)
+            time.sleep(pause)
+            pause = min(2 * pause, _POLL_MAX)
 
-    def run(self, fn, *, what, main_only=False):
-        """Run ``fn`` on the main process or on all, and agree on the outcome.
+    def run(self, fn, *, what, here=True):
+        """Run ``fn`` on the ranks where ``here`` is true, and agree on the outcome.
 
         Every rank starts once all have arrived, and returns only once ``fn``
         finished wherever it ran, so a file written by the main process is
@@ -168,9 +173,7 @@ class Coordinator:
         """
         with self.session(what):
             self.barrier(what)
-            result = None
-            if not main_only or self.process_index == 0:
-                result = fn()
+            result = fn() if here else None
             self.barrier(what)
         return result
 

@@ -11,6 +11,7 @@ from accel_mixin.adapters import main_process_pickles
 from accel_mixin.coordination import coordinator_for
 from accel_mixin.distributed import check_process_layout, quiet_unless_main, sink_for
 from accel_mixin.history_sync import agree_on_row, first, merge_epoch, real_samples
+from accel_mixin.params import SafeParamsMixin
 from accel_mixin.portable import PortableAccelerator
 from accel_mixin.stepping import Stepper
 from accel_mixin.wrapping import PreparedObjects, Slot, requires_closure
@@ -23,7 +24,7 @@ _REGISTRY = 'accelerate_prepared_'
 _STEPPER = 'accelerate_stepper_'
 
 
-class AccelerateMixin:
+class AccelerateMixin(SafeParamsMixin):
     """Mixin class that trains a skorch net with HuggingFace accelerate.
 
     Put it before a skorch net class and pass an ``accelerate.Accelerator``.
@@ -424,7 +425,7 @@ class AccelerateMixin:
         save = super().save_params
         with self._unwrapped(), quiet_unless_main(self.accelerator):
             self._coordinator.run(
-                lambda: save(*args, **kwargs), what='save_params', main_only=True)
+                lambda: save(*args, **kwargs), what='save_params', here=self._writes_files())
 
     def load_params(self, *args, **kwargs):
         """Load the parameters of the net's modules, optimizers and history.
@@ -441,6 +442,16 @@ class AccelerateMixin:
         load = super().load_params
         with self._unwrapped(), quiet_unless_main(self.accelerator):
             self._coordinator.run(lambda: load(*args, **kwargs), what='load_params')
+
+    def _writes_files(self):
+        """The main process writes; with accelerate's
+        ``ProjectConfiguration(save_on_each_node=True)``, the main process of
+        every machine does, for machines that share no filesystem."""
+        accelerator = self.accelerator
+        config = getattr(accelerator, 'project_configuration', None)
+        if getattr(config, 'save_on_each_node', False):
+            return accelerator.is_local_main_process
+        return accelerator.is_main_process
 
     def _check_device(self, requested_device, map_device):
         if requested_device is None:

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCHED = Path(__file__).resolve().parent / 'launched'
 
-__all__ = ['LAUNCHED', 'Launch', 'check_values', 'free_port', 'run_processes']
+__all__ = ['LAUNCHED', 'Launch', 'check_values', 'free_port', 'run_nodes', 'run_processes']
 
 
 def free_port():
@@ -39,7 +40,10 @@ def _kill_tree(proc):
         workers = psutil.Process(proc.pid).children(recursive=True)
     except psutil.NoSuchProcess:
         workers = []
-    os.killpg(proc.pid, signal.SIGKILL)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
     for worker in workers:
         try:
             worker.kill()
@@ -97,6 +101,25 @@ def run_processes(script, *args, nproc=2, timeout=180, cpu_env=True, env=None):
     launch : Launch
 
     """
+    common = [f'--nproc_per_node={nproc}', '--master_addr=127.0.0.1',
+              f'--master_port={free_port()}']
+    return _launch([common], script, args, nproc, timeout, cpu_env, env)
+
+
+def run_nodes(script, *args, nodes=2, timeout=180, env=None):
+    """Run ``script`` as if on ``nodes`` machines of one process each.
+
+    Each node is its own ``torchrun --nnodes N --node_rank k``, started in its
+    own working directory (``node0``, ``node1``, ...), as machines without a
+    shared filesystem would be.
+    """
+    port = free_port()
+    per_node = [[f'--nnodes={nodes}', f'--node_rank={k}', '--nproc_per_node=1',
+                 '--master_addr=127.0.0.1', f'--master_port={port}'] for k in range(nodes)]
+    return _launch(per_node, script, args, nodes, timeout, True, env)
+
+
+def _launch(launchers, script, args, world_size, timeout, cpu_env, env):
     script = Path(script)
     if not script.is_absolute():
         script = LAUNCHED / script
@@ -114,29 +137,36 @@ def run_processes(script, *args, nproc=2, timeout=180, cpu_env=True, env=None):
         if cpu_env:
             run_env['ACCELERATE_USE_CPU'] = 'true'
         run_env.update(env or {})
-        cmd = [
-            sys.executable, '-m', 'torch.distributed.run',
-            f'--nproc_per_node={nproc}', '--master_addr=127.0.0.1',
-            f'--master_port={free_port()}', '--tee=3',
-            str(script), *map(str, args),
-        ]
-        log_path = tmp / 'output.log'
-        with open(log_path, 'wb') as log:
-            proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=run_env,
-                cwd=tmp, start_new_session=True)
-            timed_out = False
+        procs, logs = [], []
+        for k, launcher in enumerate(launchers):
+            cwd = tmp if len(launchers) == 1 else tmp / f'node{k}'
+            cwd.mkdir(exist_ok=True)
+            logs.append(tmp / f'output{k}.log')
+            cmd = [sys.executable, '-m', 'torch.distributed.run', *launcher, '--tee=3',
+                   str(script), *map(str, args)]
+            with open(logs[-1], 'wb') as log:
+                procs.append(subprocess.Popen(
+                    cmd, stdout=log, stderr=subprocess.STDOUT, env=run_env,
+                    cwd=cwd, start_new_session=True))
+        deadline = time.monotonic() + timeout
+        timed_out = False
+        for proc in procs:
             try:
-                proc.wait(timeout=timeout)
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
                 timed_out = True
+        if timed_out:
+            for proc in procs:
                 _kill_tree(proc)
-        output = log_path.read_text(errors='replace')
+        output = '\n'.join(
+            (f'--- node {k} ---\n' if len(logs) > 1 else '') + log.read_text(errors='replace')
+            for k, log in enumerate(logs))
         ranks = []
-        for rank in range(nproc):
+        for rank in range(world_size):
             path = tmp / f'rank{rank}.json'
             ranks.append(json.loads(path.read_text()) if path.exists() else None)
-    return Launch(proc.returncode, output, timed_out, ranks)
+    returncode = next((p.returncode for p in procs if p.returncode), 0)
+    return Launch(returncode, output, timed_out, ranks)
 
 
 def check_values(ranks, check):

@@ -74,7 +74,7 @@ def test_an_error_on_one_rank_reaches_the_other_promptly():
         start = time.monotonic()
         try:
             with rank0.session('fit'), rank0.section('on_epoch_end'):
-                rank0.run(lambda: None, what='save_params', main_only=True)
+                rank0.run(lambda: None, what='save_params')
         finally:
             waiting.seconds = time.monotonic() - start
 
@@ -93,9 +93,9 @@ def test_main_only_failure_reaches_the_others():
         raise OSError('disk full')
 
     results = run_ranks(
-        lambda: rank0.run(fail, what='save_params', main_only=True),
+        lambda: rank0.run(fail, what='save_params'),
         lambda: rank1.run(lambda: pytest.fail('not the main process'),
-                          what='save_params', main_only=True),
+                          what='save_params', here=False),
     )
     assert isinstance(results[0][1], OSError)
     assert isinstance(results[1][1], DistributedError)
@@ -111,7 +111,7 @@ def test_a_caught_error_leaves_the_enclosing_section_healthy():
 
         with coordinator.session('fit'), coordinator.section('on_epoch_end'):
             try:
-                coordinator.run(save, what='save_params', main_only=True)
+                coordinator.run(save, what='save_params', here=coordinator.process_index == 0)
             except (OSError, DistributedError):
                 pass  # as skorch's Checkpoint does
             coordinator.barrier('on_epoch_end')

@@ -2,13 +2,16 @@
 
     ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2 scripts/benchmarks/checkpoint.py --out ...
 
-Variants: accel_mixin, the incumbent (with its criterion workaround), and a
-raw ``torch.save`` of the same state dict on rank 0 (``torch.load`` plus
-``load_state_dict`` on every rank for loading). Every timing starts and ends
+Variants: accel_mixin, the incumbent (with its criterion workaround), a raw
+``torch.save`` of the same state dict on rank 0, and the same followed by an
+fsync, which accel_mixin's atomic writes pay and a raw save does not
+(``torch.load`` plus ``load_state_dict`` on every rank for loading). Every timing starts and ends
 with all ranks in step. Also times unwrap plus rewrap alone, for a small and
 the large model.
 """
 import argparse
+import gc
+import os
 import statistics
 import sys
 import tempfile
@@ -49,6 +52,9 @@ class Stack(torch.nn.Module):
         return torch.softmax(self.out(self.hidden(self.inp(X))), dim=-1)
 
 
+DURABLE = 'torch.save + fsync'
+
+
 def n_params(module):
     return sum(p.numel() for p in module.parameters())
 
@@ -67,6 +73,37 @@ def raw_module(net):
     return net.accelerator.unwrap_model(net.module_)
 
 
+def peak_extra_rss(fn, repeats=3):
+    """Median over repeats of the peak RSS above the starting RSS while ``fn``
+    runs, sampled every millisecond on this rank."""
+    import threading
+
+    import psutil
+
+    process = psutil.Process()
+    peaks = []
+    for _ in range(repeats):
+        gc.collect()
+        start = process.memory_info().rss
+        peak = [start]
+        done = threading.Event()
+
+        def sample():
+            while not done.is_set():
+                peak[0] = max(peak[0], process.memory_info().rss)
+                time.sleep(0.001)
+
+        thread = threading.Thread(target=sample)
+        thread.start()
+        try:
+            fn()
+        finally:
+            done.set()
+            thread.join()
+        peaks.append(peak[0] - start)
+    return statistics.median(peaks)
+
+
 def time_rewrap(net, calls):
     """Median seconds of one unwrap plus rewrap, on this rank."""
     times = []
@@ -83,7 +120,7 @@ def main():
     parser.add_argument('--out', required=True)
     parser.add_argument('--width', type=int, default=3584)
     parser.add_argument('--depth', type=int, default=4)
-    parser.add_argument('--repeats', type=int, default=5)
+    parser.add_argument('--repeats', type=int, default=7)
     parser.add_argument('--dir', default=None, help='where to write the files')
     args = parser.parse_args()
 
@@ -100,6 +137,12 @@ def main():
         if name == 'torch.save':
             if is_main():
                 torch.save(reference.state_dict(), path)
+        elif name == DURABLE:
+            if is_main():
+                torch.save(reference.state_dict(), path)
+                fd = os.open(path, os.O_RDONLY)
+                os.fsync(fd)  # what a save that survives a power cut must also pay
+                os.close(fd)
         else:
             nets[name].save_params(f_params=path)
 
@@ -111,16 +154,25 @@ def main():
 
     def measure_with(operation):
         def measure(name):
+            # start every variant with no dirty pages: a raw save leaves its
+            # data for the kernel to write back while the next variant runs
+            os.sync()
             with Timer() as timer:
                 operation(name)
             return timer.seconds
         return measure
 
     save('torch.save')  # warm-up, and a file to load from
-    variants_save = ['torch.save', 'accel_mixin', 'incumbent']
+    variants_save = ['torch.save', DURABLE, 'accel_mixin', 'incumbent']
     variants_load = ['torch.load', 'accel_mixin', 'incumbent']
     save_times = alternate(variants_save, args.repeats, measure_with(save))
     load_times = alternate(variants_load, args.repeats, measure_with(load))
+
+    file_bytes = Path(path).stat().st_size
+    memory = {
+        name: peak_extra_rss(lambda name=name: load(name)) / file_bytes
+        for name in variants_load
+    }
 
     small = make_nets(accelerator, 64, 1)
     rewrap = {}
@@ -139,6 +191,7 @@ def main():
         'save': summarize(save_times, 'torch.save'),
         'load': summarize(load_times, 'torch.load'),
         'rewrap': rewrap,
+        'load_memory_over_file_size': memory,
         'incumbent_workaround': accelerator.num_processes > 1,
     })
 

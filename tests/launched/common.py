@@ -2,6 +2,7 @@
 import json
 import os
 import sys
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -120,10 +121,12 @@ class Checks:
         self.results = {}
 
     def __call__(self, fn):
+        start = time.monotonic()
         try:
             self.results[fn.__name__] = {'ok': True, 'value': fn()}
         except Exception as exc:  # pylint: disable=broad-except
             traceback.print_exc(file=sys.stdout)
             self.results[fn.__name__] = {
                 'ok': False, 'error': f'{type(exc).__name__}: {exc}'}
+        self.results[fn.__name__]['check_seconds'] = time.monotonic() - start
         return fn

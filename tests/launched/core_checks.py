@@ -8,6 +8,7 @@ the default-criterion one uses the criterion workaround it needs to fit.
 """
 import copy
 import gc
+import os
 import pickle
 import sys
 import time
@@ -128,22 +129,32 @@ def save_load_combinations():
 
 @checks
 def only_main_writes():
+    """Counts the files each rank writes: through torch.save or History.to_file
+    to a path (the incumbent), or through accel_mixin's atomic writes."""
+    import accel_mixin.files as files
+
     calls = []
-    original_save, original_to_file = torch.save, History.to_file
+    saved = torch.save, History.to_file, files.atomic_write
 
-    def counting_save(*args, **kwargs):
-        calls.append('torch.save')
-        return original_save(*args, **kwargs)
+    def counting_save(obj, f, *args, **kwargs):
+        if isinstance(f, (str, os.PathLike)):
+            calls.append(f)
+        return saved[0](obj, f, *args, **kwargs)
 
-    def counting_to_file(self, *args, **kwargs):
-        calls.append('history')
-        return original_to_file(self, *args, **kwargs)
+    def counting_to_file(self, f):
+        calls.append(f)
+        return saved[1](self, f)
 
-    torch.save, History.to_file = counting_save, counting_to_file
+    def counting_atomic_write(path, write):
+        calls.append(path)
+        return saved[2](path, write)
+
+    torch.save, History.to_file, files.atomic_write = (
+        counting_save, counting_to_file, counting_atomic_write)
     try:
         net.save_params(f_params='p.pt', f_optimizer='o.pt', f_history='h.json')
     finally:
-        torch.save, History.to_file = original_save, original_to_file
+        torch.save, History.to_file, files.atomic_write = saved
     return {'writes': len(calls)}
 
 

@@ -42,37 +42,31 @@ def rows(net):
 
 
 class CountWrites:
-    """Counts the files this rank writes: torch.save to a path, f_pickle, history."""
+    """Counts the files this rank writes: save_params' files and f_pickle."""
 
     def __enter__(self):
-        import os
+        import accel_mixin.files as files
         import skorch.callbacks.training as training
-        from skorch.history import History
 
         self.calls = []
-        self.saved = (torch.save, training.open_file_like, History.to_file)
+        self.saved = (files.atomic_write, training.open_file_like)
 
-        def save(obj, f, *args, **kwargs):
-            if isinstance(f, (str, os.PathLike)):
-                self.calls.append(str(f))
-            return self.saved[0](obj, f, *args, **kwargs)
+        def atomic_write(path, write):
+            self.calls.append(str(path))
+            return self.saved[0](path, write)
 
         def open_file_like(f, mode):
             self.calls.append(str(f))
             return self.saved[1](f, mode)
 
-        def to_file(history, f):
-            self.calls.append(str(f))
-            return self.saved[2](history, f)
-
-        torch.save, training.open_file_like, History.to_file = save, open_file_like, to_file
+        files.atomic_write, training.open_file_like = atomic_write, open_file_like
         return self
 
     def __exit__(self, *exc):
+        import accel_mixin.files as files
         import skorch.callbacks.training as training
-        from skorch.history import History
 
-        torch.save, training.open_file_like, History.to_file = self.saved
+        files.atomic_write, training.open_file_like = self.saved
 
 
 @checks
