@@ -17,7 +17,6 @@ a section at different points, one by an error that was caught, are in step
 again after it.
 """
 import time
-from contextlib import contextmanager
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -69,45 +68,33 @@ class Coordinator:
     def distributed(self):
         return self.store is not None
 
-    @contextmanager
     def session(self, what):
         """A top-level section; a new generation of keys unless nested."""
         if self._open:
-            with self.section(what):
-                yield
-            return
+            return self.section(what)
         self._generation += 1
-        with self._enter(f'g{self._generation}', what):
-            yield
+        return _Section(self, f'g{self._generation}', what)
 
-    @contextmanager
     def section(self, what):
         """Run a block on every rank; an error leaving it reaches every rank."""
         if not self._open:  # outside any session: a session of its own
-            with self.session(what):
-                yield
-            return
-        with self._enter(self._child('s'), what):
-            yield
+            return self.session(what)
+        return _Section(self, self._child('s'), what)
 
     def _child(self, kind):
         parent = self._open[-1]
         parent[1] += 1
         return f'{parent[0]}/{kind}{parent[1]}'
 
-    @contextmanager
-    def _enter(self, key, what):
-        self._open.append([key, 0])
-        try:
-            yield
-        except (KeyboardInterrupt, DistributedError):
-            raise  # a stop every rank takes, or the echo of another rank's error
-        except BaseException as exc:
-            self._publish(key, f'{what} failed on rank {self.process_index}: '
-                               f'{type(exc).__name__}: {exc}')
-            raise
-        finally:
-            self._open.pop()
+    def fail(self, what, exc):
+        """Tell the other ranks that this one failed in the current section.
+
+        For an error this rank catches but will act on later: the others
+        stop waiting at their next barrier in this section.
+        """
+        if self._open:
+            self._publish(self._open[-1][0], f'{what} failed on rank {self.process_index}: '
+                                             f'{type(exc).__name__}: {exc}')
 
     def _publish(self, key, message):
         if not self.distributed:
@@ -176,6 +163,32 @@ class Coordinator:
             result = fn() if here else None
             self.barrier(what)
         return result
+
+
+class _Section:
+    """The context of a section: entered on every batch, so a plain class."""
+    __slots__ = ('coordinator', 'key', 'what')
+
+    def __init__(self, coordinator, key, what):
+        self.coordinator = coordinator
+        self.key = key
+        self.what = what
+
+    def __enter__(self):
+        self.coordinator._open.append([self.key, 0])  # pylint: disable=protected-access
+        return self
+
+    def __exit__(self, exc_type, exc, traceback):
+        coordinator = self.coordinator
+        coordinator._open.pop()  # pylint: disable=protected-access
+        # a stop every rank takes, or the echo of another rank's error, is
+        # not this rank's failure
+        if exc_type is not None and not issubclass(
+                exc_type, (KeyboardInterrupt, DistributedError, GeneratorExit)):
+            coordinator._publish(  # pylint: disable=protected-access
+                self.key, f'{self.what} failed on rank {coordinator.process_index}: '
+                          f'{exc_type.__name__}: {exc}')
+        return False
 
 
 _COORDINATORS = {}

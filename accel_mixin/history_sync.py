@@ -9,8 +9,12 @@ every rank then holds the records and caches of the whole epoch, in dataset
 order. Epoch scores computed from them are the scores of one process on the
 whole data; rank 0's row is then taken as the row of every rank.
 """
+import numpy as np
+import torch
 from accelerate.utils import gather_object, recursively_apply
 from skorch.callbacks import EpochScoring
+
+from accel_mixin.coordination import DistributedError
 
 __all__ = [
     'agree_on_row',
@@ -42,8 +46,26 @@ def first(data, n):
     return recursively_apply(lambda tensor: tensor[:n], data)
 
 
-def _to_cpu(data):
-    return recursively_apply(lambda tensor: tensor.detach().cpu(), data)
+def _portable(tensor):
+    # numpy arrays pickle several times faster than tensors
+    tensor = tensor.detach().cpu()
+    if tensor.dtype in (torch.float16, torch.bfloat16):
+        return tensor
+    return tensor.numpy()
+
+
+def _to_numpy(data):
+    return recursively_apply(_portable, data)
+
+
+def _to_tensor(data):
+    if isinstance(data, np.ndarray):
+        return torch.from_numpy(data)
+    if isinstance(data, (list, tuple)):
+        return type(data)(_to_tensor(item) for item in data)
+    if isinstance(data, dict):
+        return {key: _to_tensor(value) for key, value in data.items()}
+    return data
 
 
 def interleave(per_rank):
@@ -74,8 +96,8 @@ def _local_caches(net, batches):
         sizes = [batch[key] for batch in batches if key in batch]
         # batches with no real sample were cached whole; drop them
         keep = [i for i, size in enumerate(sizes) if size > 0]
-        preds = [_to_cpu(cb.y_preds_[i]) for i in keep if i < len(cb.y_preds_)]
-        trues = [_to_cpu(cb.y_trues_[i]) for i in keep if i < len(cb.y_trues_)]
+        preds = [_to_numpy(cb.y_preds_[i]) for i in keep if i < len(cb.y_preds_)]
+        trues = [_to_numpy(cb.y_trues_[i]) for i in keep if i < len(cb.y_trues_)]
         caches[name] = (preds, trues)
     return caches
 
@@ -102,19 +124,36 @@ def merge_epoch(net):
         row[key] = sum(p['counts'][key] for p in payloads)
     callbacks = dict(net.callbacks_)
     for name in payload['caches']:
-        callbacks[name].y_preds_ = interleave([p['caches'][name][0] for p in payloads])
-        callbacks[name].y_trues_ = interleave([p['caches'][name][1] for p in payloads])
+        for attr, index in (('y_preds_', 0), ('y_trues_', 1)):
+            merged = interleave([p['caches'][name][index] for p in payloads])
+            setattr(callbacks[name], attr, [_to_tensor(item) for item in merged])
 
 
-def agree_on_row(net, stop):
-    """Take rank 0's epoch row everywhere; stop if any rank asked to.
+def agree_on_row(net, stop, error=None):
+    """Take rank 0's epoch row everywhere; learn whether any rank stopped or failed.
 
-    One collective. Rows already agree on everything computed from synced
-    data; this settles what each rank measured itself (``dur``).
+    One collective, which every rank joins even after an error in its
+    callbacks. Rows already agree on everything computed from synced data;
+    this settles what each rank measured itself (``dur``).
+
+    Returns
+    -------
+    stop : bool
+      Whether any rank asked to stop training.
+
+    failure : str or None
+      The first rank's error, named, if any rank failed.
 
     """
+    accelerator = net.accelerator
     row = net.history[-1]
-    mine = {k: v for k, v in row.items() if k != 'batches'} if net.accelerator.is_main_process else None
-    answers = gather_object([(mine, bool(stop))])
+    mine = {k: v for k, v in row.items() if k != 'batches'} if accelerator.is_main_process else None
+    message = None
+    if error is not None:
+        message = (str(error) if isinstance(error, DistributedError) else
+                   f'on_epoch_end failed on rank {accelerator.process_index}: '
+                   f'{type(error).__name__}: {error}')
+    answers = gather_object([(mine, bool(stop), message)])
     row.update(answers[0][0])
-    return any(stop for _, stop in answers)
+    failures = [message for _, _, message in answers if message]
+    return any(stop for _, stop, _ in answers), (failures[0] if failures else None)

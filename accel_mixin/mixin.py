@@ -8,7 +8,7 @@ from skorch.dataset import get_len, unpack_data
 from skorch.utils import TeeGenerator
 
 from accel_mixin.adapters import main_process_pickles
-from accel_mixin.coordination import coordinator_for
+from accel_mixin.coordination import DistributedError, coordinator_for
 from accel_mixin.distributed import check_process_layout, quiet_unless_main, sink_for
 from accel_mixin.history_sync import agree_on_row, first, merge_epoch, real_samples
 from accel_mixin.params import SafeParamsMixin
@@ -22,6 +22,7 @@ __all__ = ['AccelerateMixin']
 # get_params and clone skip them
 _REGISTRY = 'accelerate_prepared_'
 _STEPPER = 'accelerate_stepper_'
+_COORDINATOR = 'accelerate_coordinator_'
 
 
 class AccelerateMixin(SafeParamsMixin):
@@ -111,7 +112,10 @@ class AccelerateMixin(SafeParamsMixin):
 
     @property
     def _coordinator(self):
-        return coordinator_for(self.accelerator)
+        cached = self.__dict__.get(_COORDINATOR)
+        if cached is None or cached[0] is not self.accelerator:
+            cached = self.__dict__[_COORDINATOR] = (self.accelerator, coordinator_for(self.accelerator))
+        return cached[1]
 
     @property
     def _stepper(self):
@@ -269,22 +273,34 @@ class AccelerateMixin(SafeParamsMixin):
 
         Callbacks decide on scores of the whole data, the same on every
         rank. EarlyStopping stops training by raising KeyboardInterrupt; if
-        any rank stops, all do.
+        any rank stops, all do. An error in a callback on any rank makes
+        every rank raise: the rank that failed still joins the final
+        exchange, which carries its error to the others.
 
         """
         distributed = self.accelerator.num_processes > 1
         if distributed:
             self._coordinator.barrier('history sync')
             merge_epoch(self)
-        stop = False
+        stop, error = False, None
         try:
             with main_process_pickles(self.callbacks_, self.accelerator.is_main_process):
                 super().notify('on_epoch_end', **cb_kwargs)
         except KeyboardInterrupt:
             stop = True
+        except Exception as exc:  # pylint: disable=broad-except
+            if not distributed:
+                raise
+            error = exc
+            if not isinstance(exc, DistributedError):
+                # ranks waiting in a save inside a callback learn of it now
+                self._coordinator.fail('on_epoch_end', exc)
         if distributed:
-            self._coordinator.barrier('on_epoch_end')
-            stop = agree_on_row(self, stop)
+            stop, failure = agree_on_row(self, stop, error)
+            if error is not None:
+                raise error
+            if failure is not None:
+                raise DistributedError(failure)
         if stop:
             raise KeyboardInterrupt
 
@@ -467,6 +483,7 @@ class AccelerateMixin(SafeParamsMixin):
             state = super().__getstate__()
         state.pop(_REGISTRY, None)
         state.pop(_STEPPER, None)
+        state.pop(_COORDINATOR, None)
         state['accelerator'] = PortableAccelerator(self.accelerator)
         return state
 

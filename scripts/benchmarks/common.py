@@ -55,12 +55,16 @@ def alternate(variants, repeats, measure):
 
 
 def summarize(times, baseline):
-    """Median seconds per variant, and each median over the baseline's."""
+    """Per variant: median seconds, the median's ratio to the baseline's, and
+    the median of the per-round ratios to the baseline ("paired"), which
+    cancels the drift of the machine between rounds."""
     medians = {name: statistics.median(values) for name, values in times.items()}
     return {
         name: {
             'median_s': medians[name],
             'ratio': medians[name] / medians[baseline],
+            'paired_ratio': statistics.median(
+                v / b for v, b in zip(values, times[baseline])),
             'runs_s': values,
         }
         for name, values in times.items()

@@ -131,7 +131,8 @@ def main():
     parser.add_argument('--epochs', type=int, default=5)
     parser.add_argument('--batch-size', type=int, default=128)
     parser.add_argument('--lr', type=float, default=0.05)
-    parser.add_argument('--repeats', type=int, default=7)
+    parser.add_argument('--repeats', type=int, default=9)
+    parser.add_argument('--only', nargs='*', default=None, help='run only these variants')
     args = parser.parse_args()
 
     accelerator = Accelerator()
@@ -150,6 +151,8 @@ def main():
         variants = {'skorch': lambda: skorch_fit(NeuralNetClassifier, X, y, args), **variants}
     else:
         variants[NO_SYNC] = lambda: skorch_fit(NoSyncNet, X, y, args, accelerator=accelerator)
+    if args.only:
+        variants = {name: fit for name, fit in variants.items() if name in args.only}
     baseline = next(iter(variants))
 
     # The first optimizer a process builds imports torch._dynamo (about
