@@ -246,27 +246,34 @@ class AccelerateMixin(SafeParamsMixin):
     def notify(self, method_name, **cb_kwargs):
         # Every notification is a section: an error on one rank reaches the
         # others at their next barrier rather than leaving them waiting.
-        with self._coordinator.section(method_name):
-            if method_name == 'on_train_begin':
-                # Callbacks set up on the net's own objects (an LR scheduler
-                # is built on the raw optimizer); what they build is prepared
-                # next.
+        coordinator = self._coordinator
+        if not coordinator.distributed:
+            self._notify(method_name, **cb_kwargs)
+            return
+        with coordinator.section(method_name):
+            self._notify(method_name, **cb_kwargs)
+
+    def _notify(self, method_name, **cb_kwargs):
+        if method_name == 'on_train_begin':
+            # Callbacks set up on the net's own objects (an LR scheduler
+            # is built on the raw optimizer); what they build is prepared
+            # next.
+            self._unwrap_accelerator()
+            super().notify(method_name, **cb_kwargs)
+            self._initialize_accelerator()
+            self.__dict__[_STEPPER] = Stepper(self.accelerator)
+        elif method_name == 'on_epoch_end':
+            self._end_epoch(**cb_kwargs)
+        elif method_name == 'on_train_end':
+            with main_process_pickles(self.callbacks_, self.accelerator.is_main_process):
+                super().notify(method_name, **cb_kwargs)
+            self._coordinator.barrier('on_train_end')
+            # Unwrap only after the callbacks: EarlyStopping(load_best=True)
+            # restores weights it took from the wrapped module.
+            if self.unwrap_after_train:
                 self._unwrap_accelerator()
-                super().notify(method_name, **cb_kwargs)
-                self._initialize_accelerator()
-                self.__dict__[_STEPPER] = Stepper(self.accelerator)
-            elif method_name == 'on_epoch_end':
-                self._end_epoch(**cb_kwargs)
-            elif method_name == 'on_train_end':
-                with main_process_pickles(self.callbacks_, self.accelerator.is_main_process):
-                    super().notify(method_name, **cb_kwargs)
-                self._coordinator.barrier('on_train_end')
-                # Unwrap only after the callbacks: EarlyStopping(load_best=True)
-                # restores weights it took from the wrapped module.
-                if self.unwrap_after_train:
-                    self._unwrap_accelerator()
-            else:
-                super().notify(method_name, **cb_kwargs)
+        else:
+            super().notify(method_name, **cb_kwargs)
 
     def _end_epoch(self, **cb_kwargs):
         """Sync the epoch, run the callbacks, and agree on the row and on stopping.
