@@ -1,4 +1,5 @@
 """AccelerateMixin: skorch's lifecycle with HuggingFace accelerate."""
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -8,12 +9,19 @@ from skorch.dataset import get_len, unpack_data
 from skorch.utils import TeeGenerator
 
 from accel_mixin.adapters import main_process_pickles
+from accel_mixin.background import BackgroundWriter
+from accel_mixin.callbacks import TrainingCheckpoint
+from accel_mixin.checkpoint import (
+    apply_epoch_states, apply_train_begin_states, collect_state, restore_training_state,
+    restore_weights, train_iterator_state, validate_state)
 from accel_mixin.coordination import DistributedError, coordinator_for
 from accel_mixin.distributed import check_process_layout, quiet_unless_main, sink_for
+from accel_mixin.files import read_state, write_state
 from accel_mixin.history_sync import agree_on_row, first, merge_epoch, real_samples
 from accel_mixin.params import SafeParamsMixin
 from accel_mixin.portable import PortableAccelerator
 from accel_mixin.stepping import Stepper
+from accel_mixin.training_state import snapshot
 from accel_mixin.wrapping import PreparedObjects, Slot, requires_closure
 
 __all__ = ['AccelerateMixin']
@@ -23,6 +31,15 @@ __all__ = ['AccelerateMixin']
 _REGISTRY = 'accelerate_prepared_'
 _STEPPER = 'accelerate_stepper_'
 _COORDINATOR = 'accelerate_coordinator_'
+_WRITER = 'accelerate_writer_'
+_TRAIN_ITERATOR = 'accelerate_train_iterator_'
+_PENDING = 'accelerate_pending_restore_'
+_RESUMED = 'accelerate_resumed_'
+_IN_TRAIN_BEGIN = 'accelerate_in_train_begin_'
+_WAS_WRAPPED = 'accelerate_was_wrapped_'
+_SNAPSHOT = 'accelerate_snapshot_'
+_PROCESS_LOCAL = (_REGISTRY, _STEPPER, _COORDINATOR, _WRITER, _TRAIN_ITERATOR, _PENDING,
+                  _RESUMED, _IN_TRAIN_BEGIN, _WAS_WRAPPED, _SNAPSHOT)
 
 
 class AccelerateMixin(SafeParamsMixin):
@@ -193,20 +210,23 @@ class AccelerateMixin(SafeParamsMixin):
     def initialize(self):
         """Initializes all of its components and returns self."""
         with quiet_unless_main(self.accelerator):
-            self.check_training_readiness()
-
-            self._initialize_virtual_params()
-            self._initialize_callbacks()
-            self._initialize_module()
-            self._initialize_criterion()
-            self._initialize_optimizer()
-            self._initialize_history()
-
-            self._validate_params()
+            self._initialize_components()
             self._initialize_accelerator()
-
         self.initialized_ = True
         return self
+
+    def _initialize_components(self):
+        """skorch's initialization, up to preparation."""
+        self.check_training_readiness()
+
+        self._initialize_virtual_params()
+        self._initialize_callbacks()
+        self._initialize_module()
+        self._initialize_criterion()
+        self._initialize_optimizer()
+        self._initialize_history()
+
+        self._validate_params()
 
     def fit(self, X, y=None, **fit_params):
         with self._coordinator.session('fit'), quiet_unless_main(self.accelerator):
@@ -215,6 +235,12 @@ class AccelerateMixin(SafeParamsMixin):
     def partial_fit(self, X, y=None, classes=None, **fit_params):
         with self._coordinator.session('partial_fit'), quiet_unless_main(self.accelerator):
             return super().partial_fit(X, y, classes=classes, **fit_params)
+
+    def fit_loop(self, X, y=None, epochs=None, **fit_params):
+        # A resumed run trains only the epochs that remain up to max_epochs.
+        if self.__dict__.pop(_RESUMED, False) and epochs is None:
+            epochs = max(self.max_epochs - len(self.history), 0)
+        return super().fit_loop(X, y, epochs=epochs, **fit_params)
 
     def _initialize_callbacks(self):
         if self.callbacks__print_log__sink != 'auto':
@@ -257,11 +283,22 @@ class AccelerateMixin(SafeParamsMixin):
         if method_name == 'on_train_begin':
             # Callbacks set up on the net's own objects (an LR scheduler
             # is built on the raw optimizer); what they build is prepared
-            # next.
+            # next, after a resumed run's scheduler states are back.
             self._unwrap_accelerator()
-            super().notify(method_name, **cb_kwargs)
+            self.__dict__[_IN_TRAIN_BEGIN] = True
+            try:
+                super().notify(method_name, **cb_kwargs)
+            finally:
+                del self.__dict__[_IN_TRAIN_BEGIN]
+            apply_train_begin_states(self, self._pending)
             self._initialize_accelerator()
             self.__dict__[_STEPPER] = Stepper(self.accelerator)
+        elif method_name == 'on_epoch_begin':
+            if self._pending:
+                # a resumed run continues from the random state it saved
+                apply_epoch_states(self._pending, self._train_iterator())
+                self._pending.clear()
+            super().notify(method_name, **cb_kwargs)
         elif method_name == 'on_epoch_end':
             self._end_epoch(**cb_kwargs)
         elif method_name == 'on_train_end':
@@ -308,6 +345,10 @@ class AccelerateMixin(SafeParamsMixin):
                 raise error
             if failure is not None:
                 raise DistributedError(failure)
+        # after every other callback: the state of the finished epoch
+        for _, cb in self.callbacks_:
+            if isinstance(cb, TrainingCheckpoint):
+                cb.save_epoch(self)
         if stop:
             raise KeyboardInterrupt
 
@@ -431,7 +472,18 @@ class AccelerateMixin(SafeParamsMixin):
         # they would pile up in the accelerator and in every pickle of it.
         dataloaders = self.accelerator._dataloaders  # pylint: disable=protected-access
         dataloaders[:] = [dl for dl in dataloaders if dl is not iterator]
+        if training:
+            # its shuffling is part of a training state
+            self.__dict__[_TRAIN_ITERATOR] = weakref.ref(iterator)
         return iterator
+
+    def _train_iterator(self):
+        ref = self.__dict__.get(_TRAIN_ITERATOR)
+        return ref() if ref is not None else None
+
+    @property
+    def _pending(self):
+        return self.__dict__.setdefault(_PENDING, {})
 
     # --- saving and loading -------------------------------------------------
 
@@ -466,6 +518,132 @@ class AccelerateMixin(SafeParamsMixin):
         with self._unwrapped(), quiet_unless_main(self.accelerator):
             self._coordinator.run(lambda: load(*args, **kwargs), what='load_params')
 
+    def save_state(self, path, asynchronous=False, on_written=None):
+        """Save the whole training state, to resume training exactly.
+
+        The file holds the weights of every module and criterion, every
+        optimizer, the LR schedulers of ``LRScheduler`` callbacks, the
+        gradient scaler, the random number generators of every rank, the
+        history, the position of training and the state of the callbacks,
+        as tensors and plain values only. Every rank must call it; the main
+        process writes, atomically.
+
+        Parameters
+        ----------
+        path : str or os.PathLike
+          The file to write.
+
+        asynchronous : bool (default=False)
+          If True, copy the state to CPU memory and write it in a background
+          thread while training goes on. At most one write is in flight: the
+          next save waits for the previous one, and ``wait_for_saves`` waits
+          for the last. A failed write raises on every rank at the next of
+          these.
+
+        on_written : callable or None (default=None)
+          Called without arguments on the writing process once the file is
+          complete (``TrainingCheckpoint`` rotates its files there).
+
+        """
+        writes = self._writes_files()
+
+        def write(state):
+            write_state(state, path)
+            if on_written is not None:
+                on_written()
+
+        with self._unwrapped(), quiet_unless_main(self.accelerator), \
+                self._coordinator.session('save_state'):
+            self.wait_for_saves()
+            state = collect_state(self, train_iterator_state(self._train_iterator()))
+            if not asynchronous:
+                self._coordinator.run(lambda: write(state), what='save_state', here=writes)
+            elif writes:
+                # the previous write is done: its snapshot's memory is free
+                copy = snapshot(state, reuse=self.__dict__.get(_SNAPSHOT))
+                self.__dict__[_SNAPSHOT] = copy
+                self._writer.submit(lambda: write(copy))
+
+    def wait_for_saves(self):
+        """Wait for an asynchronous ``save_state`` to finish, on every rank.
+
+        Raises on every rank if the write failed.
+        """
+        self._coordinator.run(self._writer.wait, what='asynchronous save_state')
+
+    @property
+    def _writer(self):
+        return self.__dict__.setdefault(_WRITER, BackgroundWriter())
+
+    def load_state(self, path):
+        """Restore a training state that ``save_state`` wrote.
+
+        Restores in steps: read the file once; load the weights into the
+        unwrapped modules; prepare; restore optimizers, schedulers, scaler,
+        history, loop and callbacks; free the state and wait for everyone.
+        The random number generators and the shuffling of the training data
+        are restored when the next epoch begins, and the next ``fit`` or
+        ``partial_fit`` trains only the epochs that remain up to
+        ``max_epochs``.
+
+        Parameters
+        ----------
+        path : str or os.PathLike
+          A file that ``save_state`` wrote.
+
+        Raises
+        ------
+        CheckpointError
+          If the file is not a training state, or does not fit the net; on
+          every rank.
+
+        """
+        with quiet_unless_main(self.accelerator), self._coordinator.session('load_state'):
+            if not self.initialized_:
+                self._initialize_components()
+                self.initialized_ = True
+            state = self._resume_start(path)
+            self._restore_weights(state, path)
+            self._prepare_restored()
+            self._restore_training_state(state, path)
+            self._resume_end()
+
+    def _resume_start(self, path):
+        """Read the training state once, on every rank."""
+        def read():
+            # unmapped: optimizers keep the loaded tensors
+            state = read_state(path, torch_load_kwargs=self.torch_load_kwargs, mmap=False)
+            validate_state(state, path)
+            return state
+        return self._coordinator.run(read, what='load_state')
+
+    def _restore_weights(self, state, path):
+        """Load the weights into the unwrapped modules."""
+        # a net never prepared ends prepared, as initialize() leaves it
+        self.__dict__[_WAS_WRAPPED] = self._prepared.wrapped or not len(self._prepared)
+        self._unwrap_accelerator()
+        self._coordinator.run(lambda: restore_weights(self, state, path), what='load_state')
+
+    def _prepare_restored(self):
+        """Prepare (or rewrap) the restored modules; at train begin, the net
+        prepares once the callbacks have built what they build."""
+        was_wrapped = self.__dict__.pop(_WAS_WRAPPED, False)
+        if not self.__dict__.get(_IN_TRAIN_BEGIN):
+            self._initialize_accelerator()
+            if not was_wrapped:
+                self._unwrap_accelerator()
+
+    def _restore_training_state(self, state, path):
+        """Restore optimizers, scaler, history, loop and callbacks."""
+        pending = self._coordinator.run(
+            lambda: restore_training_state(self, state, path), what='load_state')
+        self.__dict__[_PENDING] = pending
+
+    def _resume_end(self):
+        """Training resumes with the remaining epochs; everyone is ready."""
+        self.__dict__[_RESUMED] = True
+        self._coordinator.barrier('load_state')
+
     def _writes_files(self):
         """The main process writes; with accelerate's
         ``ProjectConfiguration(save_on_each_node=True)``, the main process of
@@ -488,9 +666,8 @@ class AccelerateMixin(SafeParamsMixin):
     def __getstate__(self):
         with self._unwrapped():
             state = super().__getstate__()
-        state.pop(_REGISTRY, None)
-        state.pop(_STEPPER, None)
-        state.pop(_COORDINATOR, None)
+        for name in _PROCESS_LOCAL:
+            state.pop(name, None)
         state['accelerator'] = PortableAccelerator(self.accelerator)
         return state
 

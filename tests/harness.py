@@ -8,7 +8,6 @@ every rank's output.
 """
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -18,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from accel_mixin.launching import kill_job
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCHED = Path(__file__).resolve().parent / 'launched'
@@ -30,27 +31,6 @@ def free_port():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(('127.0.0.1', 0))
         return sock.getsockname()[1]
-
-
-def _kill_tree(proc):
-    """Kill torchrun and its workers, which run in sessions of their own."""
-    import psutil
-
-    try:
-        workers = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        workers = []
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    for worker in workers:
-        try:
-            worker.kill()
-        except psutil.NoSuchProcess:
-            pass
-    proc.wait()
-    psutil.wait_procs(workers, timeout=10)
 
 
 @dataclass
@@ -157,7 +137,7 @@ def _launch(launchers, script, args, world_size, timeout, cpu_env, env):
                 timed_out = True
         if timed_out:
             for proc in procs:
-                _kill_tree(proc)
+                kill_job(proc)
         output = '\n'.join(
             (f'--- node {k} ---\n' if len(logs) > 1 else '') + log.read_text(errors='replace')
             for k, log in enumerate(logs))

@@ -32,9 +32,13 @@ def test_benchmarks_run_and_report(tmp_path):
     assert set(checkpoint['rewrap']) == {'small', 'large'}
     assert set(checkpoint['load_memory_over_file_size']) == {'torch.load', 'accel_mixin', 'incumbent'}
 
+    stall = json.loads((results / 'raw' / 'stall_2.json').read_text())
+    assert set(stall['stall_s']) == {'synchronous', 'asynchronous'}
+
     table = (results / 'bench.md').read_text()
     assert 'unwrap + rewrap' in table and '| target |' in table
     assert 'history sync: at most 1.05' in table
+    assert 'asynchronous checkpoint: stall' in table
     assert (results / 'bench.png').read_bytes()[:4] == b'\x89PNG'
     text = readme.read_text()
     assert 'old' not in text and table in text

@@ -46,3 +46,13 @@ def test_single_process_example():
         capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0, out.stderr
     assert 'train accuracy' in out.stdout
+
+
+@pytest.mark.multiprocess
+def test_preemption_example(tmp_path):
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / 'preemption.py'), '--workdir', str(tmp_path)],
+        capture_output=True, text=True, timeout=600, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert 'killed; complete checkpoints:' in out.stdout
+    assert 'identical: True' in out.stdout

@@ -81,7 +81,21 @@ def paired(results, variant, baseline):
         v / b for v, b in zip(results[variant]['runs_s'], results[baseline]['runs_s']))
 
 
-def targets(fit1, fit2, checkpoint):
+def stall_table(result):
+    stall = result['stall_s']
+    return [
+        f"**Checkpoint stall** ({result['processes']} processes, {result['params'] / 1e6:.1f}M "
+        f"parameters, {result['file_mb']:.0f} MB training state; training runs "
+        f"{result['train_seconds_between']:.1f} s between checkpoints; the time save_state "
+        "blocks training on rank 0)",
+        '',
+        '| TrainingCheckpoint | median stall (s) | runs (s) |',
+        '|---|---:|---|',
+    ] + [f"| {name} | {row['median_s']:.3f} | {', '.join(f'{x:.3f}' for x in row['runs_s'])} |"
+         for name, row in stall.items()]
+
+
+def targets(fit1, fit2, checkpoint, stall=None):
     """Fit targets use paired rounds: the machine drifts more between rounds
     than the differences measured."""
     rows = []
@@ -116,6 +130,10 @@ def targets(fit1, fit2, checkpoint):
                          f'{ratio:.2f}', ratio <= 1.1))
         worst = max(row['accel_mixin_ms'] for row in checkpoint['rewrap'].values())
         rows.append(('unwrap + rewrap: under 1 ms at every size', f'{worst:.3f} ms', worst < 1.0))
+    if stall:
+        ratio = stall['ratio']
+        rows.append(('asynchronous checkpoint: stall at most 1/4 of the synchronous save',
+                     f'{ratio:.2f}', ratio <= 0.25))
     lines = ['| target | measured | |', '|---|---:|---|']
     lines += [f'| {name} | {value} | {verdict(ok)} |' for name, value, ok in rows]
     return lines
@@ -158,14 +176,17 @@ def main():
     parser.add_argument('--command', default='scripts/bench')
     args = parser.parse_args()
 
-    fit1, fit2, checkpoint = (load(args.raw, n) for n in ('fit_1', 'fit_2', 'checkpoint_2'))
+    fit1, fit2, checkpoint, stall = (
+        load(args.raw, n) for n in ('fit_1', 'fit_2', 'checkpoint_2', 'stall_2'))
     lines = [f'Reproduce with `{args.command}`. Bars are medians, dots single runs.', '']
     for result, title in ((fit1, 'fit, 1 process'), (fit2, 'fit, 2 processes')):
         if result:
             lines += fit_table(result, title) + ['']
     if checkpoint:
         lines += checkpoint_tables(checkpoint) + ['']
-    lines += targets(fit1, fit2, checkpoint)
+    if stall:
+        lines += stall_table(stall) + ['']
+    lines += targets(fit1, fit2, checkpoint, stall)
     text = '\n'.join(lines) + '\n'
 
     out = Path(args.out)

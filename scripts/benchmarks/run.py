@@ -9,10 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from accel_mixin.launching import kill_job
+
 HERE = Path(__file__).resolve().parent
 QUICK = {
     'fit': ['--samples', '600', '--epochs', '1', '--repeats', '2'],
     'checkpoint': ['--width', '256', '--depth', '2', '--repeats', '2'],
+    'stall': ['--width', '256', '--depth', '2', '--repeats', '2', '--train-seconds', '0.2'],
 }
 
 
@@ -32,7 +35,14 @@ def launch(script, out, processes, extra, timeout):
     else:
         env.pop('OMP_NUM_THREADS')
     print(f'== {script} on {processes} process(es)', flush=True)
-    subprocess.run(cmd, check=True, timeout=timeout, env=env, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, start_new_session=True)
+    try:
+        returncode = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_job(proc)
+        raise
+    if returncode:
+        raise subprocess.CalledProcessError(returncode, cmd)
 
 
 def main():
@@ -48,6 +58,7 @@ def main():
     launch('fit.py', raw / 'fit_1.json', 1, extra.get('fit', []), timeout)
     launch('fit.py', raw / 'fit_2.json', 2, extra.get('fit', []), timeout)
     launch('checkpoint.py', raw / 'checkpoint_2.json', 2, extra.get('checkpoint', []), timeout)
+    launch('stall.py', raw / 'stall_2.json', 2, extra.get('stall', []), timeout)
     report = [sys.executable, str(HERE / 'report.py'), '--raw', str(raw), '--out', args.out]
     if args.readme:
         report += ['--readme', args.readme]

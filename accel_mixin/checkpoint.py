@@ -1,0 +1,222 @@
+"""Training-state checkpoints: everything a run needs to go on as if it had
+never stopped.
+
+A training state is one torch file: the weights of every module and
+criterion, every optimizer, the LR schedulers of ``LRScheduler`` callbacks,
+the gradient scaler, the random number generators of every rank, the
+history, the position of training (epochs done, gradient accumulation, the
+training dataloader's shuffling) and the fitted state of the callbacks. It
+holds only tensors and plain Python values, so it loads with
+``weights_only=True``.
+
+Restoring follows Lightning's order, as steps the mixin calls by name: read
+the file once; load the weights into the unwrapped modules; prepare; restore
+optimizers, schedulers, scaler, history, loop and callbacks; free the file's
+state and wait for everyone. Random number generators and the dataloader's
+shuffling are restored at the start of the next epoch, after ``fit`` has set
+up its data, as the uninterrupted run had them there.
+"""
+import os
+import re
+import warnings
+
+import torch
+from accelerate.utils import gather_object
+from skorch.callbacks import LRScheduler
+from skorch.history import History
+
+from accel_mixin.state_dict import CheckpointError, clean_state_dict, load_module_state
+from accel_mixin.training_state import (
+    callback_state, history_state, plain, restore_callback_state, restore_rng, rng_state)
+
+__all__ = [
+    'FORMAT',
+    'collect_state',
+    'latest_checkpoint',
+    'restore_training_state',
+    'restore_weights',
+    'validate_state',
+]
+
+FORMAT = 'accel_mixin.training_state'
+VERSION = 1
+CHECKPOINT_NAME = 'training-state-{epoch:06d}.pt'
+_CHECKPOINT_RE = re.compile(r'^training-state-(\d{6,})\.pt$')
+
+
+def _modules(net):
+    for name in net._modules + net._criteria:  # pylint: disable=protected-access
+        module = net._raw(name)  # pylint: disable=protected-access
+        if isinstance(module, torch.nn.Module):
+            yield name, module
+
+
+def _schedulers(net):
+    for name, cb in net.callbacks_:
+        if isinstance(cb, LRScheduler):
+            yield name, cb
+
+
+def collect_state(net, train_iterator_state):
+    """The training state of ``net``; every rank calls it (for the RNGs).
+
+    Parameters
+    ----------
+    net : AccelerateMixin net
+      Initialized.
+
+    train_iterator_state : dict
+      What decides the shuffling of the next epoch.
+
+    """
+    accelerator = net.accelerator
+    rngs = [rng_state()]
+    if accelerator.num_processes > 1:
+        rngs = gather_object(rngs)
+    schedulers = {}
+    for name, cb in _schedulers(net):
+        scheduler = net._prepared.raw_or_current(  # pylint: disable=protected-access
+            f'callbacks__{name}__lr_scheduler_', cb, 'lr_scheduler_')
+        if scheduler is not None:
+            # a plateau scheduler keeps the best score as skorch recorded it,
+            # a NumPy float, which weights_only loading refuses
+            schedulers[name] = plain(scheduler.state_dict())
+    return {
+        'format': FORMAT,
+        'version': VERSION,
+        'num_processes': accelerator.num_processes,
+        'epoch': len(net.history),
+        'modules': {name: clean_state_dict(module) for name, module in _modules(net)},
+        'optimizers': {name: net._raw(name).state_dict()  # pylint: disable=protected-access
+                       for name in net._optimizers},  # pylint: disable=protected-access
+        'schedulers': schedulers,
+        'scaler': accelerator.scaler.state_dict() if accelerator.scaler is not None else None,
+        'rng': rngs,
+        'history': history_state(net.history),
+        'callbacks': {name: callback_state(cb) for name, cb in net.callbacks_},
+        'loop': {
+            'accumulation_step': int(accelerator.step),
+            'train_iterator': train_iterator_state,
+        },
+    }
+
+
+def validate_state(state, source):
+    """Refuse anything but a training state of a version we read."""
+    if not isinstance(state, dict) or state.get('format') != FORMAT:
+        raise CheckpointError(
+            f"{source} is not a training state written by save_state; files of "
+            "save_params load with load_params.")
+    if state.get('version') != VERSION:
+        raise CheckpointError(
+            f"{source} is a training state of version {state.get('version')}; this "
+            f"accel_mixin reads version {VERSION}.")
+
+
+def restore_weights(net, state, source):
+    """Load every module and criterion; the net must be unwrapped."""
+    saved = state['modules']
+    for name, module in _modules(net):
+        if name not in saved:
+            raise CheckpointError(
+                f"{source} holds no state for {name}_ (it holds {sorted(saved)}): it was "
+                "saved from a net with other modules.")
+        load_module_state(module, saved[name], source=source, name=name + '_')
+
+
+def restore_training_state(net, state, source):
+    """Restore optimizers, scaler, history, loop and callbacks.
+
+    Returns what can only be restored later: the LR schedulers, which
+    ``LRScheduler`` builds when training begins, and the callbacks' state,
+    which callbacks such as EarlyStopping reset when training begins, both
+    restored after the callbacks' ``on_train_begin``; and the random number
+    generators and dataloader shuffling, restored when the next epoch begins.
+
+    """
+    from accel_mixin.params import _load_optimizer_state  # pylint: disable=import-outside-toplevel
+
+    accelerator = net.accelerator
+    for name in net._optimizers:  # pylint: disable=protected-access
+        if name not in state['optimizers']:
+            raise CheckpointError(f"{source} holds no state for {name}_.")
+        _load_optimizer_state(net._raw(name), state['optimizers'][name],  # pylint: disable=protected-access
+                              source=source, name=name + '_')
+    if state['scaler'] is not None and accelerator.scaler is not None:
+        accelerator.scaler.load_state_dict(state['scaler'])
+    net.history = History(state['history'])
+    accelerator.step = state['loop']['accumulation_step']
+
+    rngs = state['rng']
+    rank = accelerator.process_index
+    if len(rngs) != accelerator.num_processes and accelerator.is_main_process:
+        warnings.warn(
+            f"{source} was saved by {len(rngs)} process(es) and resumes on "
+            f"{accelerator.num_processes}: weights, optimizers and history continue, but "
+            "the random number streams differ from the run that saved it, so the "
+            "resumed run will not repeat it exactly.", RuntimeWarning)
+    return {
+        'schedulers': state['schedulers'],
+        'callbacks': state['callbacks'],
+        'rng': rngs[rank] if rank < len(rngs) else None,
+        'train_iterator': state['loop']['train_iterator'],
+    }
+
+
+def apply_train_begin_states(net, pending):
+    """After the callbacks' on_train_begin: their state, and the state of the
+    schedulers they built."""
+    callbacks = dict(net.callbacks_)
+    for name, cb_state in pending.pop('callbacks', {}).items():
+        if name in callbacks:
+            restore_callback_state(callbacks[name], cb_state)
+    schedulers = pending.pop('schedulers', {})
+    for name, cb in _schedulers(net):
+        if name in schedulers and getattr(cb, 'lr_scheduler_', None) is not None:
+            cb.lr_scheduler_.load_state_dict(schedulers[name])
+
+
+def apply_epoch_states(pending, train_iterator):
+    """Restore RNGs and shuffling at the start of the first resumed epoch."""
+    if pending.get('rng') is not None:
+        restore_rng(pending['rng'])
+    saved = pending.get('train_iterator') or {}
+    if train_iterator is None:
+        return
+    generator = getattr(train_iterator, 'synchronized_generator', None)
+    if generator is not None and saved.get('generator') is not None:
+        generator.set_state(saved['generator'])
+    if saved.get('iteration') is not None and hasattr(train_iterator, 'iteration'):
+        train_iterator.iteration = saved['iteration']
+
+
+def train_iterator_state(train_iterator):
+    """What decides the shuffling of the next epoch of ``train_iterator``."""
+    if train_iterator is None:
+        return {'generator': None, 'iteration': None}
+    generator = getattr(train_iterator, 'synchronized_generator', None)
+    return {
+        'generator': generator.get_state() if generator is not None else None,
+        'iteration': getattr(train_iterator, 'iteration', None),
+    }
+
+
+def checkpoint_files(dirname):
+    """The complete training-state files in ``dirname``, by epoch, oldest first."""
+    try:
+        names = os.listdir(dirname)
+    except FileNotFoundError:
+        return []
+    found = [(int(m.group(1)), os.path.join(dirname, n))
+             for n in names for m in [_CHECKPOINT_RE.match(n)] if m]
+    return [path for _, path in sorted(found)]
+
+
+def latest_checkpoint(dirname):
+    """The newest complete training state in ``dirname``, or None.
+
+    Files are renamed into place when complete, so a write that was killed
+    never has the name this looks for.
+    """
+    files = checkpoint_files(dirname)
+    return files[-1] if files else None

@@ -1,0 +1,41 @@
+"""Stopping a launched job for good.
+
+torchrun starts its workers in sessions of their own, so killing torchrun's
+process group leaves them running. Tests, benchmarks and the preemption
+example stop jobs with ``kill_job``.
+"""
+import os
+import signal
+
+__all__ = ['kill_job']
+
+
+def kill_job(proc, timeout=10):
+    """SIGKILL a launcher (a ``subprocess.Popen``) and every process under it.
+
+    Parameters
+    ----------
+    proc : subprocess.Popen
+      The launcher, started with ``start_new_session=True``.
+
+    timeout : float (default=10)
+      Seconds to wait for the killed workers to be gone.
+
+    """
+    import psutil
+
+    try:
+        workers = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        workers = []
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for worker in workers:
+        try:
+            worker.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
+    psutil.wait_procs(workers, timeout=timeout)

@@ -1,0 +1,125 @@
+"""The pieces of a training state that are not weights: random number
+generators, callbacks, the training dataloader's shuffling. Everything is
+turned into tensors and plain Python values, so that a training state loads
+with ``weights_only=True``.
+"""
+import json
+import random
+
+import numpy as np
+import torch
+
+__all__ = [
+    'callback_state',
+    'plain',
+    'restore_callback_state',
+    'restore_rng',
+    'rng_state',
+    'snapshot',
+]
+
+# Per-epoch caches and objects rebuilt at every fit; not state to resume.
+_TRANSIENT = {'y_preds_', 'y_trues_', 'lr_scheduler_', 'policy_', 'pbar_', 'checkpoint_'}
+_PLAIN_SCALARS = (bool, int, float, str, type(None))
+
+
+class _NotPlain(Exception):
+    pass
+
+
+def plain(value):
+    """``value`` as tensors and plain Python values (NumPy values converted),
+    or raise _NotPlain."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, np.generic):  # before the scalars: np.float64 is a float
+        return value.item()
+    if isinstance(value, _PLAIN_SCALARS):
+        return value
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(plain(item) for item in value)
+    if isinstance(value, dict):
+        return {plain(key): plain(item) for key, item in value.items()}
+    raise _NotPlain(type(value).__name__)
+
+
+def callback_state(callback):
+    """The fitted attributes (ending with ``_``) of a callback that are plain
+    data: EarlyStopping's counters, a scoring callback's best score, ..."""
+    state = {}
+    for key, value in vars(callback).items():
+        if not key.endswith('_') or key in _TRANSIENT:
+            continue
+        try:
+            state[key] = plain(value)
+        except _NotPlain:
+            continue
+    return state
+
+
+def restore_callback_state(callback, state):
+    for key, value in state.items():
+        setattr(callback, key, value)
+
+
+def rng_state():
+    """This process's random number generators: Python, NumPy, torch, CUDA."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    version, internal, gauss = random.getstate()
+    state = {
+        'python': {'version': version, 'internal': list(internal), 'gauss': gauss},
+        'numpy': {'kind': kind, 'keys': torch.from_numpy(keys.astype(np.int64)),
+                  'pos': int(pos), 'has_gauss': int(has_gauss), 'cached_gaussian': float(cached)},
+        'torch': torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state['cuda'] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state):
+    python = state['python']
+    random.setstate((python['version'], tuple(python['internal']), python['gauss']))
+    numpy = state['numpy']
+    np.random.set_state((numpy['kind'], numpy['keys'].numpy().astype(np.uint32), numpy['pos'],
+                         numpy['has_gauss'], numpy['cached_gaussian']))
+    torch.set_rng_state(state['torch'])
+    if 'cuda' in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state['cuda'])
+
+
+def history_state(history):
+    """The history as plain data (a JSON round trip drops NumPy types)."""
+    return json.loads(json.dumps(history.to_list(), default=_json_default))
+
+
+def _json_default(value):
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f'history holds a {type(value).__name__}, which a training state cannot keep')
+
+
+def snapshot(state, reuse=None):
+    """A copy of ``state`` whose tensors live on the CPU and share nothing
+    with training, for writing while training goes on.
+
+    Tensors are copied into those of ``reuse``, an earlier snapshot of the
+    same layout, where shapes and dtypes match: filling memory that exists
+    is four times faster than allocating it anew.
+    """
+    if isinstance(state, torch.Tensor):
+        tensor = state.detach()
+        if (isinstance(reuse, torch.Tensor) and reuse.shape == tensor.shape
+                and reuse.dtype == tensor.dtype and reuse.device.type == 'cpu'):
+            return reuse.copy_(tensor)
+        return tensor.to('cpu', copy=True)
+    if isinstance(state, dict):
+        reuse = reuse if isinstance(reuse, dict) else {}
+        return {key: snapshot(value, reuse.get(key)) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        if not (isinstance(reuse, (list, tuple)) and len(reuse) == len(state)):
+            reuse = [None] * len(state)
+        return type(state)(snapshot(item, old) for item, old in zip(state, reuse))
+    return state

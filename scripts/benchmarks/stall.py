@@ -1,0 +1,87 @@
+"""Checkpoint stall: how long training waits per training-state checkpoint,
+synchronous against asynchronous writes.
+
+    ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2 scripts/benchmarks/stall.py --out ...
+
+Between checkpoints the net trains for a while, so that an asynchronous write
+overlaps training as it would in a real run; the stall is the time the
+``save_state`` call blocks, on rank 0.
+"""
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import gather_object
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# pylint: disable=wrong-import-position
+from checkpoint import OursNet, Stack, n_params  # noqa: E402
+from common import alternate, barrier, is_main, write_result  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--out', required=True)
+    parser.add_argument('--width', type=int, default=3584)
+    parser.add_argument('--depth', type=int, default=4)
+    parser.add_argument('--repeats', type=int, default=5)
+    parser.add_argument('--train-seconds', type=float, default=2.0)
+    args = parser.parse_args()
+
+    accelerator = Accelerator()
+    net = OursNet(module=Stack, module__width=args.width, module__depth=args.depth,
+                  accelerator=accelerator, verbose=0, unwrap_after_train=False).initialize()
+    net.history.new_epoch()
+    X = torch.randn(64, 100)
+    y = torch.randint(0, 2, (64,))
+    workdir = Path(tempfile.gettempdir()) / 'accel_mixin_bench_stall'
+    if is_main():
+        workdir.mkdir(parents=True, exist_ok=True)
+    barrier()
+    path = str(workdir / 'state.pt')
+
+    def train(steps):
+        for _ in range(steps):
+            net.history.new_batch()
+            net.train_step((X, y))
+
+    # every rank takes the same number of steps (DDP syncs each of them):
+    # as many as rank 0 takes in --train-seconds
+    start = time.perf_counter()
+    train(3)
+    per_step = (time.perf_counter() - start) / 3
+    steps = gather_object([max(1, int(args.train_seconds / per_step))])[0]
+
+    def measure(name):
+        train(steps)
+        barrier()
+        start = time.perf_counter()
+        net.save_state(path, asynchronous=name == 'asynchronous')
+        stall = time.perf_counter() - start
+        barrier()
+        return stall
+
+    measure('synchronous')  # warm-up
+    times = alternate(['synchronous', 'asynchronous'], args.repeats, measure)
+    net.wait_for_saves()
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    write_result(args.out, {
+        'benchmark': 'stall',
+        'processes': accelerator.num_processes,
+        'params': n_params(accelerator.unwrap_model(net.module_)),
+        'file_mb': os.path.getsize(path) / 2**20 if is_main() else None,
+        'train_seconds_between': args.train_seconds,
+        'stall_s': {name: {'median_s': medians[name], 'runs_s': values}
+                    for name, values in times.items()},
+        'ratio': medians['asynchronous'] / medians['synchronous'],
+    })
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,80 @@
+"""save_state and load_state under several processes: the API, errors on
+every rank, and asynchronous writes whose failure reaches every rank.
+
+Usage: torchrun --nproc_per_node 2 state_checks.py
+"""
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from accel_mixin import CheckpointError
+from accel_mixin.callbacks import TrainingCheckpoint
+from common import AcceleratedNet, Checks, MLP, make_accelerator, make_data, report
+
+accelerator = make_accelerator()
+rank = accelerator.process_index
+X, y = make_data(300)
+checks = Checks()
+
+
+def make_net(**kwargs):
+    params = dict(module=MLP, accelerator=accelerator, max_epochs=2, verbose=0, lr=0.1)
+    params.update(kwargs)
+    return AcceleratedNet(**params)
+
+
+def outcome(fn):
+    try:
+        fn()
+    except Exception as exc:  # pylint: disable=broad-except
+        return f'{type(exc).__name__}: {exc}'
+    return None
+
+
+@checks
+def round_trip():
+    net = make_net()
+    net.fit(X, y)
+    net.save_state('state.pt')
+    fresh = make_net()
+    fresh.load_state('state.pt')
+    fresh.partial_fit(X, y)  # resumed: the remaining epochs, none
+    return {
+        'same_predictions': bool(np.array_equal(fresh.predict_proba(X), net.predict_proba(X))),
+        'epochs': len(fresh.history),
+        'keys': sorted(torch.load('state.pt', weights_only=True)),
+    }
+
+
+@checks
+def mismatch_raises_on_every_rank():
+    wide = make_net(module__hidden=64).initialize()
+    return {
+        'architecture': outcome(lambda: wide.load_state('state.pt')),
+        'params_file': outcome(lambda: (make_net().initialize().save_params(f_params='p.pt'),
+                                        make_net().load_state('p.pt'))),
+        'missing': outcome(lambda: make_net().load_state('nope.pt')),
+    }
+
+
+class RemoveDirAfterFirstSave(TrainingCheckpoint):
+    """The folder vanishes after the first save, so the next write fails."""
+
+    def save_epoch(self, net):
+        super().save_epoch(net)
+        net.wait_for_saves()
+        accelerator.wait_for_everyone()
+        if rank == 0 and Path(self.dirname).exists():
+            shutil.rmtree(self.dirname)
+
+
+@checks
+def asynchronous_failure_reaches_every_rank():
+    net = make_net(max_epochs=3, callbacks=[
+        RemoveDirAfterFirstSave('vanishing', asynchronous=True, every_n_epochs=1)])
+    return {'error': outcome(lambda: net.fit(X, y))}
+
+
+report({'rank': rank, 'checks': checks.results})

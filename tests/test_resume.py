@@ -1,0 +1,156 @@
+"""Resumable training: exact resume in one and two real processes, rotation,
+safety, asynchronous writes. Each run is a new launch, as after a crash."""
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate import Accelerator
+
+from accel_mixin import CheckpointError
+from accel_mixin.checkpoint import latest_checkpoint
+from common import AcceleratedNet, MLP
+from harness import check_values as values, run_processes
+
+multiprocess = pytest.mark.multiprocess
+
+
+def resume_runs(nproc, mode=None):
+    """An uninterrupted run, and a run preempted after epoch 3 and resumed."""
+    dirname = tempfile.mkdtemp(prefix='accel_mixin_resume_')
+    extra = [mode] if mode else []
+    full = run_processes('resume_run.py', 'full', dirname, nproc=nproc, timeout=180)
+    crash = run_processes('resume_run.py', 'crash', dirname, *extra, nproc=nproc, timeout=180)
+    assert crash.returncode != 0 and not crash.timed_out, crash.describe()
+    # a write killed halfway leaves only a temporary file: never picked
+    (Path(dirname) / '.training-state-000009.pt.accel_mixin-tmp-1-x').write_bytes(b'half')
+    resumed = run_processes('resume_run.py', 'resume', dirname, *extra, nproc=nproc, timeout=180)
+    return full.check(), resumed.check(), resumed.output
+
+
+@pytest.fixture(scope='module')
+def one_process():
+    return resume_runs(1)
+
+
+@pytest.fixture(scope='module')
+def two_processes():
+    return resume_runs(2)
+
+
+@pytest.fixture(scope='module')
+def two_processes_async():
+    return resume_runs(2, 'async')
+
+
+@multiprocess
+@pytest.mark.parametrize('runs', ['one_process', 'two_processes', 'two_processes_async'])
+def test_resumed_run_repeats_the_uninterrupted_one_bit_for_bit(runs, request):
+    full, resumed, _ = request.getfixturevalue(runs)
+    for rank_full, rank_resumed in zip(full, resumed):
+        assert rank_resumed['resumed_from'] == 'training-state-000003.pt'
+        assert len(rank_resumed['history']) == 6
+        # losses, scores, learning rates, every batch: bitwise
+        assert rank_resumed['history'] == rank_full['history']
+        assert rank_resumed['params'] == rank_full['params']
+        assert rank_resumed['misses'] == rank_full['misses']  # EarlyStopping's counter
+
+
+@multiprocess
+def test_rotation_keeps_the_last_and_numbering_continues(two_processes):
+    _, resumed, _ = two_processes
+    for rank in resumed:
+        # keep_last=2; epochs 4 to 6 were numbered after the resume
+        assert [f for f in rank['files'] if not f.startswith('.')] == [
+            'training-state-000005.pt', 'training-state-000006.pt']
+
+
+@multiprocess
+def test_a_checkpoint_from_another_number_of_processes_resumes_with_one_warning():
+    dirname = tempfile.mkdtemp(prefix='accel_mixin_resume_')
+    crash = run_processes('resume_run.py', 'crash', dirname, nproc=2, timeout=180)
+    assert crash.returncode != 0
+    resumed = run_processes('resume_run.py', 'resume', dirname, nproc=1, timeout=180)
+    (rank,) = resumed.check()
+    assert rank['resumed_from'] == 'training-state-000003.pt'
+    assert len(rank['history']) == 6
+    assert resumed.output.count('was saved by 2 process(es) and resumes on 1') == 1
+
+
+@pytest.fixture(scope='module')
+def state_checks():
+    return [r['checks'] for r in run_processes('state_checks.py', timeout=180).check()]
+
+
+@multiprocess
+def test_save_state_and_load_state(state_checks):
+    for value in values(state_checks, 'round_trip'):
+        assert value['same_predictions'] and value['epochs'] == 2
+        assert value['keys'] == ['callbacks', 'epoch', 'format', 'history', 'loop', 'modules',
+                                 'num_processes', 'optimizers', 'rng', 'scaler', 'schedulers',
+                                 'version']
+
+
+@multiprocess
+def test_mismatched_states_raise_clearly_on_every_rank(state_checks):
+    for value in values(state_checks, 'mismatch_raises_on_every_rank'):
+        assert "'hidden.weight' has shape (32, 20) in the file but (64, 20)" in value['architecture']
+        assert 'is not a training state written by save_state' in value['params_file']
+        assert value['missing'].startswith('FileNotFoundError: No checkpoint at nope.pt')
+
+
+@multiprocess
+def test_a_failed_asynchronous_write_raises_on_every_rank(state_checks):
+    rank0, rank1 = (v['error'] for v in values(state_checks, 'asynchronous_failure_reaches_every_rank'))
+    assert rank0.startswith('FileNotFoundError: Cannot save to vanishing/training-state-000002.pt')
+    assert rank1.startswith('DistributedError: asynchronous save_state failed on rank 0: FileNotFoundError')
+
+
+# --- one process, in this process ----------------------------------------------
+
+def test_latest_checkpoint_ignores_unfinished_and_foreign_files(tmp_path):
+    for name in ('training-state-000002.pt', 'training-state-000010.pt', 'notes.txt',
+                 '.training-state-000011.pt.accel_mixin-tmp-99-abc', 'training-state-12.pt'):
+        (tmp_path / name).write_bytes(b'')
+    assert latest_checkpoint(tmp_path) == str(tmp_path / 'training-state-000010.pt')
+    assert latest_checkpoint(tmp_path / 'missing') is None
+
+
+def test_training_state_holds_only_safe_values(data, tmp_path):
+    net = AcceleratedNet(MLP, accelerator=Accelerator(cpu=True), max_epochs=2, verbose=0)
+    net.fit(*data)
+    net.save_state(tmp_path / 'state.pt')
+    state = torch.load(tmp_path / 'state.pt', weights_only=True)  # raises on any pickle
+    assert state['epoch'] == 2 and len(state['rng']) == 1
+
+
+def test_load_state_into_an_uninitialized_net_then_partial_fit_continues(data, tmp_path):
+    net = AcceleratedNet(MLP, accelerator=Accelerator(cpu=True), max_epochs=4, verbose=0)
+    net.set_params(max_epochs=2)
+    net.fit(*data)
+    net.save_state(tmp_path / 'state.pt')
+    fresh = AcceleratedNet(MLP, accelerator=net.accelerator, max_epochs=4, verbose=0)
+    fresh.load_state(tmp_path / 'state.pt')
+    assert fresh._prepared.wrapped  # prepared after the weights were loaded
+    fresh.partial_fit(*data)
+    assert len(fresh.history) == 4  # only the remaining epochs
+
+
+def test_every_n_epochs_and_invalid_arguments(data, tmp_path):
+    from accel_mixin.callbacks import TrainingCheckpoint
+
+    net = AcceleratedNet(MLP, accelerator=Accelerator(cpu=True), max_epochs=5, verbose=0,
+                         callbacks=[TrainingCheckpoint(tmp_path, every_n_epochs=2, keep_last=None)])
+    net.fit(*data)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        'training-state-000002.pt', 'training-state-000004.pt']
+    with pytest.raises(ValueError, match='keep_last must be at least 1'):
+        AcceleratedNet(MLP, accelerator=net.accelerator,
+                       callbacks=[TrainingCheckpoint(tmp_path, keep_last=0)]).initialize()
+
+
+def test_a_params_file_is_not_a_training_state(data, tmp_path):
+    net = AcceleratedNet(MLP, accelerator=Accelerator(cpu=True)).initialize()
+    net.save_params(f_params=tmp_path / 'params.pt')
+    with pytest.raises(CheckpointError, match='not a training state written by save_state'):
+        net.load_state(tmp_path / 'params.pt')

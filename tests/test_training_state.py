@@ -1,0 +1,49 @@
+"""The non-weight pieces of a training state, on their own."""
+import random
+
+import numpy as np
+import pytest
+import torch
+from skorch.callbacks import EarlyStopping
+
+from accel_mixin.training_state import (
+    _NotPlain, callback_state, plain, restore_callback_state, restore_rng, rng_state, snapshot)
+
+
+def test_plain_converts_numpy_and_keeps_tensors():
+    value = {'a': np.float64(1.5), 'b': [np.int64(2), torch.ones(2)], 'c': np.arange(3)}
+    out = plain(value)
+    assert type(out['a']) is float and type(out['b'][0]) is int
+    assert torch.equal(out['c'], torch.arange(3))
+    with pytest.raises(_NotPlain):
+        plain(object())
+
+
+def test_rng_state_round_trip():
+    state = rng_state()
+    draws = (random.random(), np.random.rand(), torch.rand(1).item())
+    restore_rng(state)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == draws
+
+
+def test_callback_state_keeps_plain_fitted_attributes():
+    cb = EarlyStopping().initialize()
+    cb.misses_, cb.dynamic_threshold_, cb.best_epoch_ = 3, np.float64(0.25), 7
+    cb.some_object_ = object()  # not state that a file can hold safely
+    state = callback_state(cb)
+    assert state['misses_'] == 3 and state['dynamic_threshold_'] == 0.25
+    assert 'some_object_' not in state
+    fresh = EarlyStopping().initialize()
+    restore_callback_state(fresh, state)
+    assert (fresh.misses_, fresh.best_epoch_) == (3, 7)
+
+
+def test_snapshot_copies_and_reuses_memory():
+    live = {'w': torch.ones(3), 'opt': [torch.zeros(2)], 'step': 4}
+    first = snapshot(live)
+    live['w'].add_(1)
+    assert first['w'].tolist() == [1.0, 1.0, 1.0]  # shares nothing with training
+    second = snapshot(live, reuse=first)
+    assert second['w'] is first['w'] and second['w'].tolist() == [2.0, 2.0, 2.0]
+    live['w'] = torch.ones(5)  # another shape: a new tensor
+    assert snapshot(live, reuse=second)['w'].shape == (5,)
