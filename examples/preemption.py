@@ -61,6 +61,9 @@ def train(dirname, history_file):
     if net.accelerator.is_main_process:
         rows = [{k: v for k, v in row.items() if k != 'dur'} for row in net.history]
         Path(history_file).write_text(json.dumps(rows))
+    # Tear the process group down while Python is still whole: left to the
+    # interpreter's exit, gloo's threads can abort the process.
+    net.accelerator.end_training()
 
 
 def launch(dirname, history_file):

@@ -93,6 +93,9 @@ def main():
     say(f"Test accuracy, accelerated net reloaded: {after_accelerated:.4f}")
     say(f"Test accuracy, plain skorch net reloaded: {after_plain:.4f}")
     say(f"Saved to {out}: {', '.join(sorted(p.name for p in files.values()))}")
+    # Tear the process group down while Python is still whole: left to the
+    # interpreter's exit, gloo's threads can abort the process.
+    accelerator.end_training()
     if not before == after_accelerated == after_plain:
         raise SystemExit("Accuracies differ after loading")
 

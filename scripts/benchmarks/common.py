@@ -72,12 +72,17 @@ def summarize(times, baseline):
 
 
 def write_result(path, payload):
-    """Write the benchmark's JSON, from the main process only."""
-    if not is_main():
-        return
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=1, default=float))
+    """Write the benchmark's JSON from the main process, then end the group.
+
+    Left to the interpreter's exit, gloo's worker threads can abort the
+    process; tearing the group down first, as ``end_training`` does, avoids it.
+    """
+    if is_main():
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(payload, indent=1, default=float))
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def seed_everything(seed=0):
