@@ -91,8 +91,11 @@ class ResumeTraining(Callback):
 
     At the start of training, loads the newest file that
     ``TrainingCheckpoint`` completed in ``dirname``; ``fit`` then trains only
-    the epochs that remain up to ``max_epochs``. Without a checkpoint,
-    training starts afresh.
+    the epochs that remain up to ``max_epochs``, none if the saved run was
+    stopped by ``EarlyStopping``. Without a checkpoint, training starts
+    afresh. Where machines keep their own copies (``save_on_each_node``),
+    every rank resumes from the newest epoch that all of them have, and all
+    raise a ``CheckpointError`` if some have files and others none of those.
 
     Parameters
     ----------
@@ -108,9 +111,9 @@ class ResumeTraining(Callback):
         return self
 
     def on_train_begin(self, net, **kwargs):
-        from accel_mixin.checkpoint import latest_checkpoint  # pylint: disable=import-outside-toplevel
+        from accel_mixin.checkpoint import agreed_checkpoint  # pylint: disable=import-outside-toplevel
 
-        path = latest_checkpoint(self.dirname)
+        path = agreed_checkpoint(self.dirname, net.accelerator)
         if path is not None:
             net.load_state(path)
             self.resumed_from_ = path

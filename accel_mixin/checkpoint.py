@@ -31,6 +31,7 @@ from accel_mixin.training_state import (
 
 __all__ = [
     'FORMAT',
+    'agreed_checkpoint',
     'collect_state',
     'latest_checkpoint',
     'restore_training_state',
@@ -57,7 +58,7 @@ def _schedulers(net):
             yield name, cb
 
 
-def collect_state(net, train_iterator_state):
+def collect_state(net, train_iterator_state, stopped=False):
     """The training state of ``net``; every rank calls it (for the RNGs).
 
     Parameters
@@ -67,6 +68,10 @@ def collect_state(net, train_iterator_state):
 
     train_iterator_state : dict
       What decides the shuffling of the next epoch.
+
+    stopped : bool (default=False)
+      Whether training stops after this epoch (``EarlyStopping``), so that
+      a resumed run trains no further.
 
     """
     accelerator = net.accelerator
@@ -97,6 +102,7 @@ def collect_state(net, train_iterator_state):
         'loop': {
             'accumulation_step': int(accelerator.step),
             'train_iterator': train_iterator_state,
+            'stopped': bool(stopped),
         },
     }
 
@@ -160,6 +166,7 @@ def restore_training_state(net, state, source):
         'callbacks': state['callbacks'],
         'rng': rngs[rank] if rank < len(rngs) else None,
         'train_iterator': state['loop']['train_iterator'],
+        'stopped': state['loop'].get('stopped', False),
     }
 
 
@@ -201,15 +208,20 @@ def train_iterator_state(train_iterator):
     }
 
 
-def checkpoint_files(dirname):
-    """The complete training-state files in ``dirname``, by epoch, oldest first."""
+def _checkpoint_epochs(dirname):
+    """The complete training-state files in ``dirname``, by epoch."""
     try:
         names = os.listdir(dirname)
     except FileNotFoundError:
-        return []
-    found = [(int(m.group(1)), os.path.join(dirname, n))
-             for n in names for m in [_CHECKPOINT_RE.match(n)] if m]
-    return [path for _, path in sorted(found)]
+        return {}
+    return {int(m.group(1)): os.path.join(dirname, n)
+            for n in names for m in [_CHECKPOINT_RE.match(n)] if m}
+
+
+def checkpoint_files(dirname):
+    """The complete training-state files in ``dirname``, oldest first."""
+    found = _checkpoint_epochs(dirname)
+    return [found[epoch] for epoch in sorted(found)]
 
 
 def latest_checkpoint(dirname):
@@ -220,3 +232,52 @@ def latest_checkpoint(dirname):
     """
     files = checkpoint_files(dirname)
     return files[-1] if files else None
+
+
+def agreed_checkpoint(dirname, accelerator):
+    """The newest training state in ``dirname`` that every rank has, or None.
+
+    Machines that share no filesystem (``save_on_each_node``) can hold
+    different files: one killed during a write, or a new machine with none.
+    Each rank lists its own ``dirname``; all resume from the newest epoch
+    they all have, so that they train the same epochs from the same state.
+
+    Raises
+    ------
+    CheckpointError
+      On every rank, if some ranks have training states and others have
+      none in common with them, or a rank cannot read ``dirname``.
+
+    """
+    try:
+        found, error = _checkpoint_epochs(dirname), None
+    except OSError as exc:
+        found, error = {}, f'{type(exc).__name__}: {exc}'
+    if accelerator.num_processes == 1:
+        if error is not None:
+            raise CheckpointError(f"Cannot look for training states in {dirname}: {error}")
+        return found[max(found)] if found else None
+
+    everyone = gather_object([(sorted(found), error)])
+    errors = [f'rank {rank}: {err}' for rank, (_, err) in enumerate(everyone) if err]
+    if errors:
+        raise CheckpointError(
+            f"Cannot look for training states in {dirname}: {'; '.join(errors)}.")
+    common = set.intersection(*(set(epochs) for epochs, _ in everyone))
+    newest = {rank: max(epochs) for rank, (epochs, _) in enumerate(everyone) if epochs}
+    if common:
+        epoch = max(common)
+        ahead = sorted(rank for rank, last in newest.items() if last > epoch)
+        if ahead and accelerator.is_main_process:
+            warnings.warn(
+                f"Resuming from epoch {epoch}, the newest training state in {dirname} that "
+                f"every rank has; rank(s) {ahead} also have newer ones.", RuntimeWarning)
+        return found[epoch]
+    if newest:
+        have = ', '.join(f'rank {rank}: epochs {epochs}'
+                         for rank, (epochs, _) in enumerate(everyone))
+        raise CheckpointError(
+            f"No training state in {dirname} is on every rank ({have}). Copy the newest "
+            f"file to {dirname} on every machine, or remove the files everywhere to "
+            "start afresh.")
+    return None

@@ -3,7 +3,7 @@
 A file is written under a temporary name in its target directory, flushed,
 fsynced and renamed into place, so a crash or an error mid-write leaves the
 previous file as it was. Temporary files that a killed writer left behind are
-removed by the next write to the same target. Reading refuses pickles that
+removed by the next write to the same target from the same machine. Reading refuses pickles that
 would run code, maps torch files into memory instead of copying them, and
 turns the errors of torch, safetensors and json into messages that say which
 file is wrong and what to do.
@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import pickle
+import socket
 import tempfile
 import threading
 import zipfile
@@ -29,6 +30,9 @@ __all__ = [
 ]
 
 _TMP = '.accel_mixin-tmp-'
+# In temporary names: a process id means something on its own machine only,
+# and a shared filesystem may hold the writes of several machines.
+_HOST = socket.gethostname().replace('-', '_').replace(os.sep, '_') or 'host'
 
 
 def _read_umask():
@@ -56,9 +60,9 @@ def _pid_alive(pid):
 
 
 def _sweep(path):
-    """Remove temporary files that dead writers left for ``path``."""
+    """Remove temporary files that dead writers of this machine left for ``path``."""
     directory, name = os.path.split(os.path.abspath(path))
-    prefix = f'.{name}{_TMP}'
+    prefix = f'.{name}{_TMP}{_HOST}-'
     with contextlib.suppress(OSError):
         for entry in os.listdir(directory):
             if not entry.startswith(prefix):
@@ -115,7 +119,7 @@ def atomic_write(path, write):
         raise FileNotFoundError(
             f"Cannot save to {path}: the directory {directory} does not exist; create it first")
     _sweep(path)
-    fd, tmp = tempfile.mkstemp(prefix=f'.{name}{_TMP}{os.getpid()}-', dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix=f'.{name}{_TMP}{_HOST}-{os.getpid()}-', dir=directory)
     try:
         # mkstemp makes the file private (0600); give it the mode a plain
         # open would, or the mode of the file it replaces
@@ -226,18 +230,44 @@ def read_state(f, *, use_safetensors=False, torch_load_kwargs=None, map_location
     try:
         return torch.load(f, **kwargs)
     except pickle.UnpicklingError as exc:
-        if kwargs.get('weights_only') and 'allowed global' in str(exc):
+        # the refusal of a global, as torch words it across releases
+        if kwargs.get('weights_only') and any(hint in str(exc) for hint in (
+                'allowed global', 'Unsupported global', 'Unsupported class')):
             raise CheckpointError(
                 f"Refused to load {f}: it holds objects whose unpickling would run code, "
                 "and files are loaded with weights_only=True. If you trust the file and "
                 "its source, pass torch_load_kwargs={'weights_only': False} to the net."
             ) from exc
-        raise CheckpointError(f"{f} is not a readable torch file (corrupt?): {exc}") from exc
+        raise CheckpointError(
+            f"{f} is not a readable torch file (corrupt?{_safetensors_hint(f)}): {exc}") from exc
     except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile) as exc:
         raise CheckpointError(
             f"{f} is not a complete torch file, it may be truncated or corrupt "
-            f"({type(exc).__name__}: {exc}); load an earlier checkpoint or save again."
+            f"({type(exc).__name__}: {exc}){_safetensors_hint(f)}; load an earlier checkpoint "
+            "or save again."
         ) from exc
+    except OSError:
+        raise
+    except Exception as exc:  # pylint: disable=broad-except
+        # garbage makes the unpickler fail in any way (IndexError, KeyError, ...)
+        raise CheckpointError(
+            f"{f} is not a readable torch file (corrupt?{_safetensors_hint(f)}): "
+            f"{type(exc).__name__}: {exc}") from exc
+
+
+def _safetensors_hint(f):
+    """A pointer to use_safetensors=True where ``f`` looks like a safetensors file."""
+    if not _is_path(f):
+        return ''
+    try:
+        with open(f, 'rb') as file:
+            head = file.read(9)
+    except OSError:
+        return ''
+    # a safetensors file starts with the length of its JSON header, then '{'
+    if len(head) == 9 and head[8:9] == b'{' and int.from_bytes(head[:8], 'little') < 2**27:
+        return '; it looks like a safetensors file: load it with use_safetensors=True'
+    return ''
 
 
 def _read_safetensors(f, map_location):

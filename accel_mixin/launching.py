@@ -22,7 +22,12 @@ def kill_job(proc, timeout=10):
       Seconds to wait for the killed workers to be gone.
 
     """
-    import psutil
+    try:
+        import psutil
+    except ImportError as exc:
+        raise ImportError(
+            "kill_job needs psutil to find a launcher's workers: pip install psutil "
+            "(or pip install 'accel_mixin[test]')") from exc
 
     try:
         workers = psutil.Process(proc.pid).children(recursive=True)

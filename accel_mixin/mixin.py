@@ -38,8 +38,14 @@ _RESUMED = 'accelerate_resumed_'
 _IN_TRAIN_BEGIN = 'accelerate_in_train_begin_'
 _WAS_WRAPPED = 'accelerate_was_wrapped_'
 _SNAPSHOT = 'accelerate_snapshot_'
+_STOPPING = 'accelerate_stopping_'
 _PROCESS_LOCAL = (_REGISTRY, _STEPPER, _COORDINATOR, _WRITER, _TRAIN_ITERATOR, _PENDING,
-                  _RESUMED, _IN_TRAIN_BEGIN, _WAS_WRAPPED, _SNAPSHOT)
+                  _RESUMED, _IN_TRAIN_BEGIN, _WAS_WRAPPED, _SNAPSHOT, _STOPPING)
+# Notifications after which ranks go into collectives (DDP's broadcasts and
+# all-reduces) that a failed rank would never join: a barrier ends them, so
+# that an error in a callback there reaches every rank. on_epoch_end has its
+# own; per-batch notifications get none, which would cost a barrier a batch.
+_BARRIER_AFTER = frozenset(['on_train_begin', 'on_epoch_begin'])
 
 
 class AccelerateMixin(SafeParamsMixin):
@@ -209,6 +215,9 @@ class AccelerateMixin(SafeParamsMixin):
 
     def initialize(self):
         """Initializes all of its components and returns self."""
+        # a fresh start: a training state loaded before no longer applies
+        self.__dict__.pop(_PENDING, None)
+        self.__dict__.pop(_RESUMED, None)
         with quiet_unless_main(self.accelerator):
             self._initialize_components()
             self._initialize_accelerator()
@@ -229,17 +238,33 @@ class AccelerateMixin(SafeParamsMixin):
         self._validate_params()
 
     def fit(self, X, y=None, **fit_params):
+        """Initialize and fit the module, as skorch does.
+
+        After ``load_state``, ``fit`` goes on from the loaded state instead
+        of initializing anew, and trains only the epochs that remain up to
+        ``max_epochs``.
+
+        """
         with self._coordinator.session('fit'), quiet_unless_main(self.accelerator):
-            return super().fit(X, y, **fit_params)
+            if not (self.initialized_ and self.__dict__.get(_RESUMED)):
+                return super().fit(X, y, **fit_params)
+            # skorch's fit, without its initialize()
+            warm_start, self.warm_start = self.warm_start, True
+            try:
+                return super().fit(X, y, **fit_params)
+            finally:
+                self.warm_start = warm_start
 
     def partial_fit(self, X, y=None, classes=None, **fit_params):
         with self._coordinator.session('partial_fit'), quiet_unless_main(self.accelerator):
             return super().partial_fit(X, y, classes=classes, **fit_params)
 
     def fit_loop(self, X, y=None, epochs=None, **fit_params):
-        # A resumed run trains only the epochs that remain up to max_epochs.
-        if self.__dict__.pop(_RESUMED, False) and epochs is None:
-            epochs = max(self.max_epochs - len(self.history), 0)
+        # A resumed run trains only the epochs that remain up to max_epochs,
+        # none if the run it resumes was stopped early.
+        resumed = self.__dict__.pop(_RESUMED, None)
+        if resumed is not None and epochs is None:
+            epochs = 0 if resumed['stopped'] else max(self.max_epochs - len(self.history), 0)
         return super().fit_loop(X, y, epochs=epochs, **fit_params)
 
     def _initialize_callbacks(self):
@@ -278,6 +303,8 @@ class AccelerateMixin(SafeParamsMixin):
             return
         with coordinator.section(method_name):
             self._notify(method_name, **cb_kwargs)
+            if method_name in _BARRIER_AFTER:
+                coordinator.barrier(method_name)
 
     def _notify(self, method_name, **cb_kwargs):
         if method_name == 'on_train_begin':
@@ -345,10 +372,15 @@ class AccelerateMixin(SafeParamsMixin):
                 raise error
             if failure is not None:
                 raise DistributedError(failure)
-        # after every other callback: the state of the finished epoch
-        for _, cb in self.callbacks_:
-            if isinstance(cb, TrainingCheckpoint):
-                cb.save_epoch(self)
+        # after every other callback: the state of the finished epoch, and
+        # whether training stops there, so that a rerun does not go on
+        self.__dict__[_STOPPING] = stop
+        try:
+            for _, cb in self.callbacks_:
+                if isinstance(cb, TrainingCheckpoint):
+                    cb.save_epoch(self)
+        finally:
+            del self.__dict__[_STOPPING]
         if stop:
             raise KeyboardInterrupt
 
@@ -555,7 +587,8 @@ class AccelerateMixin(SafeParamsMixin):
         with self._unwrapped(), quiet_unless_main(self.accelerator), \
                 self._coordinator.session('save_state'):
             self.wait_for_saves()
-            state = collect_state(self, train_iterator_state(self._train_iterator()))
+            state = collect_state(self, train_iterator_state(self._train_iterator()),
+                                  stopped=self.__dict__.get(_STOPPING, False))
             if not asynchronous:
                 self._coordinator.run(lambda: write(state), what='save_state', here=writes)
             elif writes:
@@ -641,7 +674,7 @@ class AccelerateMixin(SafeParamsMixin):
 
     def _resume_end(self):
         """Training resumes with the remaining epochs; everyone is ready."""
-        self.__dict__[_RESUMED] = True
+        self.__dict__[_RESUMED] = {'stopped': self._pending.pop('stopped', False)}
         self._coordinator.barrier('load_state')
 
     def _writes_files(self):

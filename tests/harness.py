@@ -149,6 +149,11 @@ def _launch(launchers, script, args, world_size, timeout, cpu_env, env):
     return Launch(returncode, output, timed_out, ranks)
 
 
+def check_errors(ranks, check):
+    """The error a ``Checks`` check raised on every rank, None where it did not."""
+    return [checks[check].get('error') for checks in ranks]
+
+
 def check_values(ranks, check):
     """The value a ``Checks`` check returned on every rank; fails the test if
     it raised on any rank."""

@@ -28,7 +28,8 @@ def test_benchmarks_run_and_report(tmp_path):
     assert fit_2['processes'] == 2 and 'skorch' not in fit_2['results']
     assert 'accel_mixin, no history sync' in fit_2['results']
     checkpoint = json.loads((results / 'raw' / 'checkpoint_2.json').read_text())
-    assert set(checkpoint['save']) == {'torch.save', 'torch.save + fsync', 'accel_mixin', 'incumbent'}
+    assert set(checkpoint['save']) == {'torch.save', 'torch.save + fsync', 'accel_mixin', 'incumbent',
+                                       'torch.save, overwriting', 'accel_mixin, overwriting'}
     assert set(checkpoint['rewrap']) == {'small', 'large'}
     assert set(checkpoint['load_memory_over_file_size']) == {'torch.load', 'accel_mixin', 'incumbent'}
 

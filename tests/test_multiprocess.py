@@ -6,7 +6,7 @@ Each launched script runs many checks in one launch; the incumbent
 """
 import pytest
 
-from harness import check_values as values, run_processes
+from harness import check_errors as errors, check_values as values, run_processes
 
 pytestmark = pytest.mark.multiprocess
 
@@ -24,10 +24,6 @@ def ours():
 @pytest.fixture(scope='module')
 def incumbent():
     return checks_of(run_processes('core_checks.py', 'incumbent', timeout=300))
-
-
-def errors(ranks, check):
-    return [checks[check].get('error') for checks in ranks]
 
 
 # --- a. default criteria ----------------------------------------------------

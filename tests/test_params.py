@@ -152,6 +152,21 @@ def test_saves_leave_no_temporary_files_and_usual_permissions(tmp_path):
     assert (tmp_path / 'params.pt').stat().st_mode & 0o777 == 0o666 & ~umask
 
 
+def test_a_save_sweeps_only_this_machines_dead_writers(tmp_path):
+    from accel_mixin.files import _HOST, atomic_write
+
+    dead = subprocess.run([sys.executable, '-c', 'import os; print(os.getpid())'],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    ours = tmp_path / f'.params.pt.accel_mixin-tmp-{_HOST}-{dead}-abc'
+    # on a shared filesystem: a live write of another machine, whose process
+    # ids mean nothing here
+    theirs = tmp_path / f'.params.pt.accel_mixin-tmp-otherhost-{dead}-abc'
+    for path in (ours, theirs):
+        path.write_bytes(b'half')
+    atomic_write(tmp_path / 'params.pt', lambda f: f.write(b'whole'))
+    assert not ours.exists() and theirs.exists()
+
+
 def test_a_failing_save_leaves_the_previous_file(tmp_path, monkeypatch):
     net = nets()['accelerated, wrapped']
     target = tmp_path / 'params.pt'
@@ -279,9 +294,14 @@ def test_truncated_file(saved):
 
 
 def test_garbage_file(saved):
-    (saved / 'noise.pt').write_bytes(os.urandom(1000))
-    with pytest.raises(CheckpointError, match=r'noise.pt is not a'):
-        nets()['plain skorch'].load_params(f_params=saved / 'noise.pt')
+    # garbage makes torch's unpickler fail in many ways; every one of them
+    # must come out as the same clear error
+    net = nets()['plain skorch']
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        (saved / 'noise.pt').write_bytes(rng.bytes(int(rng.integers(1, 2000))))
+        with pytest.raises(CheckpointError, match=r'noise.pt is not a'):
+            net.load_params(f_params=saved / 'noise.pt')
 
 
 def test_another_architecture_names_the_key_and_both_shapes(saved):
@@ -349,3 +369,17 @@ def test_pickled_objects_in_history_are_not_needed(saved):
     """History files are JSON: nothing to unpickle."""
     with pytest.raises(pickle.UnpicklingError):
         pickle.loads((saved / 'history.json').read_bytes())
+
+
+def test_a_safetensors_file_read_as_torch_gets_a_pointer(tmp_path):
+    # torch 2.13 reads safetensors files itself; older releases fail, and
+    # the error then points to use_safetensors=True
+    from safetensors.torch import save_file
+
+    from accel_mixin.files import _safetensors_hint
+
+    save_file({'w': torch.zeros(2)}, tmp_path / 'p.safetensors')
+    torch.save({'w': torch.zeros(2)}, tmp_path / 'p.pt')
+    assert 'use_safetensors=True' in _safetensors_hint(tmp_path / 'p.safetensors')
+    assert _safetensors_hint(tmp_path / 'p.pt') == ''
+    assert _safetensors_hint(tmp_path / 'missing') == ''

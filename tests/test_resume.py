@@ -154,3 +154,56 @@ def test_a_params_file_is_not_a_training_state(data, tmp_path):
     net.save_params(f_params=tmp_path / 'params.pt')
     with pytest.raises(CheckpointError, match='not a training state written by save_state'):
         net.load_state(tmp_path / 'params.pt')
+
+
+def fit_history(net, data):
+    net.fit(*data)
+    return [{k: v for k, v in row.items() if k != 'dur'} for row in net.history]
+
+
+def test_load_state_then_fit_goes_on_from_the_state(data, tmp_path):
+    accelerator = Accelerator(cpu=True)
+
+    def make():
+        torch.manual_seed(0)
+        return AcceleratedNet(MLP, accelerator=accelerator, max_epochs=4, verbose=0,
+                              iterator_train__shuffle=True)
+
+    uninterrupted = fit_history(make(), data)
+    first = make().set_params(max_epochs=2)
+    first.fit(*data)
+    first.save_state(tmp_path / 'state.pt')
+
+    resumed = make()
+    resumed.load_state(tmp_path / 'state.pt')
+    assert fit_history(resumed, data) == uninterrupted  # fit did not start over
+
+    # initialize() after load_state is a fresh start, as in skorch
+    restarted = make()
+    restarted.load_state(tmp_path / 'state.pt')
+    restarted.initialize()
+    torch.manual_seed(0)  # fit initializes again, as make() would have
+    assert fit_history(restarted, data) == uninterrupted
+
+
+def test_a_run_stopped_early_is_not_continued_by_a_rerun(data, tmp_path):
+    from skorch.callbacks import EarlyStopping
+
+    from accel_mixin.callbacks import ResumeTraining, TrainingCheckpoint
+
+    def run():
+        # no epoch after the first improves by 100: stops after epoch 3
+        stopper = EarlyStopping(monitor='train_loss', patience=2, threshold=100,
+                                threshold_mode='abs', sink=lambda *_: None)
+        net = AcceleratedNet(MLP, accelerator=Accelerator(cpu=True), max_epochs=10, verbose=0,
+                             callbacks=[stopper, TrainingCheckpoint(tmp_path),
+                                        ResumeTraining(tmp_path)])
+        return net.fit(*data)
+
+    first = run()
+    assert len(first.history) == 3
+    rerun = run()
+    assert dict(rerun.callbacks_)['ResumeTraining'].resumed_from_.endswith('training-state-000003.pt')
+    # no epoch trained: EarlyStopping's restored misses_ == patience would
+    # otherwise be passed by one and never stop again
+    assert rerun.history == first.history

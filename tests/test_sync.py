@@ -91,9 +91,10 @@ def test_one_voice(launch):
     assert all(text.startswith('=== one voice') for text in said_by_rank1 if text)
 
 
-def test_an_error_on_rank_1_reaches_rank_0_promptly(ranks):
-    rank0, rank1 = values(ranks, 'error_in_a_callback_on_rank_1')
+@pytest.mark.parametrize('hook', ['on_epoch_end', 'on_epoch_begin', 'on_train_begin'])
+def test_an_error_on_rank_1_reaches_rank_0_promptly(ranks, hook):
+    rank0, rank1 = (value[hook] for value in values(ranks, 'error_in_a_callback_on_rank_1'))
     assert rank1['error'] == 'ValueError: boom from rank 1'
-    assert rank0['error'].startswith('DistributedError: on_epoch_end failed on rank 1')
+    assert rank0['error'].startswith(f'DistributedError: {hook} failed on rank 1')
     assert 'boom from rank 1' in rank0['error']
     assert max(rank0['seconds'], rank1['seconds']) < 5  # the collective timeout is 30 s

@@ -44,7 +44,8 @@ def checkpoint_tables(result):
         f"**save_params / load_params** ({result['processes']} processes, "
         f"{result['params'] / 1e6:.1f}M parameters, {result['file_mb']:.0f} MB file; the "
         "baseline is a raw torch.save of the same state dict on rank 0, or torch.load "
-        "plus load_state_dict on every rank)",
+        "plus load_state_dict on every rank; saves write a new file, except the "
+        "overwriting ones, which replace the file of the same name)",
         '',
         '| operation | variant | median (s) | vs raw torch |',
         '|---|---|---:|---:|',
@@ -136,6 +137,10 @@ def targets(fit1, fit2, checkpoint, stall=None):
                      f'{ratio:.2f}', ratio <= 0.25))
     lines = ['| target | measured | |', '|---|---:|---|']
     lines += [f'| {name} | {value} | {verdict(ok)} |' for name, value, ok in rows]
+    if fit1 or fit2:
+        lines += ['', 'Fit ratios are the median of the per-round ratios ("paired rounds" '
+                      'above): the machine drifts more between rounds than the differences '
+                      'measured, so the ratio of overall medians can differ.']
     return lines
 
 

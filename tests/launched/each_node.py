@@ -2,15 +2,18 @@
 its own working directory. With accelerate's save_on_each_node, the main
 process of every node writes a copy and every node loads its own; without
 it, only node 0 has the file, and loading fails on every node, clearly.
+ResumeTraining resumes every node from the newest epoch all of them have.
 
 Usage: torchrun --nnodes 2 --node_rank 0|1 --nproc_per_node 1 each_node.py
 """
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
 from accelerate.utils import ProjectConfiguration
 
+from accel_mixin.callbacks import ResumeTraining, TrainingCheckpoint
 from common import AcceleratedNet, Checks, MLP, make_accelerator, make_data, report
 
 accelerator = make_accelerator(project_config=ProjectConfiguration(save_on_each_node=True))
@@ -40,6 +43,38 @@ def save_on_each_node():
         'same_predictions': bool(np.array_equal(fresh.predict_proba(X), net.predict_proba(X))),
         'history_epochs': len(fresh.history),
     }
+
+
+def resume(max_epochs):
+    net = AcceleratedNet(MLP, accelerator=accelerator, max_epochs=max_epochs, verbose=0,
+                         callbacks=[TrainingCheckpoint('states', keep_last=None),
+                                    ResumeTraining('states')])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        net.fit(X, y)
+    return net, [str(w.message) for w in caught if 'every rank has' in str(w.message)]
+
+
+@checks
+def resume_from_the_epoch_every_node_has():
+    resume(3)  # every node keeps its own epochs 1 to 3
+    if rank == 1:  # node 1 was killed while writing epoch 3
+        os.unlink('states/training-state-000003.pt')
+    net, caught = resume(4)
+    return {
+        'resumed_from': os.path.basename(dict(net.callbacks_)['ResumeTraining'].resumed_from_),
+        'epochs': len(net.history),
+        'train_loss': net.history[:, 'train_loss'],
+        'warnings': caught,
+    }
+
+
+@checks
+def no_epoch_in_common_fails_on_every_node():
+    if rank == 1:  # a new machine: nothing to resume from
+        for path in Path('states').iterdir():
+            path.unlink()
+    resume(5)
 
 
 @checks

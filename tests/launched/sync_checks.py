@@ -167,22 +167,36 @@ def one_voice():
 
 
 class FailOnRank1(Callback):
-    def on_epoch_end(self, net, **kwargs):
+    """Raises in one notification, in the second epoch, on rank 1 only."""
+
+    def __init__(self, hook):
+        self.hook = hook
+        setattr(self, hook, self.fail)
+
+    def fail(self, net, **kwargs):
         if rank == 1 and len(net.history) == 2:
             raise ValueError('boom from rank 1')
 
 
 @checks
 def error_in_a_callback_on_rank_1():
-    # Checkpoint comes after the failing callback: rank 0 waits in save_params
-    net = make_net(max_epochs=4, callbacks=[
-        FailOnRank1(), Checkpoint(monitor=None, dirname='cp_error')])
-    start = time.monotonic()
-    try:
-        net.fit(X, y)
-    except Exception as exc:  # pylint: disable=broad-except
-        return {'error': f'{type(exc).__name__}: {exc}', 'seconds': time.monotonic() - start}
-    return {'error': None}
+    results = {}
+    for hook in ('on_epoch_end', 'on_epoch_begin', 'on_train_begin'):
+        # Checkpoint comes after the failing callback: rank 0 waits in save_params
+        net = make_net(max_epochs=4, callbacks=[
+            FailOnRank1(hook), Checkpoint(monitor=None, dirname='cp_error')])
+        if hook == 'on_train_begin':
+            net.set_params(max_epochs=2)
+            net.fit(X, y)
+            net.set_params(warm_start=True)  # the second fit has a history of 2
+        start = time.monotonic()
+        try:
+            net.fit(X, y)
+            results[hook] = {'error': None}
+        except Exception as exc:  # pylint: disable=broad-except
+            results[hook] = {'error': f'{type(exc).__name__}: {exc}',
+                             'seconds': time.monotonic() - start}
+    return results
 
 
 report({'rank': rank, 'checks': checks.results})
