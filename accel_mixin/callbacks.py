@@ -113,6 +113,9 @@ class ResumeTraining(Callback):
     def on_train_begin(self, net, **kwargs):
         from accel_mixin.checkpoint import agreed_checkpoint  # pylint: disable=import-outside-toplevel
 
+        # every rank gets here before the ranks compare their files, or
+        # raises if a callback before this one failed on some rank
+        net._coordinator.barrier('ResumeTraining')  # pylint: disable=protected-access
         path = agreed_checkpoint(self.dirname, net.accelerator)
         if path is not None:
             net.load_state(path)

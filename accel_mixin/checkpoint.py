@@ -22,7 +22,7 @@ import warnings
 
 import torch
 from accelerate.utils import gather_object
-from skorch.callbacks import LRScheduler
+from skorch.callbacks import EarlyStopping, LRScheduler
 from skorch.history import History
 
 from accel_mixin.state_dict import CheckpointError, clean_state_dict, load_module_state
@@ -36,6 +36,7 @@ __all__ = [
     'latest_checkpoint',
     'restore_training_state',
     'restore_weights',
+    'stopped_early',
     'validate_state',
 ]
 
@@ -56,6 +57,13 @@ def _schedulers(net):
     for name, cb in net.callbacks_:
         if isinstance(cb, LRScheduler):
             yield name, cb
+
+
+def stopped_early(callbacks):
+    """Whether an ``EarlyStopping`` among ``callbacks`` (skorch's
+    ``callbacks_``) has just decided to stop training."""
+    return any(isinstance(cb, EarlyStopping) and getattr(cb, 'misses_', None) == cb.patience
+               for _, cb in callbacks)
 
 
 def collect_state(net, train_iterator_state, stopped=False):

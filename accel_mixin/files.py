@@ -246,8 +246,8 @@ def read_state(f, *, use_safetensors=False, torch_load_kwargs=None, map_location
             f"({type(exc).__name__}: {exc}){_safetensors_hint(f)}; load an earlier checkpoint "
             "or save again."
         ) from exc
-    except OSError:
-        raise
+    except (OSError, ImportError, MemoryError):
+        raise  # the environment, not the file
     except Exception as exc:  # pylint: disable=broad-except
         # garbage makes the unpickler fail in any way (IndexError, KeyError, ...)
         raise CheckpointError(

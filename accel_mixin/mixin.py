@@ -1,10 +1,13 @@
 """AccelerateMixin: skorch's lifecycle with HuggingFace accelerate."""
+import inspect
+import warnings
 import weakref
 from contextlib import contextmanager
 
 import torch
 from accelerate.utils import convert_to_fp32
 from skorch.callbacks import LRScheduler
+from skorch.net import NeuralNet
 from skorch.dataset import get_len, unpack_data
 from skorch.utils import TeeGenerator
 
@@ -13,7 +16,7 @@ from accel_mixin.background import BackgroundWriter
 from accel_mixin.callbacks import TrainingCheckpoint
 from accel_mixin.checkpoint import (
     apply_epoch_states, apply_train_begin_states, collect_state, restore_training_state,
-    restore_weights, train_iterator_state, validate_state)
+    restore_weights, stopped_early, train_iterator_state, validate_state)
 from accel_mixin.coordination import DistributedError, coordinator_for
 from accel_mixin.distributed import check_process_layout, quiet_unless_main, sink_for
 from accel_mixin.files import read_state, write_state
@@ -41,6 +44,9 @@ _SNAPSHOT = 'accelerate_snapshot_'
 _STOPPING = 'accelerate_stopping_'
 _PROCESS_LOCAL = (_REGISTRY, _STEPPER, _COORDINATOR, _WRITER, _TRAIN_ITERATOR, _PENDING,
                   _RESUMED, _IN_TRAIN_BEGIN, _WAS_WRAPPED, _SNAPSHOT, _STOPPING)
+# skorch >= 1.4 tells partial_fit that fit called it, for metadata routing
+_FIT_ROUTING = ({'_routing_method': 'fit'}
+                if '_routing_method' in inspect.signature(NeuralNet.fit_loop).parameters else {})
 # Notifications after which ranks go into collectives (DDP's broadcasts and
 # all-reduces) that a failed rank would never join: a barrier ends them, so
 # that an error in a callback there reaches every rank. on_epoch_end has its
@@ -249,11 +255,8 @@ class AccelerateMixin(SafeParamsMixin):
             if not (self.initialized_ and self.__dict__.get(_RESUMED)):
                 return super().fit(X, y, **fit_params)
             # skorch's fit, without its initialize()
-            warm_start, self.warm_start = self.warm_start, True
-            try:
-                return super().fit(X, y, **fit_params)
-            finally:
-                self.warm_start = warm_start
+            super().partial_fit(X, y, **_FIT_ROUTING, **fit_params)
+            return self
 
     def partial_fit(self, X, y=None, classes=None, **fit_params):
         with self._coordinator.session('partial_fit'), quiet_unless_main(self.accelerator):
@@ -264,7 +267,14 @@ class AccelerateMixin(SafeParamsMixin):
         # none if the run it resumes was stopped early.
         resumed = self.__dict__.pop(_RESUMED, None)
         if resumed is not None and epochs is None:
-            epochs = 0 if resumed['stopped'] else max(self.max_epochs - len(self.history), 0)
+            epochs = max(self.max_epochs - len(self.history), 0)
+            if resumed['stopped']:
+                epochs = 0
+                warnings.warn(
+                    f"The training state resumed from ends where EarlyStopping stopped "
+                    f"training, after epoch {len(self.history)}: no epochs are trained. "
+                    "To train on regardless, call partial_fit(X, y, epochs=n).",
+                    RuntimeWarning)
         return super().fit_loop(X, y, epochs=epochs, **fit_params)
 
     def _initialize_callbacks(self):
@@ -373,8 +383,9 @@ class AccelerateMixin(SafeParamsMixin):
             if failure is not None:
                 raise DistributedError(failure)
         # after every other callback: the state of the finished epoch, and
-        # whether training stops there, so that a rerun does not go on
-        self.__dict__[_STOPPING] = stop
+        # whether EarlyStopping ends training there, so that a rerun does not
+        # go on (a Ctrl-C or another callback's stop does not count)
+        self.__dict__[_STOPPING] = stop and stopped_early(self.callbacks_)
         try:
             for _, cb in self.callbacks_:
                 if isinstance(cb, TrainingCheckpoint):
@@ -631,6 +642,9 @@ class AccelerateMixin(SafeParamsMixin):
           every rank.
 
         """
+        # a load that fails halfway leaves no earlier load to go on from
+        self.__dict__.pop(_PENDING, None)
+        self.__dict__.pop(_RESUMED, None)
         with quiet_unless_main(self.accelerator), self._coordinator.session('load_state'):
             if not self.initialized_:
                 self._initialize_components()

@@ -202,8 +202,44 @@ def test_a_run_stopped_early_is_not_continued_by_a_rerun(data, tmp_path):
 
     first = run()
     assert len(first.history) == 3
-    rerun = run()
+    with pytest.warns(RuntimeWarning, match='EarlyStopping stopped training, after epoch 3'):
+        rerun = run()
     assert dict(rerun.callbacks_)['ResumeTraining'].resumed_from_.endswith('training-state-000003.pt')
     # no epoch trained: EarlyStopping's restored misses_ == patience would
     # otherwise be passed by one and never stop again
     assert rerun.history == first.history
+
+
+def test_a_stop_by_anything_but_early_stopping_is_resumed(data, tmp_path):
+    from skorch.callbacks import Callback
+
+    from accel_mixin.callbacks import ResumeTraining, TrainingCheckpoint
+
+    class TimeBudget(Callback):  # stops cleanly before the job is preempted
+        def on_epoch_end(self, net, **kwargs):
+            if len(net.history) == 2:
+                raise KeyboardInterrupt
+
+    def run(*extra):
+        net = AcceleratedNet(MLP, accelerator=Accelerator(cpu=True), max_epochs=4, verbose=0,
+                             callbacks=[*extra, TrainingCheckpoint(tmp_path),
+                                        ResumeTraining(tmp_path)])
+        return net.fit(*data)
+
+    assert len(run(TimeBudget()).history) == 2
+    assert len(run().history) == 4
+
+
+def test_a_failed_load_state_leaves_nothing_to_go_on_from(data, tmp_path):
+    accelerator = Accelerator(cpu=True)
+    net = AcceleratedNet(MLP, accelerator=accelerator, max_epochs=2, verbose=0)
+    net.fit(*data)
+    net.save_state(tmp_path / 'state.pt')
+    net.save_params(f_params=tmp_path / 'params.pt')
+
+    other = AcceleratedNet(MLP, accelerator=accelerator, max_epochs=3, verbose=0)
+    other.load_state(tmp_path / 'state.pt')
+    with pytest.raises(CheckpointError):
+        other.load_state(tmp_path / 'params.pt')
+    other.fit(*data)
+    assert len(other.history) == 3  # started afresh, as skorch's fit does

@@ -137,6 +137,15 @@ def targets(fit1, fit2, checkpoint, stall=None):
                      f'{ratio:.2f}', ratio <= 0.25))
     lines = ['| target | measured | |', '|---|---:|---|']
     lines += [f'| {name} | {value} | {verdict(ok)} |' for name, value, ok in rows]
+    save = checkpoint and checkpoint['save']
+    if save and 'torch.save + fsync' in save:
+        fsync = save['torch.save + fsync']['median_s'] / save['torch.save']['median_s']
+        lines += ['', f'save_params fsyncs each file before renaming it into place, as an '
+                      'atomic write must for the previous checkpoint to survive a crash of '
+                      'the machine; a raw torch.save only fills the page cache. Here the '
+                      f'fsync alone makes torch.save take {fsync:.2f} x as long, so where '
+                      'that exceeds 1.15 the target against raw torch.save cannot be met '
+                      'by a durable write: torch.save + fsync is the I/O limit that applies.']
     if fit1 or fit2:
         lines += ['', 'Fit ratios are the median of the per-round ratios ("paired rounds" '
                       'above): the machine drifts more between rounds than the differences '
