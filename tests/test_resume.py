@@ -243,3 +243,27 @@ def test_a_failed_load_state_leaves_nothing_to_go_on_from(data, tmp_path):
         other.load_state(tmp_path / 'params.pt')
     other.fit(*data)
     assert len(other.history) == 3  # started afresh, as skorch's fit does
+
+
+def test_the_gradient_scaler_resumes(data, tmp_path):
+    # accelerate builds a GradScaler for fp16 on GPUs only; torch's CPU
+    # GradScaler goes through the same code paths of accelerate and ours
+    accelerator = Accelerator(cpu=True)
+
+    def make(max_epochs):
+        accelerator.scaler = torch.amp.GradScaler('cpu', init_scale=2.0**10, growth_interval=3)
+        torch.manual_seed(0)
+        return AcceleratedNet(MLP, accelerator=accelerator, max_epochs=max_epochs, verbose=0,
+                              iterator_train__shuffle=True)
+
+    uninterrupted = fit_history(make(4), data)
+    scaler_after = accelerator.scaler.state_dict()
+    assert scaler_after['scale'] > 2.0**10  # it grew: there is a state to keep
+
+    first = make(2)
+    first.fit(*data)
+    first.save_state(tmp_path / 'state.pt')
+    resumed = make(4)  # a fresh scaler
+    resumed.load_state(tmp_path / 'state.pt')
+    assert fit_history(resumed, data) == uninterrupted
+    assert accelerator.scaler.state_dict() == scaler_after
