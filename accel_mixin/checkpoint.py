@@ -33,7 +33,6 @@ __all__ = [
     'FORMAT',
     'agreed_checkpoint',
     'collect_state',
-    'latest_checkpoint',
     'restore_training_state',
     'restore_weights',
     'stopped_early',
@@ -232,16 +231,6 @@ def checkpoint_files(dirname):
     return [found[epoch] for epoch in sorted(found)]
 
 
-def latest_checkpoint(dirname):
-    """The newest complete training state in ``dirname``, or None.
-
-    Files are renamed into place when complete, so a write that was killed
-    never has the name this looks for.
-    """
-    files = checkpoint_files(dirname)
-    return files[-1] if files else None
-
-
 def agreed_checkpoint(dirname, accelerator):
     """The newest training state in ``dirname`` that every rank has, or None.
 
@@ -249,6 +238,8 @@ def agreed_checkpoint(dirname, accelerator):
     different files: one killed during a write, or a new machine with none.
     Each rank lists its own ``dirname``; all resume from the newest epoch
     they all have, so that they train the same epochs from the same state.
+    Files are renamed into place when complete, so a write that was killed
+    never has the name this looks for.
 
     Raises
     ------
@@ -261,12 +252,9 @@ def agreed_checkpoint(dirname, accelerator):
         found, error = _checkpoint_epochs(dirname), None
     except OSError as exc:
         found, error = {}, f'{type(exc).__name__}: {exc}'
-    if accelerator.num_processes == 1:
-        if error is not None:
-            raise CheckpointError(f"Cannot look for training states in {dirname}: {error}")
-        return found[max(found)] if found else None
-
-    everyone = gather_object([(sorted(found), error)])
+    everyone = [(sorted(found), error)]
+    if accelerator.num_processes > 1:
+        everyone = gather_object(everyone)
     errors = [f'rank {rank}: {err}' for rank, (_, err) in enumerate(everyone) if err]
     if errors:
         raise CheckpointError(

@@ -21,7 +21,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-__all__ = ['Coordinator', 'DistributedError', 'coordinator_for']
+__all__ = ['Coordinator', 'DistributedError', 'coordinator_for', 'failure_message']
 
 # polls start fast and slow down: a long wait (a big save) costs little CPU
 _POLL_FIRST, _POLL_MAX = 0.0005, 0.02
@@ -29,6 +29,11 @@ _POLL_FIRST, _POLL_MAX = 0.0005, 0.02
 
 class DistributedError(RuntimeError):
     """Raised on every rank when a collective section failed on another rank."""
+
+
+def failure_message(what, rank, exc):
+    """How the other ranks learn of ``exc``: the operation, the rank, the error."""
+    return f'{what} failed on rank {rank}: {type(exc).__name__}: {exc}'
 
 
 def _default_store():
@@ -93,8 +98,7 @@ class Coordinator:
         stop waiting at their next barrier in this section.
         """
         if self._open:
-            self._publish(self._open[-1][0], f'{what} failed on rank {self.process_index}: '
-                                             f'{type(exc).__name__}: {exc}')
+            self._publish(self._open[-1][0], failure_message(what, self.process_index, exc))
 
     def _publish(self, key, message):
         if not self.distributed:
@@ -186,8 +190,7 @@ class _Section:
         if exc_type is not None and not issubclass(
                 exc_type, (KeyboardInterrupt, DistributedError, GeneratorExit)):
             coordinator._publish(  # pylint: disable=protected-access
-                self.key, f'{self.what} failed on rank {coordinator.process_index}: '
-                          f'{exc_type.__name__}: {exc}')
+                self.key, failure_message(self.what, coordinator.process_index, exc))
         return False
 
 

@@ -238,8 +238,7 @@ def read_state(f, *, use_safetensors=False, torch_load_kwargs=None, map_location
                 "and files are loaded with weights_only=True. If you trust the file and "
                 "its source, pass torch_load_kwargs={'weights_only': False} to the net."
             ) from exc
-        raise CheckpointError(
-            f"{f} is not a readable torch file (corrupt?{_safetensors_hint(f)}): {exc}") from exc
+        raise _unreadable(f, exc) from exc
     except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile) as exc:
         raise CheckpointError(
             f"{f} is not a complete torch file, it may be truncated or corrupt "
@@ -250,9 +249,13 @@ def read_state(f, *, use_safetensors=False, torch_load_kwargs=None, map_location
         raise  # the environment, not the file
     except Exception as exc:  # pylint: disable=broad-except
         # garbage makes the unpickler fail in any way (IndexError, KeyError, ...)
-        raise CheckpointError(
-            f"{f} is not a readable torch file (corrupt?{_safetensors_hint(f)}): "
-            f"{type(exc).__name__}: {exc}") from exc
+        raise _unreadable(f, exc) from exc
+
+
+def _unreadable(f, exc):
+    return CheckpointError(
+        f"{f} is not a readable torch file (corrupt?{_safetensors_hint(f)}): "
+        f"{type(exc).__name__}: {exc}")
 
 
 def _safetensors_hint(f):

@@ -14,7 +14,7 @@ import torch
 from accelerate.utils import gather_object, recursively_apply
 from skorch.callbacks import EpochScoring
 
-from accel_mixin.coordination import DistributedError
+from accel_mixin.coordination import DistributedError, failure_message
 
 __all__ = [
     'agree_on_row',
@@ -151,8 +151,7 @@ def agree_on_row(net, stop, error=None):
     message = None
     if error is not None:
         message = (str(error) if isinstance(error, DistributedError) else
-                   f'on_epoch_end failed on rank {accelerator.process_index}: '
-                   f'{type(error).__name__}: {error}')
+                   failure_message('on_epoch_end', accelerator.process_index, error))
     answers = gather_object([(mine, bool(stop), message)])
     row.update(answers[0][0])
     failures = [message for _, _, message in answers if message]

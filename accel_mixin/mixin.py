@@ -221,9 +221,7 @@ class AccelerateMixin(SafeParamsMixin):
 
     def initialize(self):
         """Initializes all of its components and returns self."""
-        # a fresh start: a training state loaded before no longer applies
-        self.__dict__.pop(_PENDING, None)
-        self.__dict__.pop(_RESUMED, None)
+        self._forget_loaded_state()  # a fresh start
         with quiet_unless_main(self.accelerator):
             self._initialize_components()
             self._initialize_accelerator()
@@ -643,8 +641,7 @@ class AccelerateMixin(SafeParamsMixin):
 
         """
         # a load that fails halfway leaves no earlier load to go on from
-        self.__dict__.pop(_PENDING, None)
-        self.__dict__.pop(_RESUMED, None)
+        self._forget_loaded_state()
         with quiet_unless_main(self.accelerator), self._coordinator.session('load_state'):
             if not self.initialized_:
                 self._initialize_components()
@@ -654,6 +651,11 @@ class AccelerateMixin(SafeParamsMixin):
             self._prepare_restored()
             self._restore_training_state(state, path)
             self._resume_end()
+
+    def _forget_loaded_state(self):
+        """Drop what a ``load_state`` left for the next fit to go on from."""
+        self.__dict__.pop(_PENDING, None)
+        self.__dict__.pop(_RESUMED, None)
 
     def _resume_start(self, path):
         """Read the training state once, on every rank."""

@@ -20,6 +20,8 @@ __all__ = [
 
 WRAPPER_PREFIXES = ('module.', '_orig_mod.')
 _SHOWN = 5
+_OTHER_MODEL = ("The file was saved from another architecture, or with other module "
+                "parameters: initialize the net as it was when the file was saved.")
 
 
 class CheckpointError(ValueError):
@@ -102,9 +104,7 @@ def _mismatch_message(source, name, missing, unexpected):
             "from the keys (as strip_wrapper_prefixes does for DDP and torch.compile) "
             "and load the result.")
     else:
-        lines.append(
-            "  The file was saved from another architecture, or with other module "
-            "parameters: initialize the net as it was when the file was saved.")
+        lines.append('  ' + _OTHER_MODEL)
     return '\n'.join(lines)
 
 
@@ -157,7 +157,5 @@ def load_module_state(module, state_dict, *, source, name):
         if shape is not None and tuple(shape) != tuple(expected[key].shape):
             raise CheckpointError(
                 f"{source} does not fit {name}: {key!r} has shape {tuple(shape)} in the "
-                f"file but {tuple(expected[key].shape)} in the module. The file was saved "
-                "from another architecture, or with other module parameters: initialize "
-                "the net as it was when the file was saved.")
+                f"file but {tuple(expected[key].shape)} in the module. {_OTHER_MODEL}")
     target.load_state_dict(state_dict)

@@ -18,8 +18,8 @@ __all__ = [
     'snapshot',
 ]
 
-# Per-epoch caches and objects rebuilt at every fit; not state to resume.
-# objects rebuilt by every fit, and ResumeTraining's record of this run
+# Per-epoch caches, objects rebuilt at every fit and ResumeTraining's record
+# of this run: not state to resume.
 _TRANSIENT = {'y_preds_', 'y_trues_', 'lr_scheduler_', 'policy_', 'pbar_', 'checkpoint_',
               'resumed_from_'}
 _PLAIN_SCALARS = (bool, int, float, str, type(None))

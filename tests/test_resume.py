@@ -8,7 +8,7 @@ import torch
 from accelerate import Accelerator
 
 from accel_mixin import CheckpointError
-from accel_mixin.checkpoint import latest_checkpoint
+from accel_mixin.checkpoint import agreed_checkpoint
 from common import AcceleratedNet, MLP
 from harness import check_values as values, run_processes
 
@@ -108,12 +108,13 @@ def test_a_failed_asynchronous_write_raises_on_every_rank(state_checks):
 
 # --- one process, in this process ----------------------------------------------
 
-def test_latest_checkpoint_ignores_unfinished_and_foreign_files(tmp_path):
+def test_the_resumed_checkpoint_ignores_unfinished_and_foreign_files(tmp_path):
+    accelerator = Accelerator(cpu=True)
     for name in ('training-state-000002.pt', 'training-state-000010.pt', 'notes.txt',
                  '.training-state-000011.pt.accel_mixin-tmp-99-abc', 'training-state-12.pt'):
         (tmp_path / name).write_bytes(b'')
-    assert latest_checkpoint(tmp_path) == str(tmp_path / 'training-state-000010.pt')
-    assert latest_checkpoint(tmp_path / 'missing') is None
+    assert agreed_checkpoint(tmp_path, accelerator) == str(tmp_path / 'training-state-000010.pt')
+    assert agreed_checkpoint(tmp_path / 'missing', accelerator) is None
 
 
 def test_training_state_holds_only_safe_values(data, tmp_path):
