@@ -14,6 +14,13 @@ import os
 
 from skorch.callbacks import Callback
 
+from accel_mixin.checkpoint import (
+    CHECKPOINT_NAME, agreed_checkpoint, checkpoint_epochs, checkpoint_files, stopped_early)
+from accel_mixin.distributed import writes_files
+from accel_mixin.runs import (
+    describe_differences, read_manifest, run_folders, run_identity, write_manifest)
+from accel_mixin.state_dict import CheckpointError
+
 __all__ = ['ResumeTraining', 'TrainingCheckpoint']
 
 
@@ -22,7 +29,12 @@ class TrainingCheckpoint(Callback):
 
     The net calls it after every other callback at the end of an epoch, so
     the state it saves is that of the finished epoch, with the decisions of
-    the other callbacks in it. Files are named after the epoch,
+    the other callbacks in it. Every fit is a run with an identity of its
+    own (its hyperparameters and a fingerprint of its data, see
+    ``accel_mixin.runs``), and its files go to a folder of their own,
+    ``dirname/run-<id>/``, with a ``manifest.json`` that says what went into
+    the identity, which epochs are saved and whether the run is running,
+    finished or stopped early. Files are named after the epoch,
     ``training-state-000012.pt``, so numbering continues after a resume, and
     are renamed into place when complete, so ``ResumeTraining`` never picks
     a file whose write was interrupted.
@@ -30,20 +42,29 @@ class TrainingCheckpoint(Callback):
     Parameters
     ----------
     dirname : str
-      Folder of the checkpoint files; created if needed.
+      Folder of the run folders; created if needed.
 
     every_n_epochs : int (default=1)
       Save after every ``every_n_epochs``-th epoch.
 
     keep_last : int or None (default=2)
-      How many checkpoint files to keep; older ones are deleted once a new
-      one is complete. None keeps all.
+      How many checkpoint files of the run to keep; older ones are deleted
+      once a new one is complete. None keeps all. Other runs' files are
+      never deleted.
 
     asynchronous : bool (default=False)
       Copy the state to CPU memory and write it in a background thread while
       training goes on. At most one write is in flight; the next save and
       the end of training wait for it, and a failed write raises on every
       rank there.
+
+    Attributes
+    ----------
+    run_ : accel_mixin.runs.RunIdentity
+      The identity of the run being trained.
+
+    run_folder_ : str
+      Where its files go.
 
     """
     def __init__(self, dirname, every_n_epochs=1, keep_last=2, asynchronous=False):
@@ -57,43 +78,68 @@ class TrainingCheckpoint(Callback):
             raise ValueError(f"every_n_epochs must be at least 1, got {self.every_n_epochs}")
         if self.keep_last is not None and self.keep_last < 1:
             raise ValueError(f"keep_last must be at least 1 or None, got {self.keep_last}")
-        os.makedirs(self.dirname, exist_ok=True)
+        self.run_ = None
+        self.run_folder_ = None
         return self
+
+    def on_train_begin(self, net, X=None, y=None, **kwargs):
+        self.run_ = run_identity(net, X, y)
+        run_folders(self.dirname)  # a clear error where dirname is a file
+        self.run_folder_ = os.path.join(self.dirname, self.run_.folder)
+        try:
+            os.makedirs(self.run_folder_, exist_ok=True)
+        except OSError as exc:
+            raise CheckpointError(
+                f"Cannot create the run folder {self.run_folder_} ({type(exc).__name__}: {exc}); "
+                "give TrainingCheckpoint a dirname this process can write to.") from exc
 
     def save_epoch(self, net):
         """Save the state of the epoch that just ended, if it is due."""
-        from accel_mixin.checkpoint import CHECKPOINT_NAME  # pylint: disable=import-outside-toplevel
-
         epoch = len(net.history)
         if epoch % self.every_n_epochs:
             return
-        path = os.path.join(self.dirname, CHECKPOINT_NAME.format(epoch=epoch))
-        net.save_state(path, asynchronous=self.asynchronous, on_written=self._rotate)
+        path = os.path.join(self.run_folder_, CHECKPOINT_NAME.format(epoch=epoch))
+        net.save_state(path, asynchronous=self.asynchronous, on_written=self._written)
 
-    def _rotate(self):
-        from accel_mixin.checkpoint import checkpoint_files  # pylint: disable=import-outside-toplevel
+    def _written(self):
+        """On the writing process, once a file is complete."""
+        if self.keep_last is not None:
+            for path in checkpoint_files(self.run_folder_)[:-self.keep_last]:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+        self._write_manifest('running')
 
-        if self.keep_last is None:
-            return
-        for path in checkpoint_files(self.dirname)[:-self.keep_last]:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+    def _write_manifest(self, status):
+        write_manifest(self.run_folder_, self.run_, checkpoint_epochs(self.run_folder_), status)
 
     def on_train_end(self, net, **kwargs):
         if self.asynchronous:
             net.wait_for_saves()
+        if self.run_ is None or not writes_files(net.accelerator):
+            return
+        if stopped_early(net.callbacks_):
+            status = 'stopped early'
+        elif len(net.history) >= net.max_epochs:
+            status = 'finished'
+        else:
+            status = 'interrupted'
+        self._write_manifest(status)
 
 
 class ResumeTraining(Callback):
-    """Resume from the latest complete training state in ``dirname``, if any.
+    """Resume the run from its latest complete training state, if it has one.
 
-    At the start of training, loads the newest file that
-    ``TrainingCheckpoint`` completed in ``dirname``; ``fit`` then trains only
-    the epochs that remain up to ``max_epochs``, none if the saved run was
-    stopped by ``EarlyStopping``. Without a checkpoint, training starts
-    afresh. Where machines keep their own copies (``save_on_each_node``),
+    At the start of training, computes the run's identity as
+    ``TrainingCheckpoint`` does and loads the newest file that
+    ``TrainingCheckpoint`` completed in the run's folder ``dirname/run-<id>/``;
+    ``fit`` then trains only the epochs that remain up to ``max_epochs``,
+    none if the run had finished or was stopped by ``EarlyStopping``. A fit
+    with other data or other hyperparameters (another fold of a
+    cross-validation, another candidate of a search) is another run and
+    starts afresh: one line says so, and what differs from the newest run in
+    the folder. Where machines keep their own copies (``save_on_each_node``),
     every rank resumes from the newest epoch that all of them have, and all
     raise a ``CheckpointError`` if some have files and others none of those.
 
@@ -102,21 +148,66 @@ class ResumeTraining(Callback):
     dirname : str
       The folder ``TrainingCheckpoint`` writes to.
 
+    run : str or None (default=None)
+      To continue another run deliberately, say with a changed learning
+      rate: the id of that run (the name of its folder without ``run-``).
+      While this run has no training state of its own, training starts from
+      the newest state of that run; its checkpoints go to this run's own
+      folder, so a rerun after a crash resumes this run.
+
+    sink : callable (default=print)
+      Where the line about a new run next to older ones goes; silent when
+      the net's ``verbose`` is 0.
+
+    Attributes
+    ----------
+    resumed_from_ : str or None
+      The training state training resumed from, if any.
+
     """
-    def __init__(self, dirname):
+    def __init__(self, dirname, run=None, sink=print):
         self.dirname = dirname
+        self.run = run
+        self.sink = sink
 
     def initialize(self):
         self.resumed_from_ = None
         return self
 
-    def on_train_begin(self, net, **kwargs):
-        from accel_mixin.checkpoint import agreed_checkpoint  # pylint: disable=import-outside-toplevel
-
+    def on_train_begin(self, net, X=None, y=None, **kwargs):
+        identity = run_identity(net, X, y)
+        runs = run_folders(self.dirname)
+        own = os.path.join(self.dirname, identity.folder)
+        if identity.id in runs:
+            read_manifest(own)  # a clear error where it was edited
+        if self.run is not None:
+            if self.run not in runs:
+                raise CheckpointError(
+                    f"ResumeTraining(run={self.run!r}): {self.dirname} holds no run {self.run} "
+                    f"(it holds {sorted(runs) or 'none'}); pass the id of one of them, the "
+                    "name of its folder without 'run-'.")
+            read_manifest(runs[self.run])
         # every rank gets here before the ranks compare their files, or
         # raises if a callback before this one failed on some rank
         net._coordinator.barrier('ResumeTraining')  # pylint: disable=protected-access
-        path = agreed_checkpoint(self.dirname, net.accelerator)
+        path = agreed_checkpoint(own, net.accelerator)
+        if path is None and self.run is not None:
+            path = agreed_checkpoint(runs[self.run], net.accelerator)
         if path is not None:
             net.load_state(path)
             self.resumed_from_ = path
+            return
+        others = [run for run in runs if run != identity.id]
+        if others and net.verbose:
+            self.sink(self._new_run_line(identity, runs, others))
+
+    def _new_run_line(self, identity, runs, others):
+        newest = max(others, key=lambda run: os.path.getmtime(runs[run]))
+        try:
+            manifest = read_manifest(runs[newest])
+        except CheckpointError:
+            manifest = None
+        differs = ('an unreadable manifest' if manifest is None else
+                   describe_differences(identity.described, manifest.get('identity', {})))
+        return (f"ResumeTraining: run {identity.id} starts afresh in {self.dirname}, next to "
+                f"{len(others)} other run(s); it differs from the newest, {newest}, in: {differs}")

@@ -16,22 +16,27 @@ state and wait for everyone. Random number generators and the dataloader's
 shuffling are restored at the start of the next epoch, after ``fit`` has set
 up its data, as the uninterrupted run had them there.
 """
+import copy
 import os
 import re
 import warnings
+from collections import OrderedDict
 
 import torch
 from accelerate.utils import gather_object
 from skorch.callbacks import EarlyStopping, LRScheduler
 from skorch.history import History
 
-from accel_mixin.state_dict import CheckpointError, clean_state_dict, load_module_state
+from accel_mixin.state_dict import (
+    CheckpointError, clean_state_dict, load_module_state, strip_wrapper_prefixes)
 from accel_mixin.training_state import (
     callback_state, history_state, plain, restore_callback_state, restore_rng, rng_state)
 
 __all__ = [
     'FORMAT',
     'agreed_checkpoint',
+    'checkpoint_epochs',
+    'checkpoint_files',
     'collect_state',
     'restore_training_state',
     'restore_weights',
@@ -105,13 +110,29 @@ def collect_state(net, train_iterator_state, stopped=False):
         'scaler': accelerator.scaler.state_dict() if accelerator.scaler is not None else None,
         'rng': rngs,
         'history': history_state(net.history),
-        'callbacks': {name: callback_state(cb) for name, cb in net.callbacks_},
+        'callbacks': {name: _callback_state(net, cb) for name, cb in net.callbacks_},
         'loop': {
             'accumulation_step': int(accelerator.step),
             'train_iterator': train_iterator_state,
             'stopped': bool(stopped),
         },
     }
+
+
+# EarlyStopping(load_best=True) keeps a copy of the best weights; a state
+# holds it only where it differs from the weights saved anyway
+_BEST_WEIGHTS = 'best_model_weights_'
+_BEST_IS_CURRENT = 'accel_mixin:best_model_weights_are_the_current_ones'
+
+
+def _callback_state(net, cb):
+    state = callback_state(cb)
+    if isinstance(cb, EarlyStopping) and state.get(_BEST_WEIGHTS) is not None:
+        current = cb.best_epoch_ == net.history[-1, 'epoch']
+        state[_BEST_IS_CURRENT] = current
+        # under the keys of the bare module, which fit any process layout
+        state[_BEST_WEIGHTS] = None if current else strip_wrapper_prefixes(state[_BEST_WEIGHTS])
+    return state
 
 
 def validate_state(state, source):
@@ -170,6 +191,8 @@ def restore_training_state(net, state, source):
             "resumed run will not repeat it exactly.", RuntimeWarning)
     return {
         'schedulers': state['schedulers'],
+        'optimizer_groups': {name: optimizer['param_groups']
+                             for name, optimizer in state['optimizers'].items()},
         'callbacks': state['callbacks'],
         'rng': rngs[rank] if rank < len(rngs) else None,
         'train_iterator': state['loop']['train_iterator'],
@@ -181,13 +204,42 @@ def apply_train_begin_states(net, pending):
     """After the callbacks' on_train_begin: their state, and the state of the
     schedulers they built."""
     callbacks = dict(net.callbacks_)
+    best_weights = {}
     for name, cb_state in pending.pop('callbacks', {}).items():
         if name in callbacks:
+            if _BEST_IS_CURRENT in cb_state:
+                cb_state = dict(cb_state)
+                best_weights[name] = (cb_state.pop(_BEST_IS_CURRENT), cb_state.pop(_BEST_WEIGHTS))
             restore_callback_state(callbacks[name], cb_state)
+    pending['best_weights'] = best_weights
     schedulers = pending.pop('schedulers', {})
     for name, cb in _schedulers(net):
         if name in schedulers and getattr(cb, 'lr_scheduler_', None) is not None:
             cb.lr_scheduler_.load_state_dict(schedulers[name])
+    # A scheduler built after the restore (a callback after ResumeTraining,
+    # or a load_state before fit) was built with last_epoch from the restored
+    # history, and its constructor set the learning rate (and momentum) of
+    # the optimizer anew; the saved hyperparameters are the ones to go on with.
+    for name, groups in pending.pop('optimizer_groups', {}).items():
+        optimizer = net._raw(name)  # pylint: disable=protected-access
+        for group, saved in zip(optimizer.param_groups, groups):
+            group.update({key: value for key, value in saved.items() if key != 'params'})
+
+
+def apply_prepared_states(net, pending):
+    """Once the modules are prepared: EarlyStopping's best weights, under
+    the keys of ``module_`` as it is now wrapped, which is what it loads them
+    into when training ends."""
+    callbacks = dict(net.callbacks_)
+    for name, (current, weights) in pending.pop('best_weights', {}).items():
+        module_state = net.module_.state_dict()
+        if current:
+            callbacks[name].best_model_weights_ = copy.deepcopy(module_state)
+            continue
+        # wrapped keys by the bare keys they end in
+        keys = strip_wrapper_prefixes(OrderedDict((key, key) for key in module_state))
+        callbacks[name].best_model_weights_ = OrderedDict(
+            (keys.get(key, key), value) for key, value in weights.items())
 
 
 def apply_epoch_states(pending, train_iterator):
@@ -215,7 +267,7 @@ def train_iterator_state(train_iterator):
     }
 
 
-def _checkpoint_epochs(dirname):
+def checkpoint_epochs(dirname):
     """The complete training-state files in ``dirname``, by epoch."""
     try:
         names = os.listdir(dirname)
@@ -227,7 +279,7 @@ def _checkpoint_epochs(dirname):
 
 def checkpoint_files(dirname):
     """The complete training-state files in ``dirname``, oldest first."""
-    found = _checkpoint_epochs(dirname)
+    found = checkpoint_epochs(dirname)
     return [found[epoch] for epoch in sorted(found)]
 
 
@@ -249,7 +301,7 @@ def agreed_checkpoint(dirname, accelerator):
 
     """
     try:
-        found, error = _checkpoint_epochs(dirname), None
+        found, error = checkpoint_epochs(dirname), None
     except OSError as exc:
         found, error = {}, f'{type(exc).__name__}: {exc}'
     everyone = [(sorted(found), error)]

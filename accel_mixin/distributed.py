@@ -8,6 +8,7 @@ __all__ = [
     'quiet_unless_main',
     'silent',
     'sink_for',
+    'writes_files',
 ]
 
 
@@ -85,3 +86,13 @@ def _devnull():
     if not _DEVNULL:
         _DEVNULL.append(open(os.devnull, 'w', encoding='utf-8'))  # noqa: SIM115
     return _DEVNULL[0]
+
+
+def writes_files(accelerator):
+    """Whether this process writes checkpoint files: the main process; with
+    accelerate's ``ProjectConfiguration(save_on_each_node=True)``, the main
+    process of every machine, for machines that share no filesystem."""
+    config = getattr(accelerator, 'project_configuration', None)
+    if getattr(config, 'save_on_each_node', False):
+        return accelerator.is_local_main_process
+    return accelerator.is_main_process

@@ -2,8 +2,10 @@
 
 A file is written under a temporary name in its target directory, flushed,
 fsynced and renamed into place, so a crash or an error mid-write leaves the
-previous file as it was. Temporary files that a killed writer left behind are
-removed by the next write to the same target from the same machine. Reading refuses pickles that
+previous file as it was. Temporary files that writers left behind are removed by
+the next write to the same directory: at once where the writer was a process of
+this machine that is gone, after ``ABANDONED_AFTER`` seconds without a change
+where it was another machine's. Reading refuses pickles that
 would run code, maps torch files into memory instead of copying them, and
 turns the errors of torch, safetensors and json into messages that say which
 file is wrong and what to do.
@@ -15,6 +17,7 @@ import pickle
 import socket
 import tempfile
 import threading
+import time
 import zipfile
 
 import torch
@@ -59,18 +62,42 @@ def _pid_alive(pid):
     return True
 
 
+# A temporary file of another machine (or of a process whose id this machine
+# cannot check) is abandoned once nothing wrote to it for this long: a write
+# in progress touches its file continuously, and a machine that died and was
+# replaced never comes back to finish its multi-GB partial file.
+ABANDONED_AFTER = 6 * 3600
+
+
 def _sweep(path):
-    """Remove temporary files that dead writers of this machine left for ``path``."""
-    directory, name = os.path.split(os.path.abspath(path))
-    prefix = f'.{name}{_TMP}{_HOST}-'
+    """Remove the abandoned temporary files in the directory of ``path``.
+
+    A temporary file is abandoned when its writer was a process of this
+    machine that is gone, or when nobody wrote to it for ``ABANDONED_AFTER``
+    seconds, whichever machine wrote it. A file that is being written is
+    never removed: on this machine its writer is alive, elsewhere it keeps
+    being modified.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    mine = f'{_TMP}{_HOST}-'
+    now = time.time()
     with contextlib.suppress(OSError):
         for entry in os.listdir(directory):
-            if not entry.startswith(prefix):
+            if not entry.startswith('.') or _TMP not in entry:
                 continue
-            pid = entry[len(prefix):].split('-', 1)[0]
-            if pid.isdigit() and not _pid_alive(int(pid)):
+            full = os.path.join(directory, entry)
+            owner = entry.split(mine, 1)[1] if mine in entry else ''
+            pid = owner.split('-', 1)[0]
+            if pid.isdigit():
+                abandoned = not _pid_alive(int(pid))
+            else:
+                try:
+                    abandoned = now - os.stat(full).st_mtime > ABANDONED_AFTER
+                except OSError:
+                    continue
+            if abandoned:
                 with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(directory, entry))
+                    os.unlink(full)
 
 
 def _second_name(path, tmp):

@@ -5,7 +5,7 @@ import weakref
 from contextlib import contextmanager
 
 import torch
-from accelerate.utils import convert_to_fp32
+from accelerate.utils import DistributedType, convert_to_fp32
 from skorch.callbacks import LRScheduler
 from skorch.net import NeuralNet
 from skorch.dataset import get_len, unpack_data
@@ -15,14 +15,17 @@ from accel_mixin.adapters import main_process_pickles
 from accel_mixin.background import BackgroundWriter
 from accel_mixin.callbacks import TrainingCheckpoint
 from accel_mixin.checkpoint import (
-    apply_epoch_states, apply_train_begin_states, collect_state, restore_training_state,
-    restore_weights, stopped_early, train_iterator_state, validate_state)
+    apply_epoch_states, apply_prepared_states, apply_train_begin_states, collect_state,
+    restore_training_state, restore_weights, stopped_early, train_iterator_state,
+    validate_state)
 from accel_mixin.coordination import DistributedError, coordinator_for
-from accel_mixin.distributed import check_process_layout, quiet_unless_main, sink_for
+from accel_mixin.distributed import (
+    check_process_layout, quiet_unless_main, sink_for, writes_files)
 from accel_mixin.files import read_state, write_state
 from accel_mixin.history_sync import agree_on_row, first, merge_epoch, real_samples
 from accel_mixin.params import SafeParamsMixin
 from accel_mixin.portable import PortableAccelerator
+from accel_mixin.replicas import check_replicas, check_same_data, named_parameters
 from accel_mixin.stepping import Stepper
 from accel_mixin.training_state import snapshot
 from accel_mixin.wrapping import PreparedObjects, Slot, requires_closure
@@ -111,6 +114,14 @@ class AccelerateMixin(SafeParamsMixin):
       If 'auto', the epoch table is printed by the main process only, and
       ``verbose=0`` silences it as in skorch.
 
+    replica_check_every : int (default=1)
+      With several processes, compare a fingerprint of every parameter
+      across the ranks after every ``replica_check_every``-th epoch, and
+      raise a ``DistributedError`` on every rank, naming the first parameter
+      that differs, if the ranks no longer hold the same model. 0 turns the
+      check off. It costs one small collective and a pass over the
+      parameters (see the benchmarks).
+
     """
     def __init__(
             self,
@@ -119,6 +130,7 @@ class AccelerateMixin(SafeParamsMixin):
             device=None,
             unwrap_after_train=True,
             callbacks__print_log__sink='auto',
+            replica_check_every=1,
             **kwargs
     ):
         super().__init__(
@@ -129,6 +141,7 @@ class AccelerateMixin(SafeParamsMixin):
         )
         self.accelerator = accelerator
         self.unwrap_after_train = unwrap_after_train
+        self.replica_check_every = replica_check_every
 
     # --- what accelerate prepares -------------------------------------------
 
@@ -175,6 +188,11 @@ class AccelerateMixin(SafeParamsMixin):
             raise ValueError(
                 "When device placement is performed by the accelerator, set device=None"
             )
+        every = self.replica_check_every
+        if every is not None and (not isinstance(every, int) or every < 0):
+            raise ValueError(
+                f"replica_check_every must be a whole number of epochs (0 turns the check "
+                f"off), got {every!r}")
 
     def _raw(self, name):
         """The object the net built for ``name``, whether wrapped or not."""
@@ -196,13 +214,38 @@ class AccelerateMixin(SafeParamsMixin):
         """Prepare what is new for accelerate and wrap everything.
 
         Idempotent: objects prepared before are put back, never prepared
-        again, so no new DDP wrapper is built and nothing is broadcast.
+        again, so no new DDP wrapper is built and nothing is broadcast (see
+        ``_prepare_retrainable_modules`` for the one exception).
 
         """
         check_process_layout(self.accelerator)
         self._check_optimizers()
         self._prepared.prepare(self.accelerator, self._accelerate_slots())
         return self
+
+    def _prepare_retrainable_modules(self):
+        """Prepare again the modules whose trainable parameters changed.
+
+        DDP syncs the gradients of the parameters that were trainable when it
+        was built; after ``Freezer``, ``Unfreezer`` or a user's
+        ``requires_grad_`` a module therefore gets a new DDP wrapper, on
+        every rank if its trainable set changed on any (one small
+        all-reduce). Runs when training and every epoch begin, after the
+        callbacks.
+
+        """
+        if self.accelerator.distributed_type == DistributedType.NO:
+            return  # no DDP, so nothing to rebuild
+        keys = self._prepared.module_keys()
+        if not keys:
+            return
+        changed = self._prepared.trainability_changed()
+        flags = torch.tensor([key in changed for key in keys], dtype=torch.int64,
+                             device=self.accelerator.device)
+        flags = self.accelerator.reduce(flags, reduction='sum')
+        refresh = {key for key, flag in zip(keys, flags.tolist()) if flag}
+        if refresh:
+            self._prepared.prepare(self.accelerator, self._accelerate_slots(), refresh=refresh)
 
     def _unwrap_accelerator(self):
         """Put back the objects the net built in place of the prepared ones."""
@@ -286,6 +329,12 @@ class AccelerateMixin(SafeParamsMixin):
         finally:
             self.callbacks__print_log__sink = 'auto'
 
+    def _named_parameters(self):
+        """Every parameter of the raw modules and criteria, named after its slot."""
+        return named_parameters(
+            (name + '_', module) for name in self._modules + self._criteria
+            for module in [self._raw(name)] if isinstance(module, torch.nn.Module))
+
     def get_all_learnable_params(self):
         # As in skorch, but from the raw modules, so that the names carry no
         # DDP prefix, and without swapping: callers may consume this lazily.
@@ -308,11 +357,18 @@ class AccelerateMixin(SafeParamsMixin):
         coordinator = self._coordinator
         if not coordinator.distributed:
             self._notify(method_name, **cb_kwargs)
-            return
-        with coordinator.section(method_name):
-            self._notify(method_name, **cb_kwargs)
-            if method_name in _BARRIER_AFTER:
-                coordinator.barrier(method_name)
+        else:
+            with coordinator.section(method_name):
+                self._notify(method_name, **cb_kwargs)
+                if method_name in _BARRIER_AFTER:
+                    coordinator.barrier(method_name)
+        # collectives, reached only once every rank's callbacks succeeded
+        if method_name == 'on_train_begin':
+            with coordinator.section('on_train_begin'):
+                self._begin_training(cb_kwargs.get('X'), cb_kwargs.get('y'))
+        elif method_name == 'on_epoch_begin':
+            # after Freezer, Unfreezer and the like
+            self._prepare_retrainable_modules()
 
     def _notify(self, method_name, **cb_kwargs):
         if method_name == 'on_train_begin':
@@ -325,9 +381,6 @@ class AccelerateMixin(SafeParamsMixin):
                 super().notify(method_name, **cb_kwargs)
             finally:
                 del self.__dict__[_IN_TRAIN_BEGIN]
-            apply_train_begin_states(self, self._pending)
-            self._initialize_accelerator()
-            self.__dict__[_STEPPER] = Stepper(self.accelerator)
         elif method_name == 'on_epoch_begin':
             if self._pending:
                 # a resumed run continues from the random state it saved
@@ -346,6 +399,17 @@ class AccelerateMixin(SafeParamsMixin):
                 self._unwrap_accelerator()
         else:
             super().notify(method_name, **cb_kwargs)
+
+    def _begin_training(self, X, y):
+        """After the callbacks' on_train_begin: check the data, restore what
+        a resumed run has for the callbacks, prepare what they built."""
+        if self.accelerator.num_processes > 1:
+            check_same_data(self.accelerator, X, y)
+        apply_train_begin_states(self, self._pending)
+        self._initialize_accelerator()
+        self._prepare_retrainable_modules()
+        apply_prepared_states(self, self._pending)
+        self.__dict__[_STEPPER] = Stepper(self.accelerator)
 
     def _end_epoch(self, **cb_kwargs):
         """Sync the epoch, run the callbacks, and agree on the row and on stopping.
@@ -380,6 +444,10 @@ class AccelerateMixin(SafeParamsMixin):
                 raise error
             if failure is not None:
                 raise DistributedError(failure)
+            every = self.replica_check_every
+            if every and len(self.history) % every == 0:
+                # before a training state is saved: never save a divergence
+                check_replicas(self.accelerator, list(self._named_parameters()), len(self.history))
         # after every other callback: the state of the finished epoch, and
         # whether EarlyStopping ends training there, so that a rerun does not
         # go on (a Ctrl-C or another callback's stop does not count)
@@ -466,18 +534,30 @@ class AccelerateMixin(SafeParamsMixin):
         zeroed after the step rather than before the forward pass, which
         would discard the accumulated ones.
 
+        ``on_grad_computed`` is notified on the batches where the optimizers
+        step, with the gradients they step with: accumulated over the
+        micro-batches, synced across the processes and unscaled by the
+        gradient scaler, so that ``GradientNormClipping`` clips what it
+        would clip in plain skorch. On the micro-batches in between it is
+        not notified: their gradients are partial sums that nothing should
+        clip or inspect. Without accumulation, it is notified on every batch.
+
         """
         step_accumulator = self.get_train_step_accumulator()
 
         def step_fn():
             step = self.train_step_single(batch, **fit_params)
             step_accumulator.store_step(step)
-            self.notify(
-                'on_grad_computed',
-                named_parameters=TeeGenerator(self.get_all_learnable_params()),
-                batch=batch,
-                training=True,
-            )
+            if self._stepper.sync_gradients:
+                # what the optimizers will step with: accumulated, synced
+                # across ranks and unscaled, as accelerate clips gradients
+                self._stepper.unscale(self._optimizer_objects())
+                self.notify(
+                    'on_grad_computed',
+                    named_parameters=TeeGenerator(self.get_all_learnable_params()),
+                    batch=batch,
+                    training=True,
+                )
             return step['loss']
 
         with self._stepper.accumulate(self._accumulation_modules):
@@ -485,15 +565,17 @@ class AccelerateMixin(SafeParamsMixin):
             self._zero_grad_optimizer()
         return step_accumulator.get_step()
 
+    def _optimizer_objects(self):
+        return [getattr(self, name + '_') for name in self._optimizers]
+
     def _step_optimizer(self, step_fn):
         # GradScaler cannot step with a closure: compute, then step.
         step_fn()
-        for name in self._optimizers:
-            self._stepper.step(getattr(self, name + '_'))
+        self._stepper.step_all(self._optimizer_objects())
 
     def _zero_grad_optimizer(self, set_to_none=None):
-        for name in self._optimizers:
-            self._stepper.zero_grad(getattr(self, name + '_'), set_to_none=set_to_none)
+        for optimizer in self._optimizer_objects():
+            self._stepper.zero_grad(optimizer, set_to_none=set_to_none)
 
     def validation_step(self, batch, **fit_params):
         with self._stepper.autocast():
@@ -540,8 +622,8 @@ class AccelerateMixin(SafeParamsMixin):
         """
         save = super().save_params
         with self._unwrapped(), quiet_unless_main(self.accelerator):
-            self._coordinator.run(
-                lambda: save(*args, **kwargs), what='save_params', here=self._writes_files())
+            self._coordinator.run(lambda: save(*args, **kwargs), what='save_params',
+                                  here=writes_files(self.accelerator))
 
     def load_params(self, *args, **kwargs):
         """Load the parameters of the net's modules, optimizers and history.
@@ -586,7 +668,7 @@ class AccelerateMixin(SafeParamsMixin):
           complete (``TrainingCheckpoint`` rotates its files there).
 
         """
-        writes = self._writes_files()
+        writes = writes_files(self.accelerator)
 
         def write(state):
             write_state(state, path)
@@ -692,16 +774,6 @@ class AccelerateMixin(SafeParamsMixin):
         """Training resumes with the remaining epochs; everyone is ready."""
         self.__dict__[_RESUMED] = {'stopped': self._pending.pop('stopped', False)}
         self._coordinator.barrier('load_state')
-
-    def _writes_files(self):
-        """The main process writes; with accelerate's
-        ``ProjectConfiguration(save_on_each_node=True)``, the main process of
-        every machine does, for machines that share no filesystem."""
-        accelerator = self.accelerator
-        config = getattr(accelerator, 'project_configuration', None)
-        if getattr(config, 'save_on_each_node', False):
-            return accelerator.is_local_main_process
-        return accelerator.is_main_process
 
     def _check_device(self, requested_device, map_device):
         if requested_device is None:

@@ -56,6 +56,18 @@ class Stepper:
             return contextlib.nullcontext()
         return self.accelerator.accumulate(*get_modules())
 
+    def unscale(self, optimizers):
+        """Divide the gradients of ``optimizers`` by the gradient scaler's scale.
+
+        Once per optimizer step, before anything reads the gradients; the
+        scaler then steps without unscaling again. A no-op without a scaler.
+        """
+        scaler = self.accelerator.scaler
+        if scaler is None:
+            return
+        for optimizer in optimizers:
+            scaler.unscale_(getattr(optimizer, 'optimizer', optimizer))
+
     def backward(self, loss):
         if not self.plain:
             self.accelerator.backward(loss)
@@ -63,6 +75,28 @@ class Stepper:
         if self.steps > 1:
             loss = loss / self.steps
         loss.backward()
+
+    def step_all(self, optimizers):
+        """Step every optimizer; with a gradient scaler, update it once.
+
+        accelerate's ``AcceleratedOptimizer.step`` updates the shared scaler
+        after each optimizer, which forgets that the next one's gradients
+        were unscaled already and unscales them a second time. torch's
+        recipe for several optimizers is one ``scaler.step`` each, then one
+        ``update``: the scaler's update is held back until the last one.
+        """
+        scaler = self.accelerator.scaler
+        if scaler is None or len(optimizers) < 2:
+            for optimizer in optimizers:
+                self.step(optimizer)
+            return
+        scaler.update = _no_update
+        try:
+            for optimizer in optimizers[:-1]:
+                self.step(optimizer)
+        finally:
+            del scaler.update  # the class's method again
+        self.step(optimizers[-1])
 
     def step(self, optimizer):
         if not (self.plain and isinstance(optimizer, AcceleratedOptimizer)):
@@ -79,3 +113,7 @@ class Stepper:
             # the signature on every call; torch defaults to set_to_none=True
             optimizer = optimizer.optimizer
         optimizer.zero_grad(**kwargs)
+
+
+def _no_update(new_scale=None):  # pylint: disable=unused-argument
+    """Stands in for ``GradScaler.update`` until the last optimizer stepped."""

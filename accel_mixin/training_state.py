@@ -18,10 +18,10 @@ __all__ = [
     'snapshot',
 ]
 
-# Per-epoch caches, objects rebuilt at every fit and ResumeTraining's record
-# of this run: not state to resume.
+# Per-epoch caches, objects rebuilt at every fit, and what ResumeTraining and
+# TrainingCheckpoint know of the run being trained: not state to resume.
 _TRANSIENT = {'y_preds_', 'y_trues_', 'lr_scheduler_', 'policy_', 'pbar_', 'checkpoint_',
-              'resumed_from_'}
+              'resumed_from_', 'run_', 'run_folder_'}
 _PLAIN_SCALARS = (bool, int, float, str, type(None))
 
 
@@ -76,7 +76,9 @@ def rng_state():
                   'pos': int(pos), 'has_gauss': int(has_gauss), 'cached_gaussian': float(cached)},
         'torch': torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
+    # only where this process started CUDA: a CPU run on a GPU machine must
+    # not start it, and an unused generator has nothing to resume
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
         state['cuda'] = torch.cuda.get_rng_state_all()
     return state
 
@@ -89,7 +91,9 @@ def restore_rng(state):
                          numpy['has_gauss'], numpy['cached_gaussian']))
     torch.set_rng_state(state['torch'])
     if 'cuda' in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state['cuda'])
+        # a machine with fewer GPUs than the one that saved restores those it has
+        for device, cuda_state in enumerate(state['cuda'][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(cuda_state, device)
 
 
 def history_state(history):

@@ -10,6 +10,8 @@ made of it; unwrapping and rewrapping only swap references, stash or restore
 the forward patch, and keep the accelerator's lists holding exactly what is
 wrapped now.
 """
+import gc
+import inspect
 import weakref
 from collections import namedtuple
 
@@ -53,8 +55,6 @@ _TYPE_OF_KIND = {
 
 def requires_closure(optimizer):
     """Whether ``optimizer.step`` cannot be called without a closure (LBFGS)."""
-    import inspect
-
     try:
         param = inspect.signature(optimizer.step).parameters.get('closure')
     except (TypeError, ValueError):
@@ -91,10 +91,15 @@ def _release(held):
     held.clear()
 
 
-class _Entry:
-    __slots__ = ('slot', 'raw', 'prepared', 'registered', 'marks')
+def trainability(obj):
+    """Which parameters of a module require grad: what DDP was built for."""
+    return tuple(param.requires_grad for param in obj.parameters())
 
-    def __init__(self, slot, raw, prepared, registered):
+
+class _Entry:
+    __slots__ = ('slot', 'raw', 'prepared', 'registered', 'marks', 'trainable')
+
+    def __init__(self, slot, raw, prepared, registered, trainable=None):
         self.slot = slot
         self.raw = raw
         self.prepared = prepared
@@ -102,6 +107,7 @@ class _Entry:
         # wrapper for optimizers and schedulers
         self.registered = registered
         self.marks = []
+        self.trainable = trainable
 
     def holds(self, owner, obj):
         return (
@@ -139,11 +145,23 @@ class PreparedObjects:
             return entry.raw
         return current
 
-    def prepare(self, accelerator, slots):
+    def module_keys(self):
+        """The keys of the prepared modules and criteria, in slot order."""
+        return [key for key, entry in self._entries.items() if entry.trainable is not None]
+
+    def trainability_changed(self):
+        """The keys of the modules whose trainable parameters changed since
+        they were prepared."""
+        return {key for key, entry in self._entries.items()
+                if entry.trainable is not None and trainability(entry.raw) != entry.trainable}
+
+    def prepare(self, accelerator, slots, refresh=()):
         """Prepare the objects not seen before, then wrap all of them.
 
         Slots must come in the order modules, criteria, optimizers,
         schedulers: a scheduler is matched to an already prepared optimizer.
+        The modules whose keys are in ``refresh`` are prepared again (a new
+        DDP wrapper); every rank must pass the same keys.
 
         """
         slots = list(slots)
@@ -151,10 +169,15 @@ class PreparedObjects:
         for key in [key for key in self._entries if key not in live]:
             self._forget(key)
 
+        refreshed = False
         for slot in slots:
             current = getattr(slot.owner, slot.attr, None)
             entry = self._entries.get(slot.key)
-            if entry is not None and not entry.holds(slot.owner, current):
+            if entry is not None and slot.key in refresh and entry.holds(slot.owner, current):
+                current = entry.raw
+                setattr(slot.owner, slot.attr, current)
+                refreshed = True
+            if entry is not None and (slot.key in refresh or not entry.holds(slot.owner, current)):
                 self._forget(slot.key)
                 entry = None
             if entry is None:
@@ -164,6 +187,10 @@ class PreparedObjects:
                 self._entries[slot.key] = entry
             self._wrap_entry(accelerator, entry)
         self.wrapped = True
+        if refreshed:
+            # the old DDP wrapper's reducer holds hooks on the parameters
+            # until it is collected
+            gc.collect()
 
     def wrap(self, accelerator):
         """Put back what was prepared before; never prepares.
@@ -216,10 +243,11 @@ def _container(accelerator, slot):
 def _prepare_entry(accelerator, obj, slot):
     container = _container(accelerator, slot)
     before = list(container)
+    trainable = trainability(obj) if slot.kind in ('module', 'criterion') else None
     prepared = _prepare_one(accelerator, obj, slot)
     added = [item for item in container if not any(item is b for b in before)]
     registered = added[0] if added else prepared
-    return _Entry(slot, obj, prepared, registered)
+    return _Entry(slot, obj, prepared, registered, trainable)
 
 
 def _prepare_one(accelerator, obj, slot):
@@ -227,10 +255,9 @@ def _prepare_one(accelerator, obj, slot):
         # Marks left by another net or a pickled copy would make accelerate
         # skip DDP and autocast for this module.
         _pop_marks(obj)
-        trainable = any(p.requires_grad for p in obj.parameters())
         # DDP refuses a module without trainable parameters (NLLLoss, ...);
         # evaluation mode still places it on the device and adds autocast.
-        return accelerator.prepare_model(obj, evaluation_mode=not trainable)
+        return accelerator.prepare_model(obj, evaluation_mode=not any(trainability(obj)))
     if slot.kind == 'optimizer':
         return accelerator.prepare_optimizer(obj)
     prepared = accelerator.prepare_scheduler(obj)

@@ -100,12 +100,13 @@ def main():
     print("2. The same run, killed soon after its third epoch's checkpoint ...", flush=True)
     run = launch(work / 'preempted', work / 'preempted.json')
     deadline = time.monotonic() + 300
-    while not (work / 'preempted' / 'training-state-000003.pt').exists():
+    # TrainingCheckpoint writes into a folder of the run: preempted/run-<id>/
+    while not list((work / 'preempted').glob('run-*/training-state-000003.pt')):
         if run.poll() is not None or time.monotonic() > deadline:
             sys.exit("the run ended before its third checkpoint")
         time.sleep(0.01)
     kill_job(run)  # a preemption: SIGKILL, no chance to clean up
-    left = sorted(p.name for p in (work / 'preempted').iterdir() if not p.name.startswith('.'))
+    left = sorted(p.name for p in (work / 'preempted').glob('run-*/training-state-*.pt'))
     print(f"   killed; complete checkpoints: {', '.join(left)}", flush=True)
 
     print("3. The same command again: it resumes and trains the remaining epochs ...", flush=True)

@@ -3,8 +3,11 @@
 ``run_processes`` starts ``torchrun`` with ``ACCELERATE_USE_CPU=true`` (DDP
 over gloo on this machine), on a free port, in its own process group. Every
 rank writes its results as JSON through ``launched/common.py``'s ``report``.
-A run that exceeds its timeout is killed as a whole, and the test fails with
-every rank's output.
+torchrun also writes each rank's stdout and stderr to files of their own
+(``--log-dir``): tests that look at what a rank printed read those, never
+the interleaved stream, whose order differs from run to run. A run that
+exceeds its timeout is killed as a whole, and the test fails with every
+rank's output.
 """
 import json
 import os
@@ -23,7 +26,8 @@ from accel_mixin.launching import kill_job
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCHED = Path(__file__).resolve().parent / 'launched'
 
-__all__ = ['LAUNCHED', 'Launch', 'check_values', 'free_port', 'run_nodes', 'run_processes']
+__all__ = ['LAUNCHED', 'Launch', 'check_values', 'free_port', 'run_nodes', 'run_plain',
+           'run_processes']
 
 
 def free_port():
@@ -35,11 +39,13 @@ def free_port():
 
 @dataclass
 class Launch:
-    """The outcome of a launch: exit status, combined output, per-rank JSON."""
+    """The outcome of a launch: exit status, combined output, per-rank JSON,
+    and per-rank ``(stdout, stderr)``."""
     returncode: int
     output: str
     timed_out: bool
     ranks: list = field(default_factory=list)
+    rank_outputs: list = field(default_factory=list)
 
     def describe(self):
         state = 'timed out' if self.timed_out else f'exit status {self.returncode}'
@@ -86,6 +92,12 @@ def run_processes(script, *args, nproc=2, timeout=180, cpu_env=True, env=None):
     return _launch([common], script, args, nproc, timeout, cpu_env, env)
 
 
+def run_plain(script, *args, timeout=180, env=None):
+    """Run ``script`` as ``python script.py``: one process, no launcher, no
+    process group, as a user's single-process run."""
+    return _launch([None], script, args, 1, timeout, False, env)
+
+
 def run_nodes(script, *args, nodes=2, timeout=180, env=None):
     """Run ``script`` as if on ``nodes`` machines of one process each.
 
@@ -122,8 +134,10 @@ def _launch(launchers, script, args, world_size, timeout, cpu_env, env):
             cwd = tmp if len(launchers) == 1 else tmp / f'node{k}'
             cwd.mkdir(exist_ok=True)
             logs.append(tmp / f'output{k}.log')
-            cmd = [sys.executable, '-m', 'torch.distributed.run', *launcher, '--tee=3',
-                   str(script), *map(str, args)]
+            cmd = [sys.executable, str(script), *map(str, args)]
+            if launcher is not None:
+                cmd[1:1] = ['-m', 'torch.distributed.run', *launcher, '--tee=3',
+                            f'--log-dir={tmp / f"logs{k}"}']
             with open(logs[-1], 'wb') as log:
                 procs.append(subprocess.Popen(
                     cmd, stdout=log, stderr=subprocess.STDOUT, env=run_env,
@@ -145,8 +159,21 @@ def _launch(launchers, script, args, world_size, timeout, cpu_env, env):
         for rank in range(world_size):
             path = tmp / f'rank{rank}.json'
             ranks.append(json.loads(path.read_text()) if path.exists() else None)
+        if launchers == [None]:  # no torchrun: one process, one stream
+            rank_outputs = [(output, '')]
+        else:
+            rank_outputs = _rank_outputs(tmp, len(launchers), world_size // len(launchers))
     returncode = next((p.returncode for p in procs if p.returncode), 0)
-    return Launch(returncode, output, timed_out, ranks)
+    return Launch(returncode, output, timed_out, ranks, rank_outputs)
+
+
+def _rank_outputs(tmp, nodes, per_node):
+    """Every rank's (stdout, stderr), from the files torchrun wrote per worker."""
+    def read(node, local_rank, stream):
+        found = sorted((tmp / f'logs{node}').glob(f'*/attempt_*/{local_rank}/{stream}.log'))
+        return found[-1].read_text(errors='replace') if found else ''
+    return [(read(node, local, 'stdout'), read(node, local, 'stderr'))
+            for node in range(nodes) for local in range(per_node)]
 
 
 def check_errors(ranks, check):

@@ -152,19 +152,31 @@ def test_saves_leave_no_temporary_files_and_usual_permissions(tmp_path):
     assert (tmp_path / 'params.pt').stat().st_mode & 0o777 == 0o666 & ~umask
 
 
-def test_a_save_sweeps_only_this_machines_dead_writers(tmp_path):
-    from accel_mixin.files import _HOST, atomic_write
+def test_a_save_sweeps_abandoned_temporary_files_only(tmp_path):
+    import os
+    import time
+
+    from accel_mixin.files import _HOST, ABANDONED_AFTER, atomic_write
 
     dead = subprocess.run([sys.executable, '-c', 'import os; print(os.getpid())'],
                           capture_output=True, text=True, check=True).stdout.strip()
     ours = tmp_path / f'.params.pt.accel_mixin-tmp-{_HOST}-{dead}-abc'
-    # on a shared filesystem: a live write of another machine, whose process
-    # ids mean nothing here
+    # another file of the same folder: a training state of an earlier epoch
+    ours_other_target = tmp_path / f'.state-3.pt.accel_mixin-tmp-{_HOST}-{dead}-abc'
+    alive = tmp_path / f'.state-4.pt.accel_mixin-tmp-{_HOST}-{os.getpid()}-abc'
+    # on shared storage: a live write of another machine, whose process ids
+    # mean nothing here, and the partial file of a machine that died hours ago
     theirs = tmp_path / f'.params.pt.accel_mixin-tmp-otherhost-{dead}-abc'
-    for path in (ours, theirs):
+    theirs_abandoned = tmp_path / f'.state-2.pt.accel_mixin-tmp-otherhost-{dead}-abc'
+    for path in (ours, ours_other_target, alive, theirs, theirs_abandoned):
         path.write_bytes(b'half')
+    hours_ago = time.time() - ABANDONED_AFTER - 60
+    os.utime(theirs_abandoned, (hours_ago, hours_ago))
     atomic_write(tmp_path / 'params.pt', lambda f: f.write(b'whole'))
-    assert not ours.exists() and theirs.exists()
+    assert not ours.exists() and not ours_other_target.exists()
+    assert not theirs_abandoned.exists()
+    assert alive.exists() and theirs.exists()
+    assert ABANDONED_AFTER == 6 * 3600
 
 
 def test_a_failing_save_leaves_the_previous_file(tmp_path, monkeypatch):

@@ -1,5 +1,6 @@
 """Resumable training: exact resume in one and two real processes, rotation,
 safety, asynchronous writes. Each run is a new launch, as after a crash."""
+import re
 import tempfile
 from pathlib import Path
 
@@ -10,9 +11,15 @@ from accelerate import Accelerator
 from accel_mixin import CheckpointError
 from accel_mixin.checkpoint import agreed_checkpoint
 from common import AcceleratedNet, MLP
-from harness import check_values as values, run_processes
+from harness import check_values as values, run_plain, run_processes
 
 multiprocess = pytest.mark.multiprocess
+
+
+def run_folder(dirname):
+    """The folder of the one run in ``dirname``."""
+    (folder,) = Path(dirname).glob('run-*')
+    return folder
 
 
 def resume_runs(nproc, mode=None):
@@ -23,7 +30,7 @@ def resume_runs(nproc, mode=None):
     crash = run_processes('resume_run.py', 'crash', dirname, *extra, nproc=nproc, timeout=180)
     assert crash.returncode != 0 and not crash.timed_out, crash.describe()
     # a write killed halfway leaves only a temporary file: never picked
-    (Path(dirname) / '.training-state-000009.pt.accel_mixin-tmp-1-x').write_bytes(b'half')
+    (run_folder(dirname) / '.training-state-000009.pt.accel_mixin-tmp-1-x').write_bytes(b'half')
     resumed = run_processes('resume_run.py', 'resume', dirname, *extra, nproc=nproc, timeout=180)
     return full.check(), resumed.check(), resumed.output
 
@@ -62,19 +69,43 @@ def test_rotation_keeps_the_last_and_numbering_continues(two_processes):
     for rank in resumed:
         # keep_last=2; epochs 4 to 6 were numbered after the resume
         assert [f for f in rank['files'] if not f.startswith('.')] == [
-            'training-state-000005.pt', 'training-state-000006.pt']
+            'manifest.json', 'training-state-000005.pt', 'training-state-000006.pt']
 
 
 @multiprocess
-def test_a_checkpoint_from_another_number_of_processes_resumes_with_one_warning():
+def test_a_checkpoint_from_another_number_of_processes_resumes_with_one_warning(two_processes):
     dirname = tempfile.mkdtemp(prefix='accel_mixin_resume_')
     crash = run_processes('resume_run.py', 'crash', dirname, nproc=2, timeout=180)
     assert crash.returncode != 0
-    resumed = run_processes('resume_run.py', 'resume', dirname, nproc=1, timeout=180)
+    # on one process without DDP: state dicts of the module carry no prefix
+    resumed = run_plain('resume_run.py', 'resume', dirname, timeout=180)
     (rank,) = resumed.check()
     assert rank['resumed_from'] == 'training-state-000003.pt'
     assert len(rank['history']) == 6
     assert resumed.output.count('was saved by 2 process(es) and resumes on 1') == 1
+    # EarlyStopping(load_best=True) restored the best weights, those of
+    # epoch 2, saved by two processes: the uninterrupted run's final weights
+    full, _, _ = two_processes
+    assert rank['params'] == full[0]['params']
+
+
+@multiprocess
+def test_training_states_hold_best_weights_only_where_needed_under_clean_keys():
+    dirname = Path(tempfile.mkdtemp(prefix='accel_mixin_resume_'))
+    run_processes('resume_run.py', 'crash', dirname, nproc=2, timeout=180)
+
+    def best(epoch):
+        state = torch.load(run_folder(dirname) / f'training-state-{epoch:06d}.pt',
+                           weights_only=True)
+        return state['callbacks']['best'], state['modules']['module']
+
+    # after epoch 2, the best weights are the module's: no second copy
+    at_best, _ = best(2)
+    assert at_best['best_model_weights_'] is None and at_best['best_epoch_'] == 2
+    # after epoch 3, they are epoch 2's, under the bare module's keys
+    later, module = best(3)
+    assert list(later['best_model_weights_']) == list(module)
+    assert not any(key.startswith('module.') for key in later['best_model_weights_'])
 
 
 @pytest.fixture(scope='module')
@@ -102,7 +133,8 @@ def test_mismatched_states_raise_clearly_on_every_rank(state_checks):
 @multiprocess
 def test_a_failed_asynchronous_write_raises_on_every_rank(state_checks):
     rank0, rank1 = (v['error'] for v in values(state_checks, 'asynchronous_failure_reaches_every_rank'))
-    assert rank0.startswith('FileNotFoundError: Cannot save to vanishing/training-state-000002.pt')
+    assert re.match(r'FileNotFoundError: Cannot save to vanishing/run-\w{12}/training-state-000002.pt',
+                    rank0)
     assert rank1.startswith('DistributedError: asynchronous save_state failed on rank 0: FileNotFoundError')
 
 
@@ -143,8 +175,8 @@ def test_every_n_epochs_and_invalid_arguments(data, tmp_path):
     net = AcceleratedNet(MLP, accelerator=Accelerator(cpu=True), max_epochs=5, verbose=0,
                          callbacks=[TrainingCheckpoint(tmp_path, every_n_epochs=2, keep_last=None)])
     net.fit(*data)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        'training-state-000002.pt', 'training-state-000004.pt']
+    assert sorted(p.name for p in run_folder(tmp_path).iterdir()) == [
+        'manifest.json', 'training-state-000002.pt', 'training-state-000004.pt']
     with pytest.raises(ValueError, match='keep_last must be at least 1'):
         AcceleratedNet(MLP, accelerator=net.accelerator,
                        callbacks=[TrainingCheckpoint(tmp_path, keep_last=0)]).initialize()
@@ -217,6 +249,8 @@ def test_a_stop_by_anything_but_early_stopping_is_resumed(data, tmp_path):
     from accel_mixin.callbacks import ResumeTraining, TrainingCheckpoint
 
     class TimeBudget(Callback):  # stops cleanly before the job is preempted
+        in_run_identity = False  # not part of what is trained
+
         def on_epoch_end(self, net, **kwargs):
             if len(net.history) == 2:
                 raise KeyboardInterrupt

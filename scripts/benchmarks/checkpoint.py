@@ -105,6 +105,15 @@ def peak_extra_rss(fn, repeats=3):
     return statistics.median(peaks)
 
 
+def training_net(accelerator, width, depth):
+    """An initialized net of ``Stack`` that stays wrapped, in an epoch, ready
+    for ``train_step``."""
+    net = OursNet(module=Stack, module__width=width, module__depth=depth,
+                  accelerator=accelerator, verbose=0, unwrap_after_train=False).initialize()
+    net.history.new_epoch()
+    return net
+
+
 def time_rewrap(net, calls):
     """Median seconds of one unwrap plus rewrap, on this rank."""
     times = []

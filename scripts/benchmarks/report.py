@@ -96,7 +96,25 @@ def stall_table(result):
          for name, row in stall.items()]
 
 
-def targets(fit1, fit2, checkpoint, stall=None):
+def replicas_table(result):
+    times = result['times_s']
+    return [
+        f"**Replica check** ({result['processes']} processes, {result['params'] / 1e6:.1f}M "
+        f"parameters in {result['tensors']} tensors; an epoch is {result['steps_per_epoch']} "
+        f"training steps: {result['epoch_samples']} samples, batch {result['batch_size']} per "
+        "process; medians on rank 0)",
+        '',
+        '| | median (s) | runs (s) |',
+        '|---|---:|---|',
+    ] + [f"| {name} | {row['median_s']:.4f} | {', '.join(f'{x:.4f}' for x in row['runs_s'])} |"
+         for name, row in times.items()] + [
+        '',
+        f"The check costs {result['check_over_step']:.3f} of one training step, "
+        f"{100 * result['check_over_epoch']:.3f}% of an epoch.",
+    ]
+
+
+def targets(fit1, fit2, checkpoint, stall=None, replicas=None):
     """Fit targets use paired rounds: the machine drifts more between rounds
     than the differences measured."""
     rows = []
@@ -135,6 +153,9 @@ def targets(fit1, fit2, checkpoint, stall=None):
         ratio = stall['ratio']
         rows.append(('asynchronous checkpoint: stall at most 1/4 of the synchronous save',
                      f'{ratio:.2f}', ratio <= 0.25))
+    if replicas:
+        share = replicas['check_over_epoch']
+        rows.append(('replica check: at most 1% of an epoch', f'{100 * share:.3f}%', share <= 0.01))
     lines = ['| target | measured | |', '|---|---:|---|']
     lines += [f'| {name} | {value} | {verdict(ok)} |' for name, value, ok in rows]
     save = checkpoint and checkpoint['save']
@@ -190,8 +211,8 @@ def main():
     parser.add_argument('--command', default='scripts/bench')
     args = parser.parse_args()
 
-    fit1, fit2, checkpoint, stall = (
-        load(args.raw, n) for n in ('fit_1', 'fit_2', 'checkpoint_2', 'stall_2'))
+    fit1, fit2, checkpoint, stall, replicas = (
+        load(args.raw, n) for n in ('fit_1', 'fit_2', 'checkpoint_2', 'stall_2', 'replicas_2'))
     lines = [f'Reproduce with `{args.command}`. Bars are medians, dots single runs.', '']
     for result, title in ((fit1, 'fit, 1 process'), (fit2, 'fit, 2 processes')):
         if result:
@@ -200,7 +221,9 @@ def main():
         lines += checkpoint_tables(checkpoint) + ['']
     if stall:
         lines += stall_table(stall) + ['']
-    lines += targets(fit1, fit2, checkpoint, stall)
+    if replicas:
+        lines += replicas_table(replicas) + ['']
+    lines += targets(fit1, fit2, checkpoint, stall, replicas)
     text = '\n'.join(lines) + '\n'
 
     out = Path(args.out)

@@ -16,6 +16,7 @@ QUICK = {
     'fit': ['--samples', '600', '--epochs', '1', '--repeats', '2'],
     'checkpoint': ['--width', '256', '--depth', '2', '--repeats', '2'],
     'stall': ['--width', '256', '--depth', '2', '--repeats', '2', '--train-seconds', '0.2'],
+    'replicas': ['--width', '256', '--depth', '2', '--repeats', '2'],
 }
 
 
@@ -59,6 +60,7 @@ def main():
     launch('fit.py', raw / 'fit_2.json', 2, extra.get('fit', []), timeout)
     launch('checkpoint.py', raw / 'checkpoint_2.json', 2, extra.get('checkpoint', []), timeout)
     launch('stall.py', raw / 'stall_2.json', 2, extra.get('stall', []), timeout)
+    launch('replicas.py', raw / 'replicas_2.json', 2, extra.get('replicas', []), timeout)
     report = [sys.executable, str(HERE / 'report.py'), '--raw', str(raw), '--out', args.out]
     if args.readme:
         report += ['--readme', args.readme]

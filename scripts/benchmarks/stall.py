@@ -21,7 +21,7 @@ from accelerate.utils import gather_object
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # pylint: disable=wrong-import-position
-from checkpoint import OursNet, Stack, n_params  # noqa: E402
+from checkpoint import n_params, training_net  # noqa: E402
 from common import alternate, barrier, is_main, write_result  # noqa: E402
 
 
@@ -35,9 +35,7 @@ def main():
     args = parser.parse_args()
 
     accelerator = Accelerator()
-    net = OursNet(module=Stack, module__width=args.width, module__depth=args.depth,
-                  accelerator=accelerator, verbose=0, unwrap_after_train=False).initialize()
-    net.history.new_epoch()
+    net = training_net(accelerator, args.width, args.depth)
     X = torch.randn(64, 100)
     y = torch.randint(0, 2, (64,))
     workdir = Path(tempfile.gettempdir()) / 'accel_mixin_bench_stall'

@@ -24,6 +24,7 @@ __all__ = [
     'MLP',
     'ParamNLLLoss',
     'TwoStageNet',
+    'error_and_seconds',
     'make_accelerator',
     'make_data',
     'report',
@@ -113,6 +114,16 @@ def report(payload):
     # group down here, as accelerator.end_training() does, avoids that.
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def error_and_seconds(fn):
+    """What ``fn`` raised on this rank (None if nothing), and how long it took."""
+    start = time.monotonic()
+    try:
+        fn()
+    except Exception as exc:  # pylint: disable=broad-except
+        return {'error': f'{type(exc).__name__}: {exc}', 'seconds': time.monotonic() - start}
+    return {'error': None, 'seconds': time.monotonic() - start}
 
 
 class Checks:

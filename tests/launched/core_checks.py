@@ -11,7 +11,6 @@ import gc
 import os
 import pickle
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +20,8 @@ from skorch import NeuralNetClassifier
 from skorch.history import History
 
 from common import (
-    Checks, LogitMLP, MLP, ParamNLLLoss, TwoStageNet, make_accelerator, make_data, report)
+    Checks, LogitMLP, MLP, ParamNLLLoss, TwoStageNet, error_and_seconds, make_accelerator,
+    make_data, report)
 
 IMPL = sys.argv[1]
 if IMPL == 'ours':
@@ -266,17 +266,6 @@ def copies():
         'clone_rows': len(cloned.predict(X[:333])),
         'clone_spread': max_param_spread(cloned),
     }
-
-
-def error_and_seconds(fn):
-    """What ``fn`` raised on this rank, and how long it took to raise."""
-    start = time.monotonic()
-    try:
-        fn()
-    except Exception as exc:  # pylint: disable=broad-except
-        return {'error': f'{type(exc).__name__}: {exc}',
-                'seconds': time.monotonic() - start}
-    return {'error': None}
 
 
 @checks

@@ -59,7 +59,8 @@ def resume(max_epochs):
 def resume_from_the_epoch_every_node_has():
     resume(3)  # every node keeps its own epochs 1 to 3
     if rank == 1:  # node 1 was killed while writing epoch 3
-        os.unlink('states/training-state-000003.pt')
+        (state,) = Path('states').glob('run-*/training-state-000003.pt')
+        state.unlink()
     net, caught = resume(4)
     return {
         'resumed_from': os.path.basename(dict(net.callbacks_)['ResumeTraining'].resumed_from_),
@@ -72,7 +73,7 @@ def resume_from_the_epoch_every_node_has():
 @checks
 def no_epoch_in_common_fails_on_every_node():
     if rank == 1:  # a new machine: nothing to resume from
-        for path in Path('states').iterdir():
+        for path in Path('states').glob('run-*/*'):
             path.unlink()
     resume(5)
 

@@ -5,7 +5,6 @@ Usage: torchrun --nproc_per_node 2 files_checks.py
 """
 import os
 import subprocess
-import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -13,7 +12,8 @@ import numpy as np
 import torch
 from accelerate.utils import gather_object
 
-from common import AcceleratedNet, Checks, MLP, make_accelerator, make_data, report
+from common import (
+    AcceleratedNet, Checks, MLP, error_and_seconds, make_accelerator, make_data, report)
 
 accelerator = make_accelerator()
 rank = accelerator.process_index
@@ -32,24 +32,15 @@ if rank == 0:
 accelerator.wait_for_everyone()
 
 
-def outcome(fn):
-    start = time.monotonic()
-    try:
-        fn()
-    except Exception as exc:  # pylint: disable=broad-except
-        return {'error': f'{type(exc).__name__}: {exc}', 'seconds': time.monotonic() - start}
-    return {'error': None, 'seconds': time.monotonic() - start}
-
-
 @checks
 def bad_input_raises_on_every_rank():
     wide = AcceleratedNet(MLP, module__hidden=64, accelerator=accelerator).initialize()
     return {
-        'missing': outcome(lambda: net.load_params(f_params='nope.pt')),
-        'truncated': outcome(lambda: net.load_params(f_params='cut.pt')),
-        'directory': outcome(lambda: net.load_params(f_params='adir')),
-        'architecture': outcome(lambda: wide.load_params(f_params='good.pt')),
-        'save_to_directory': outcome(lambda: net.save_params(f_params='adir')),
+        'missing': error_and_seconds(lambda: net.load_params(f_params='nope.pt')),
+        'truncated': error_and_seconds(lambda: net.load_params(f_params='cut.pt')),
+        'directory': error_and_seconds(lambda: net.load_params(f_params='adir')),
+        'architecture': error_and_seconds(lambda: wide.load_params(f_params='good.pt')),
+        'save_to_directory': error_and_seconds(lambda: net.save_params(f_params='adir')),
     }
 
 
@@ -59,7 +50,7 @@ def unwritable_target_keeps_the_previous_file():
     locked = rank != 0 or subprocess.run(['chattr', '+i', '.'], check=False).returncode == 0
     locked = all(gather_object([locked]))
     try:
-        result = outcome(lambda: net.save_params(f_params='good.pt')) if locked else None
+        result = error_and_seconds(lambda: net.save_params(f_params='good.pt')) if locked else None
     finally:
         if rank == 0:
             subprocess.run(['chattr', '-i', '.'], check=False)

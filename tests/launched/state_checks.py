@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from accel_mixin import CheckpointError
 from accel_mixin.callbacks import TrainingCheckpoint
 from common import AcceleratedNet, Checks, MLP, make_accelerator, make_data, report
 

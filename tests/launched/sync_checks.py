@@ -4,6 +4,7 @@ skorch's callbacks, one voice, failures that reach every rank.
 Usage: torchrun --nproc_per_node 2 sync_checks.py
 """
 import pickle
+import sys
 import time
 from pathlib import Path
 
@@ -158,12 +159,15 @@ def train_end_checkpoint():
 
 @checks
 def one_voice():
-    print('=== one voice starts', flush=True)
+    # in both streams: warnings and progress bars go to stderr
+    for stream in (sys.stdout, sys.stderr):
+        print('=== one voice starts', file=stream, flush=True)
     # monitor='valid_loss' makes skorch's Checkpoint warn every epoch
     net = make_net(verbose=1, max_epochs=2, callbacks=[
         ProgressBar(), Checkpoint(monitor='valid_loss', dirname='cp_voice', sink=print)])
     net.fit(X, y)
-    print('=== one voice ends', flush=True)
+    for stream in (sys.stdout, sys.stderr):
+        print('=== one voice ends', file=stream, flush=True)
     return {'epochs': len(net.history)}
 
 
