@@ -37,6 +37,7 @@ Layout::
 
 Rotation and numbering only ever look at the run's own folder.
 """
+import functools
 import hashlib
 import json
 import os
@@ -101,6 +102,9 @@ def describe(value):
         return [describe(item) for item in value]
     if isinstance(value, dict):
         return {str(key): describe(item) for key, item in sorted(value.items(), key=str)}
+    if isinstance(value, functools.partial):  # skorch's Freezer keeps `at` so
+        return {'partial': describe(value.func), 'args': describe(value.args),
+                'keywords': describe(value.keywords)}
     if isinstance(value, type) or callable(value) and hasattr(value, '__qualname__'):
         return _name_of(value)
     if isinstance(value, torch.nn.Module):

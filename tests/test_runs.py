@@ -12,7 +12,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 from sklearn.model_selection import KFold, cross_val_score
-from skorch.callbacks import Callback, EarlyStopping, LRScheduler, PrintLog
+from skorch.callbacks import Callback, EarlyStopping, Freezer, LRScheduler, PrintLog
 
 from accel_mixin import CheckpointError
 from accel_mixin.callbacks import ResumeTraining, TrainingCheckpoint
@@ -74,11 +74,13 @@ def test_the_identity_continues_or_starts_a_new_run_as_documented(data):
         identity(data, module__hidden=16),
         identity(data, optimizer__momentum=0.9),
         identity(data, callbacks=[LRScheduler(step_every='epoch')]),
+        identity(data, callbacks=[Freezer('hidden.*', at=1)]),
+        identity(data, callbacks=[Freezer('hidden.*', at=2)]),
         identity(data, X=X.copy() + 1e-3),  # other values
         identity(data, X=X[:150]),  # another fold
         identity(data, X=X[::-1].copy()),  # other rows in another order
     }
-    assert base not in other and len(other) == 8
+    assert base not in other and len(other) == 10
 
 
 def test_a_fingerprint_reads_a_sample_of_the_rows():
