@@ -15,16 +15,33 @@ numbered within their enclosing section, in the order ranks reach them. A
 section counts as one step of its parent however it ends, so ranks that left
 a section at different points, one by an error that was caught, are in step
 again after it.
+
+A barrier's outcome is the same on every rank. The last rank to arrive
+releases the others at once (they wait on a key it sets, not on a polling
+interval). A rank that gives up waiting first takes its arrival back, then
+reports the timeout as a failure of its section, so a slower rank that
+arrives afterwards raises too instead of going on alone; if everyone arrived
+meanwhile, the barrier is passed after all. The timeout counts time without
+progress only: while ``run`` executes its function on some rank (a large
+save), that rank shows a heartbeat, and the others keep waiting as long as it
+beats. The process group's timeout, which users shorten so that errors inside
+training steps surface fast, thus never cuts a slow save short.
 """
+import threading
 import time
 from datetime import timedelta
 
 import torch.distributed as dist
 
+from accel_mixin.internals import default_store
+
 __all__ = ['Coordinator', 'DistributedError', 'coordinator_for', 'failure_message']
 
-# polls start fast and slow down: a long wait (a big save) costs little CPU
-_POLL_FIRST, _POLL_MAX = 0.0005, 0.02
+# how long a waiting rank blocks on the release key before it looks for
+# failures, heartbeats and its deadline
+_SLICE = timedelta(milliseconds=20)
+# how often a rank running a long function beats
+_HEARTBEAT_SECONDS = 1.0
 
 
 class DistributedError(RuntimeError):
@@ -34,14 +51,6 @@ class DistributedError(RuntimeError):
 def failure_message(what, rank, exc):
     """How the other ranks learn of ``exc``: the operation, the rank, the error."""
     return f'{what} failed on rank {rank}: {type(exc).__name__}: {exc}'
-
-
-def _default_store():
-    try:
-        from torch.distributed.distributed_c10d import _get_default_store
-        return _get_default_store()
-    except (ImportError, RuntimeError, ValueError):
-        return None
 
 
 class Coordinator:
@@ -117,6 +126,11 @@ class Coordinator:
                 return self.store.get(key).decode()
         return None
 
+    def _heartbeats(self):
+        """The beats of the sections this rank is in: they grow while some
+        rank works in one of them."""
+        return sum(self.store.add(key + '/alive', 0) for key, _ in self._open)
+
     def barrier(self, what):
         """Wait for every rank, or raise as soon as one failed.
 
@@ -134,23 +148,39 @@ class Coordinator:
                 self.barrier(what)
             return
         key = self._child('b')
-        self.store.add(key, 1)
+        release = key + '/released'
+        if self.store.add(key, 1) >= self.num_processes:
+            self.store.set(release, b'1')
+            return
         deadline = time.monotonic() + self.timeout
-        pause = _POLL_FIRST
+        beats = self._heartbeats()
         while True:
-            # arrivals first: once all arrived the barrier is passed, even if
-            # a faster rank has failed since, after it
-            if self.store.add(key, 0) >= self.num_processes:
+            try:
+                self.store.wait([release], _SLICE)
                 return
+            except RuntimeError:  # the slice ran out (torch's DistStoreError)
+                pass
             failure = self.failure()
             if failure is not None:
                 raise DistributedError(failure)
-            if time.monotonic() > deadline:
-                raise DistributedError(
-                    f'{what}: rank {self.process_index} waited {self.timeout:.0f} s for '
-                    'the other ranks, which neither arrived nor reported a failure')
-            time.sleep(pause)
-            pause = min(2 * pause, _POLL_MAX)
+            now = self._heartbeats()
+            if now != beats:  # a rank is still working: wait on
+                beats, deadline = now, time.monotonic() + self.timeout
+            elif time.monotonic() > deadline:
+                self._give_up(key, release, what)
+                return
+
+    def _give_up(self, key, release, what):
+        """Leave a barrier that timed out, so that every rank agrees on it."""
+        if self.store.add(key, -1) + 1 >= self.num_processes:
+            # everyone had arrived after all: put the arrival back, pass
+            self.store.add(key, 1)
+            self.store.set(release, b'1')
+            return
+        message = (f'{what}: rank {self.process_index} waited {self.timeout:.0f} s for the '
+                   'other ranks, which neither arrived nor reported a failure')
+        self._publish(self._open[-1][0], message)
+        raise DistributedError(message)
 
     def run(self, fn, *, what, here=True):
         """Run ``fn`` on the ranks where ``here`` is true, and agree on the outcome.
@@ -164,9 +194,42 @@ class Coordinator:
         """
         with self.session(what):
             self.barrier(what)
-            result = fn() if here else None
+            if here and self.distributed:
+                with _Heartbeat(self.store, self._open[-1][0] + '/alive',
+                                min(_HEARTBEAT_SECONDS, self.timeout / 4)):
+                    result = fn()
+            else:
+                result = fn() if here else None
             self.barrier(what)
         return result
+
+
+class _Heartbeat:
+    """Beats under ``key`` while the block runs, so that ranks waiting for
+    this one know it is working rather than gone."""
+
+    def __init__(self, store, key, interval):
+        self.store = store
+        self.key = key
+        self.interval = interval
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._beat, daemon=True)
+
+    def _beat(self):
+        while not self.stop.wait(self.interval):
+            try:
+                self.store.add(self.key, 1)
+            except Exception:  # pylint: disable=broad-except
+                return  # the store is gone: the group is being torn down
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+        return False
 
 
 class _Section:
@@ -204,7 +267,8 @@ def coordinator_for(accelerator):
     order they reach them, whichever net reaches them.
 
     """
-    store = _default_store() if accelerator.num_processes > 1 else None
+    # without the store, barriers could not wait: fail loudly instead
+    store = default_store() if accelerator.num_processes > 1 else None
     key = (accelerator.num_processes, accelerator.process_index, id(store))
     if key not in _COORDINATORS:
         handler = getattr(accelerator, 'init_handler', None)

@@ -3,8 +3,11 @@ import contextlib
 import os
 import warnings
 
+from accelerate.utils import DistributedType
+
 __all__ = [
     'check_process_layout',
+    'check_supported',
     'quiet_unless_main',
     'silent',
     'sink_for',
@@ -45,6 +48,39 @@ def check_process_layout(accelerator):
         "the accelerator with Accelerator(cpu=True); with GPUs, make sure "
         "every process can see CUDA."
     )
+
+
+# prepared each on its own, as this mixin does, these backends break late and
+# obscurely: DeepSpeed and Megatron-LM need the model and optimizer prepared
+# together, FSDP replaces the parameters the optimizer holds, and XLA's
+# collectives of several processes are not the ones used here
+_UNSUPPORTED = {
+    DistributedType.DEEPSPEED: 'DeepSpeed',
+    DistributedType.FSDP: 'FSDP',
+    DistributedType.MEGATRON_LM: 'Megatron-LM',
+}
+
+
+def check_supported(accelerator):
+    """Refuse the backends this mixin cannot train with, before training.
+
+    Raises
+    ------
+    ValueError
+      Naming the backend and what is supported.
+
+    """
+    kind = accelerator.distributed_type
+    name = _UNSUPPORTED.get(kind)
+    if name is None and kind == DistributedType.XLA and accelerator.num_processes > 1:
+        name = 'XLA (TPU) with several processes'
+    if name is not None:
+        raise ValueError(
+            f"AccelerateMixin does not support {name} (distributed_type={kind}): it prepares "
+            "modules, optimizers and schedulers each on its own. Supported: one process or "
+            "DDP across processes and machines (CPU, CUDA, MPS; one XLA device), with mixed "
+            "precision and gradient accumulation. Configure accelerate without it "
+            "(`accelerate config`), or train with accelerate directly.")
 
 
 def silent(*args, **kwargs):  # pylint: disable=unused-argument

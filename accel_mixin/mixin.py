@@ -20,9 +20,10 @@ from accel_mixin.checkpoint import (
     validate_state)
 from accel_mixin.coordination import DistributedError, coordinator_for
 from accel_mixin.distributed import (
-    check_process_layout, quiet_unless_main, sink_for, writes_files)
+    check_process_layout, check_supported, quiet_unless_main, sink_for, writes_files)
 from accel_mixin.files import read_state, write_state
 from accel_mixin.history_sync import agree_on_row, first, merge_epoch, real_samples
+from accel_mixin.internals import check_dataloader
 from accel_mixin.params import SafeParamsMixin
 from accel_mixin.portable import PortableAccelerator
 from accel_mixin.replicas import check_replicas, check_same_data, named_parameters
@@ -219,6 +220,7 @@ class AccelerateMixin(SafeParamsMixin):
 
         """
         check_process_layout(self.accelerator)
+        check_supported(self.accelerator)
         self._check_optimizers()
         self._prepared.prepare(self.accelerator, self._accelerate_slots())
         return self
@@ -597,6 +599,7 @@ class AccelerateMixin(SafeParamsMixin):
         dataloaders[:] = [dl for dl in dataloaders if dl is not iterator]
         if training:
             # its shuffling is part of a training state
+            check_dataloader(iterator)
             self.__dict__[_TRAIN_ITERATOR] = weakref.ref(iterator)
         return iterator
 

@@ -19,6 +19,8 @@ import torch
 from accelerate.scheduler import AcceleratedScheduler
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
+from accel_mixin.internals import check_accelerator, check_prepared_module
+
 __all__ = ['Slot', 'PreparedObjects', 'requires_closure']
 
 Slot = namedtuple('Slot', ['key', 'owner', 'attr', 'kind', 'step_once'], defaults=[False])
@@ -164,6 +166,7 @@ class PreparedObjects:
         DDP wrapper); every rank must pass the same keys.
 
         """
+        check_accelerator(accelerator)
         slots = list(slots)
         live = {slot.key for slot in slots}
         for key in [key for key in self._entries if key not in live]:
@@ -257,7 +260,9 @@ def _prepare_one(accelerator, obj, slot):
         _pop_marks(obj)
         # DDP refuses a module without trainable parameters (NLLLoss, ...);
         # evaluation mode still places it on the device and adds autocast.
-        return accelerator.prepare_model(obj, evaluation_mode=not any(trainability(obj)))
+        prepared = accelerator.prepare_model(obj, evaluation_mode=not any(trainability(obj)))
+        check_prepared_module(prepared, obj, accelerator)  # the marks unwrapping relies on
+        return prepared
     if slot.kind == 'optimizer':
         return accelerator.prepare_optimizer(obj)
     prepared = accelerator.prepare_scheduler(obj)

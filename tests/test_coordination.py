@@ -145,3 +145,48 @@ def test_a_rank_that_never_arrives_times_out():
     with pytest.raises(DistributedError, match='neither arrived nor reported'):
         with rank0.session('s'):
             rank0.barrier('b')
+
+
+def test_a_barrier_that_times_out_fails_on_every_rank():
+    # rank 1 gives up before the slow rank 0 arrives: rank 0 must not pass
+    # the barrier alone and go on as if everyone had been there
+    rank0, rank1 = pair(timeout=0.3)
+
+    def slow():
+        with rank0.session('save'):
+            time.sleep(1.0)
+            rank0.barrier('save')
+
+    def waiting():
+        with rank1.session('save'):
+            rank1.barrier('save')
+
+    (state0, exc0), (state1, exc1) = run_ranks(slow, waiting)
+    assert state0 == state1 == 'raised'
+    assert str(exc1) == ('save: rank 1 waited 0 s for the other ranks, which neither arrived '
+                         'nor reported a failure')
+    assert str(exc0) == str(exc1)  # rank 0 learns why
+
+
+def test_a_run_slower_than_the_timeout_succeeds_while_it_works():
+    # the process group's timeout, kept short so that errors surface fast,
+    # must not cut a long save short
+    rank0, rank1 = pair(timeout=0.3)
+
+    def body(coordinator):
+        def save():
+            time.sleep(1.5)  # five timeouts long
+            return 'saved'
+        return coordinator.run(save, what='save_params', here=coordinator.process_index == 0)
+
+    assert run_ranks(lambda: body(rank0), lambda: body(rank1)) == [('ok', 'saved'), ('ok', None)]
+
+
+def test_a_rank_that_times_out_just_as_the_last_arrives_passes():
+    rank0, rank1 = pair(timeout=0.2)
+    with rank0.session('x'), rank1.session('x'):
+        key = rank1._child('b')  # pylint: disable=protected-access
+        rank1.store.add(key, 2)  # both arrived, as the timeout fires
+        rank1._give_up(key, key + '/released', 'x')  # pylint: disable=protected-access
+        assert rank1.store.add(key, 0) == 2
+        assert rank1.failure() is None

@@ -169,3 +169,8 @@ def test_without_the_replica_check_the_divergence_goes_unnoticed(divergence):
     rank0, rank1 = values(divergence, 'replica_check_off')
     assert rank0['error'] is rank1['error'] is None
     assert rank0['digest']['module.out.bias'] != rank1['digest']['module.out.bias']
+
+
+@pytest.mark.multiprocess
+def test_private_names_exist_under_several_processes(divergence):
+    assert values(divergence, 'private_names_present') == [[], []]

@@ -152,4 +152,11 @@ def replica_check_catches_a_bypassing_train_step():
     return error_and_seconds(lambda: make_net(BypassingNet, max_epochs=2).fit(X, y))
 
 
+@checks
+def private_names_present():
+    from accel_mixin.internals import missing
+
+    return missing(accelerator)  # the process group's store included
+
+
 report({'checks': checks.results})

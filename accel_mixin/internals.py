@@ -1,0 +1,137 @@
+"""The private names of torch, accelerate and skorch that accel_mixin relies on.
+
+Each is used because no public API does the job:
+
+- torch's ``_get_default_store``: the key-value store of the process group,
+  which carries the fail-fast barriers (``coordination.py``);
+- accelerate's ``Accelerator._models``, ``_optimizers``, ``_schedulers`` and
+  ``_dataloaders``: the lists that unwrapping and rewrapping keep exact
+  (``wrapping.py``);
+- the marks accelerate leaves on a prepared module, ``_is_accelerate_prepared``
+  and ``_original_forward`` (the autocast patch), which unwrapping stashes and
+  rewrapping restores;
+- a prepared dataloader's ``synchronized_generator`` and ``iteration``, which
+  decide the shuffling that a training state saves;
+- skorch's ``_check_f_arguments`` and ``NeuralNet._get_module``, which
+  ``save_params`` and ``load_params`` share with skorch.
+
+A release that renames one of them must make accel_mixin fail loudly, naming
+it, never degrade silently (a barrier that no longer waits, a module that is
+no longer wrapped in DDP). The checks here run where the names are used;
+``missing`` lists what a given accelerator lacks, for a test on the pinned
+versions.
+"""
+import torch
+from skorch import utils as skorch_utils
+from skorch.net import NeuralNet
+
+__all__ = [
+    'InternalsChanged',
+    'check_accelerator',
+    'check_dataloader',
+    'check_prepared_module',
+    'default_store',
+    'missing',
+]
+
+ACCELERATOR_LISTS = ('_models', '_optimizers', '_schedulers', '_dataloaders')
+DATALOADER_ATTRIBUTES = ('synchronized_generator', 'iteration')
+
+
+class InternalsChanged(RuntimeError):
+    """A private name of torch, accelerate or skorch that accel_mixin uses is gone."""
+
+
+def _changed(package, name, what):
+    import accelerate  # pylint: disable=import-outside-toplevel
+    import skorch  # pylint: disable=import-outside-toplevel
+
+    return InternalsChanged(
+        f"{package} no longer has {name}, which accel_mixin uses {what}. This accel_mixin "
+        f"was tested with the versions in constraints/pinned.txt; installed are torch "
+        f"{torch.__version__}, accelerate {accelerate.__version__}, skorch "
+        f"{skorch.__version__}. Install the pinned versions, or an accel_mixin that "
+        "supports these.")
+
+
+def _default_store_getter():
+    try:
+        from torch.distributed.distributed_c10d import (  # pylint: disable=import-outside-toplevel
+            _get_default_store)
+    except ImportError as exc:
+        raise _changed('torch', 'torch.distributed.distributed_c10d._get_default_store',
+                       'for the barriers of several processes') from exc
+    return _get_default_store
+
+
+def default_store():
+    """The process group's key-value store."""
+    return _default_store_getter()()
+
+
+def check_accelerator(accelerator):
+    """Raise unless the accelerator keeps the lists that wrapping maintains."""
+    for name in ACCELERATOR_LISTS:
+        if not isinstance(getattr(accelerator, name, None), list):
+            raise _changed('accelerate', f'Accelerator.{name}',
+                           'to keep the prepared objects exact when unwrapping and rewrapping')
+
+
+def check_prepared_module(prepared, module, accelerator):
+    """Raise unless accelerate marked what it made of ``module`` (``prepared``)
+    and ``module`` as it does when it prepares a module."""
+    if not getattr(prepared, '_is_accelerate_prepared', False):
+        raise _changed('accelerate', 'the mark _is_accelerate_prepared on prepared modules',
+                       'to prepare a module again after unwrapping')
+    # getattr: a compiled module keeps the patch on the module it compiled
+    if accelerator.native_amp and getattr(module, '_original_forward', None) is None:
+        raise _changed('accelerate', 'the mark _original_forward on prepared modules',
+                       'to keep mixed precision when unwrapping and rewrapping')
+
+
+def check_dataloader(dataloader):
+    """Raise unless a prepared training dataloader exposes its shuffling state."""
+    for name in DATALOADER_ATTRIBUTES:
+        if not hasattr(dataloader, name):
+            raise _changed('accelerate', f'{type(dataloader).__name__}.{name}',
+                           'to save and restore the shuffling of the training data')
+
+
+def missing(accelerator):
+    """The private names that are missing here, for an accelerator.
+
+    Prepares a small module and dataloader on ``accelerator`` to look.
+    """
+    found = []
+    for check in (_default_store_getter,
+                  lambda: check_accelerator(accelerator),
+                  lambda: _check_prepare(accelerator),
+                  _check_skorch):
+        try:
+            check()
+        except InternalsChanged as exc:
+            found.append(str(exc))
+    return found
+
+
+def _check_prepare(accelerator):
+    module = torch.nn.Linear(2, 2)
+    prepared = accelerator.prepare_model(module, evaluation_mode=True)
+    try:
+        check_prepared_module(prepared, module, accelerator)
+    finally:
+        accelerator._models[:] = [m for m in accelerator._models if m is not module]  # pylint: disable=protected-access
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(4, 2)),
+                                       batch_size=2, shuffle=True)
+    prepared = accelerator.prepare_data_loader(data)
+    accelerator._dataloaders[:] = [d for d in accelerator._dataloaders if d is not prepared]  # pylint: disable=protected-access
+    check_dataloader(prepared)
+
+
+def _check_skorch():
+    if not callable(getattr(skorch_utils, '_check_f_arguments', None)):
+        raise _changed('skorch', 'skorch.utils._check_f_arguments',
+                       'to read the file arguments of save_params and load_params')
+    if not callable(getattr(NeuralNet, '_get_module', None)):
+        raise _changed('skorch', 'NeuralNet._get_module',
+                       'to find the modules that save_params and load_params name')
