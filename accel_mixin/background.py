@@ -9,20 +9,18 @@ class BackgroundWriter:
 
     ``submit`` waits for the previous job first, so at most one is in
     flight; ``wait`` returns when the current job is done and raises what it
-    raised, once.
+    raised, once. The thread is not a daemon: a write still in flight when
+    the program ends (training ended by an exception, say) is finished
+    before the interpreter exits, never cut off halfway.
     """
 
     def __init__(self):
         self._thread = None
         self._error = None
 
-    @property
-    def busy(self):
-        return self._thread is not None and self._thread.is_alive()
-
     def submit(self, job):
         self.wait()
-        self._thread = threading.Thread(target=self._run, args=(job,), daemon=True,
+        self._thread = threading.Thread(target=self._run, args=(job,), daemon=False,
                                         name='accel_mixin-writer')
         self._thread.start()
 

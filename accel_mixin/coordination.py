@@ -17,8 +17,11 @@ a section at different points, one by an error that was caught, are in step
 again after it.
 
 A barrier's outcome is the same on every rank. The last rank to arrive
-releases the others at once (they wait on a key it sets, not on a polling
-interval). A rank that gives up waiting first takes its arrival back, then
+sets a release key, which the others poll at short intervals (0.1 ms,
+doubling up to 2 ms: a round trip to the store costs tens of microseconds).
+torch's ``Store.wait`` with a timeout would wake them sooner, but every
+timeout of it prints a warning from C++. A rank that gives up waiting first
+takes its arrival back, then
 reports the timeout as a failure of its section, so a slower rank that
 arrives afterwards raises too instead of going on alone; if everyone arrived
 meanwhile, the barrier is passed after all. The timeout counts time without
@@ -37,9 +40,9 @@ from accel_mixin.internals import default_store
 
 __all__ = ['Coordinator', 'DistributedError', 'coordinator_for', 'failure_message']
 
-# how long a waiting rank blocks on the release key before it looks for
-# failures, heartbeats and its deadline
-_SLICE = timedelta(milliseconds=20)
+# polls of the release key: fast at first, a waiting rank costs little CPU
+# later; failures, heartbeats and the deadline are looked at less often
+_POLL_FIRST, _POLL_MAX, _LOOK_EVERY = 0.0001, 0.002, 0.02
 # how often a rank running a long function beats
 _HEARTBEAT_SECONDS = 1.0
 
@@ -154,12 +157,13 @@ class Coordinator:
             return
         deadline = time.monotonic() + self.timeout
         beats = self._heartbeats()
-        while True:
-            try:
-                self.store.wait([release], _SLICE)
-                return
-            except RuntimeError:  # the slice ran out (torch's DistStoreError)
-                pass
+        pause, look = _POLL_FIRST, time.monotonic() + _LOOK_EVERY
+        while not self.store.check([release]):
+            time.sleep(pause)
+            pause = min(2 * pause, _POLL_MAX)
+            if time.monotonic() < look:
+                continue
+            look = time.monotonic() + _LOOK_EVERY
             failure = self.failure()
             if failure is not None:
                 raise DistributedError(failure)

@@ -1,11 +1,15 @@
 """Rank helpers: the process layout, and one voice."""
+import atexit
 import contextlib
+import gc
 import os
 import warnings
 
 from accelerate.utils import DistributedType
 
 __all__ = [
+    'check_not_a_child_of_a_rank',
+    'collect_garbage_at_exit',
     'check_process_layout',
     'check_supported',
     'quiet_unless_main',
@@ -61,6 +65,37 @@ _UNSUPPORTED = {
 }
 
 
+# The pid of the process that the launcher started, inherited by the
+# processes it starts in turn (joblib's workers): they also inherit RANK and
+# WORLD_SIZE, and an Accelerator built there waits for a rendezvous that never
+# comes.
+_LAUNCHED_PID = 'ACCEL_MIXIN_LAUNCHED_PID'
+if _env_int('WORLD_SIZE') > 1:
+    os.environ.setdefault(_LAUNCHED_PID, str(os.getpid()))
+
+
+def check_not_a_child_of_a_rank():
+    """Refuse to build an Accelerator in a process that a rank started.
+
+    Raises
+    ------
+    RuntimeError
+      In a child process (``GridSearchCV(n_jobs=2)``'s workers, say) of a
+      process that ``torchrun`` or ``accelerate launch`` started.
+
+    """
+    launched = os.environ.get(_LAUNCHED_PID)
+    if launched is None or launched == str(os.getpid()):
+        return
+    raise RuntimeError(
+        f"This process (pid {os.getpid()}) was started by rank {os.environ.get('RANK')} of a "
+        f"job of WORLD_SIZE={os.environ.get('WORLD_SIZE')} processes (pid {launched}), e.g. "
+        "as a worker of GridSearchCV(n_jobs=...) or cross_validate(n_jobs=...): it inherits "
+        "the job's RANK and WORLD_SIZE, and an Accelerator built here would wait forever for "
+        "a process group it cannot join. Use n_jobs=1 in a job of several processes: its "
+        "processes already share every fit.")
+
+
 def check_supported(accelerator):
     """Refuse the backends this mixin cannot train with, before training.
 
@@ -81,6 +116,23 @@ def check_supported(accelerator):
             "DDP across processes and machines (CPU, CUDA, MPS; one XLA device), with mixed "
             "precision and gradient accumulation. Configure accelerate without it "
             "(`accelerate config`), or train with accelerate directly.")
+
+
+_EXIT_HOOK = []
+
+
+def collect_garbage_at_exit():
+    """Free what the nets left in reference cycles before Python shuts down.
+
+    DDP wrappers and the objects around them die in reference cycles. Left
+    to the interpreter's finalization, they are torn down while gloo's
+    threads still run, and the process can abort after all the work is done
+    ("terminate called without an active exception"), which launchers
+    report as a failed job. A collection at exit, while everything is still
+    alive, frees them in order. Registered once per process.
+    """
+    if not _EXIT_HOOK:
+        _EXIT_HOOK.append(atexit.register(gc.collect))
 
 
 def silent(*args, **kwargs):  # pylint: disable=unused-argument

@@ -137,6 +137,10 @@ def atomic_write(path, write):
 
     """
     path = os.fspath(path)
+    if os.path.islink(path):
+        # update the file the link points to; replacing the link itself
+        # would cut it off from its target
+        path = os.path.realpath(path)
     directory, name = os.path.split(os.path.abspath(path))
     if os.path.isdir(path):
         raise IsADirectoryError(
@@ -148,14 +152,8 @@ def atomic_write(path, write):
     _sweep(path)
     fd, tmp = tempfile.mkstemp(prefix=f'.{name}{_TMP}{_HOST}-{os.getpid()}-', dir=directory)
     try:
-        # mkstemp makes the file private (0600); give it the mode a plain
-        # open would, or the mode of the file it replaces
-        try:
-            mode = os.stat(path).st_mode & 0o7777
-        except FileNotFoundError:
-            mode = 0o666 & ~_UMASK
-        os.chmod(tmp, mode)
-        with os.fdopen(fd, 'wb') as f:
+        with os.fdopen(fd, 'wb') as f:  # closes the descriptor, whatever happens next
+            _set_mode(tmp, path)
             write(f)
             f.flush()
             os.fsync(f.fileno())
@@ -173,6 +171,21 @@ def atomic_write(path, write):
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def _set_mode(tmp, path):
+    """Give ``tmp`` the mode a plain open would, or that of the file it replaces.
+
+    mkstemp makes the file private (0600). Some filesystems (vfat, exFAT,
+    some SMB and FUSE mounts) refuse chmod: their files have the mode the
+    mount gives them, which is the mode a plain open would get there too.
+    """
+    try:
+        mode = os.stat(path).st_mode & 0o7777
+    except FileNotFoundError:
+        mode = 0o666 & ~_UMASK
+    with contextlib.suppress(OSError):
+        os.chmod(tmp, mode)
 
 
 def _write(f, write):

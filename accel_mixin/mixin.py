@@ -20,13 +20,15 @@ from accel_mixin.checkpoint import (
     validate_state)
 from accel_mixin.coordination import DistributedError, coordinator_for
 from accel_mixin.distributed import (
-    check_process_layout, check_supported, quiet_unless_main, sink_for, writes_files)
+    check_process_layout, check_supported, collect_garbage_at_exit, quiet_unless_main, sink_for,
+    writes_files)
 from accel_mixin.files import read_state, write_state
 from accel_mixin.history_sync import agree_on_row, first, merge_epoch, real_samples
 from accel_mixin.internals import check_dataloader
 from accel_mixin.params import SafeParamsMixin
 from accel_mixin.portable import PortableAccelerator
-from accel_mixin.replicas import check_replicas, check_same_data, named_parameters
+from accel_mixin.replicas import (
+    check_replicas, check_same_data, check_same_steps, named_parameters)
 from accel_mixin.stepping import Stepper
 from accel_mixin.training_state import snapshot
 from accel_mixin.wrapping import PreparedObjects, Slot, requires_closure
@@ -56,6 +58,10 @@ _FIT_ROUTING = ({'_routing_method': 'fit'}
 # that an error in a callback there reaches every rank. on_epoch_end has its
 # own; per-batch notifications get none, which would cost a barrier a batch.
 _BARRIER_AFTER = frozenset(['on_train_begin', 'on_epoch_begin'])
+# Ranks may see different numbers of batches (even_batches=False, iterable
+# data): per-batch notifications must not number sections, or the ranks'
+# keys drift apart. An error there is reported to the enclosing section.
+_PER_BATCH = frozenset(['on_batch_begin', 'on_batch_end', 'on_grad_computed'])
 
 
 class AccelerateMixin(SafeParamsMixin):
@@ -221,6 +227,8 @@ class AccelerateMixin(SafeParamsMixin):
         """
         check_process_layout(self.accelerator)
         check_supported(self.accelerator)
+        if self.accelerator.distributed_type != DistributedType.NO:
+            collect_garbage_at_exit()
         self._check_optimizers()
         self._prepared.prepare(self.accelerator, self._accelerate_slots())
         return self
@@ -294,7 +302,8 @@ class AccelerateMixin(SafeParamsMixin):
         ``max_epochs``.
 
         """
-        with self._coordinator.session('fit'), quiet_unless_main(self.accelerator):
+        with self._coordinator.session('fit'), quiet_unless_main(self.accelerator), \
+                self._finishing_writes():
             if not (self.initialized_ and self.__dict__.get(_RESUMED)):
                 return super().fit(X, y, **fit_params)
             # skorch's fit, without its initialize()
@@ -302,8 +311,25 @@ class AccelerateMixin(SafeParamsMixin):
             return self
 
     def partial_fit(self, X, y=None, classes=None, **fit_params):
-        with self._coordinator.session('partial_fit'), quiet_unless_main(self.accelerator):
+        with self._coordinator.session('partial_fit'), quiet_unless_main(self.accelerator), \
+                self._finishing_writes():
             return super().partial_fit(X, y, classes=classes, **fit_params)
+
+    @contextmanager
+    def _finishing_writes(self):
+        """Where training ends with an exception, finish an asynchronous write
+        still in flight, and say if it failed too, without hiding the error."""
+        try:
+            yield
+        except BaseException:
+            writer = self.__dict__.get(_WRITER)
+            if writer is not None:
+                try:
+                    writer.wait()
+                except Exception as exc:  # pylint: disable=broad-except
+                    warnings.warn(f"An asynchronous save_state failed too: "
+                                  f"{type(exc).__name__}: {exc}", RuntimeWarning)
+            raise
 
     def fit_loop(self, X, y=None, epochs=None, **fit_params):
         # A resumed run trains only the epochs that remain up to max_epochs,
@@ -359,6 +385,13 @@ class AccelerateMixin(SafeParamsMixin):
         coordinator = self._coordinator
         if not coordinator.distributed:
             self._notify(method_name, **cb_kwargs)
+        elif method_name in _PER_BATCH:
+            try:
+                self._notify(method_name, **cb_kwargs)
+            except Exception as exc:
+                if not isinstance(exc, DistributedError):
+                    coordinator.fail(method_name, exc)
+                raise
         else:
             with coordinator.section(method_name):
                 self._notify(method_name, **cb_kwargs)
@@ -399,6 +432,9 @@ class AccelerateMixin(SafeParamsMixin):
             # restores weights it took from the wrapped module.
             if self.unwrap_after_train:
                 self._unwrap_accelerator()
+            # the CPU copy that asynchronous saves reuse is for one fit: a write
+            # still in flight holds its own reference
+            self.__dict__.pop(_SNAPSHOT, None)
         else:
             super().notify(method_name, **cb_kwargs)
 
@@ -411,6 +447,11 @@ class AccelerateMixin(SafeParamsMixin):
         self._initialize_accelerator()
         self._prepare_retrainable_modules()
         apply_prepared_states(self, self._pending)
+        if self.accelerator.num_processes > 1 and self.replica_check_every:
+            # after the callbacks' on_train_begin: a load that worked on
+            # some ranks only (LoadInitState ignores errors) shows here
+            check_replicas(self.accelerator, list(self._named_parameters()),
+                           'when training begins')
         self.__dict__[_STEPPER] = Stepper(self.accelerator)
 
     def _end_epoch(self, **cb_kwargs):
@@ -449,7 +490,8 @@ class AccelerateMixin(SafeParamsMixin):
             every = self.replica_check_every
             if every and len(self.history) % every == 0:
                 # before a training state is saved: never save a divergence
-                check_replicas(self.accelerator, list(self._named_parameters()), len(self.history))
+                check_replicas(self.accelerator, list(self._named_parameters()),
+                               f'after epoch {len(self.history)}')
         # after every other callback: the state of the finished epoch, and
         # whether EarlyStopping ends training there, so that a rerun does not
         # go on (a Ctrl-C or another callback's stop does not count)
@@ -475,12 +517,16 @@ class AccelerateMixin(SafeParamsMixin):
         """
         if iterator is None:
             return
+        if training and self.accelerator.num_processes > 1:
+            check_same_steps(self.accelerator, iterator)
         gradient_state = self.accelerator.gradient_state
         processes, rank = self.accelerator.num_processes, self.accelerator.process_index
+        # without even batches nothing is padded: every sample is real
+        padded = processes > 1 and self.accelerator.even_batches
         batch_count = 0
         for batch in iterator:
             size = get_len(batch[0]) if isinstance(batch, (tuple, list)) else get_len(batch)
-            real = real_samples(gradient_state, processes, rank, size)
+            real = real_samples(gradient_state, processes, rank, size) if padded else size
             view = batch if real in (0, size) else first(batch, real)
             self.notify('on_batch_begin', batch=view, training=training)
             step = step_fn(batch, **fit_params)

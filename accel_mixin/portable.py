@@ -12,6 +12,8 @@ import warnings
 from accelerate import Accelerator
 from accelerate.utils import GradientAccumulationPlugin
 
+from accel_mixin.distributed import check_not_a_child_of_a_rank
+
 __all__ = ['PortableAccelerator', 'accelerator_settings', 'build_accelerator']
 
 _HANDLERS = ('ddp_handler', 'scaler_handler', 'init_handler', 'autocast_handler')
@@ -43,6 +45,7 @@ def build_accelerator(settings):
     warning says which settings were dropped.
 
     """
+    check_not_a_child_of_a_rank()
     try:
         return Accelerator(**settings)
     except (ValueError, RuntimeError) as exc:

@@ -27,7 +27,8 @@ from skorch.dataset import get_len
 
 from accel_mixin.coordination import DistributedError
 
-__all__ = ['check_replicas', 'check_same_data', 'fingerprints', 'named_parameters']
+__all__ = ['check_replicas', 'check_same_data', 'check_same_steps', 'fingerprints',
+           'named_parameters']
 
 # integer views of the same width as each floating point type
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -73,6 +74,37 @@ def check_same_data(accelerator, X, y=None):
         "between the processes. Load the same X and y on every rank.")
 
 
+def check_same_steps(accelerator, iterator):
+    """Raise on every rank unless all ranks take the same number of training
+    steps this epoch.
+
+    With ``even_batches=False`` the last batches are not padded, and ranks can
+    get different numbers of them; DDP's all-reduce then waits forever on the
+    rank with more. A no-op with even batches, which make the numbers equal,
+    and for data whose number of batches is unknown (iterables).
+
+    Raises
+    ------
+    DistributedError
+      On every rank, naming each rank's number of batches.
+
+    """
+    if accelerator.even_batches:
+        return
+    try:
+        mine = len(iterator)
+    except TypeError:
+        return
+    everyone = gather(torch.tensor([mine], device=accelerator.device)).cpu().tolist()
+    if len(set(everyone)) > 1:
+        counts = ', '.join(f'rank {rank}: {n}' for rank, n in enumerate(everyone))
+        raise DistributedError(
+            f"With even_batches=False the ranks have different numbers of training batches "
+            f"({counts}), and DDP needs every rank to take the same number of steps. Use "
+            "DataLoaderConfiguration(even_batches=True), accelerate's default, or a training "
+            "set whose size is a multiple of the batch size times the number of processes.")
+
+
 def named_parameters(modules):
     """``(name, parameter)`` of every ``(prefix, module)``, each parameter once."""
     seen = set()
@@ -116,7 +148,7 @@ def _words(flat):
     return flat
 
 
-def check_replicas(accelerator, named_params, epoch):
+def check_replicas(accelerator, named_params, when):
     """Raise on every rank unless every parameter is the same on all ranks.
 
     Parameters
@@ -127,8 +159,9 @@ def check_replicas(accelerator, named_params, epoch):
     named_params : list of (str, torch.Tensor)
       The parameters to compare, in the same order on every rank.
 
-    epoch : int
-      The epoch just finished, for the message.
+    when : str
+      When the check runs, for the message: ``'after epoch 3'``,
+      ``'when training begins'``.
 
     Raises
     ------
@@ -147,15 +180,17 @@ def check_replicas(accelerator, named_params, epoch):
     if (everyone[:, 0] != everyone[0, 0]).any():
         counts = ', '.join(f'rank {r}: {int(n)}' for r, n in enumerate(everyone[:, 0]))
         raise DistributedError(
-            f"Replica check after epoch {epoch}: the ranks hold different numbers of "
+            f"Replica check {when}: the ranks hold different numbers of "
             f"parameters ({counts}); every rank must build the same model.")
     differs = (everyone[:, 1:] != everyone[0, 1:]).any(dim=0)
     first = int(differs.nonzero()[0])
     ranks = [r for r in range(1, len(everyone)) if everyone[r, 1 + first] != everyone[0, 1 + first]]
     raise DistributedError(
-        f"Replica check after epoch {epoch}: parameter '{names[first]}' differs between "
+        f"Replica check {when}: parameter '{names[first]}' differs between "
         f"ranks (rank(s) {ranks} differ from rank 0; {int(differs.sum())} of {len(names)} "
         "parameters differ), so the processes no longer train one model. Something changed "
-        "the parameters of some ranks only: a callback, a custom train_step that bypasses "
-        "the accelerator, or data that differ between ranks. Set replica_check_every=0 to "
-        "train without this check.")
+        "the parameters of some ranks only: a callback (LoadInitState ignores a load that "
+        "failed on some ranks), a custom train_step that bypasses the accelerator, a module "
+        "without trainable parameters initialized differently on each rank (seed it), or "
+        "data that differ between ranks. Set replica_check_every=0 to train without this "
+        "check.")

@@ -56,3 +56,16 @@ def test_quiet_unless_main(capsys):
     with quiet_unless_main(fake_accelerator(main=True)):
         print('rank 0 says')
     assert capsys.readouterr().out == 'rank 0 says\n'
+
+
+@pytest.mark.multiprocess
+def test_worker_processes_of_a_rank_get_a_clear_error():
+    from harness import check_values, run_processes
+
+    ranks = [r['checks'] for r in run_processes('children_check.py', timeout=240).check()]
+    for value in check_values(ranks, 'search_with_worker_processes'):
+        assert value['error'].startswith('BrokenProcessPool: A task has failed to un-serialize')
+        assert 'RuntimeError: This process (pid ' in value['cause']
+        assert 'as a worker of GridSearchCV(n_jobs=...)' in value['cause']
+        assert 'Use n_jobs=1 in a job of several processes' in value['cause']
+        assert value['seconds'] < 60  # joblib starts its workers, then they refuse

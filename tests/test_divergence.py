@@ -174,3 +174,12 @@ def test_without_the_replica_check_the_divergence_goes_unnoticed(divergence):
 @pytest.mark.multiprocess
 def test_private_names_exist_under_several_processes(divergence):
     assert values(divergence, 'private_names_present') == [[], []]
+
+
+@pytest.mark.multiprocess
+def test_a_load_that_worked_on_some_ranks_only_fails_when_training_begins(divergence):
+    for value in values(divergence, 'load_init_state_on_some_ranks_only'):
+        assert value['error'].startswith(
+            "DistributedError: Replica check when training begins: parameter 'module_.")
+        assert 'LoadInitState ignores a load that failed on some ranks' in value['error']
+        assert value['seconds'] < 25  # not the 30 s collective timeout

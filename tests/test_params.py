@@ -395,3 +395,36 @@ def test_a_safetensors_file_read_as_torch_gets_a_pointer(tmp_path):
     assert 'use_safetensors=True' in _safetensors_hint(tmp_path / 'p.safetensors')
     assert _safetensors_hint(tmp_path / 'p.pt') == ''
     assert _safetensors_hint(tmp_path / 'missing') == ''
+
+
+def open_descriptors():
+    return len(os.listdir('/proc/self/fd'))
+
+
+def test_a_filesystem_that_refuses_chmod_still_saves_without_leaking(tmp_path, monkeypatch):
+    # vfat, exFAT, some SMB and FUSE mounts: files have the mount's mode
+    net = nets()['accelerated, wrapped']
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(1, 'Operation not permitted')
+
+    monkeypatch.setattr(os, 'chmod', refuse)
+    before = open_descriptors()
+    for _ in range(3):
+        net.save_params(f_params=tmp_path / 'params.pt')
+    assert open_descriptors() == before
+    fresh = nets()['plain skorch']
+    fresh.load_params(f_params=tmp_path / 'params.pt')
+
+
+def test_a_symlinked_target_keeps_its_link_and_updates_the_file(tmp_path):
+    net = nets()['accelerated, wrapped']
+    (tmp_path / 'store').mkdir()
+    real = tmp_path / 'store' / 'params-v1.pt'
+    real.write_bytes(b'old')
+    link = tmp_path / 'params.pt'
+    link.symlink_to(real)
+    net.save_params(f_params=link)
+    assert link.is_symlink() and os.readlink(link) == str(real)
+    assert real.read_bytes() != b'old'
+    nets()['plain skorch'].load_params(f_params=link)

@@ -1,6 +1,8 @@
 """Resumable training: exact resume in one and two real processes, rotation,
 safety, asynchronous writes. Each run is a new launch, as after a crash."""
 import re
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -302,3 +304,49 @@ def test_the_gradient_scaler_resumes(data, tmp_path):
     resumed.load_state(tmp_path / 'state.pt')
     assert fit_history(resumed, data) == uninterrupted
     assert accelerator.scaler.state_dict() == scaler_after
+
+
+def test_an_asynchronous_write_in_flight_when_training_fails_is_finished(tmp_path):
+    # the job dies of an exception while the last checkpoint is still being
+    # written: the file must be complete, not cut off by the interpreter's exit
+    script = tmp_path / 'job.py'
+    script.write_text(f'''
+import sys, time
+sys.path.insert(0, {str(Path(__file__).parent / 'launched')!r})
+import torch
+from accelerate import Accelerator
+from skorch.callbacks import Callback
+import accel_mixin.mixin
+from accel_mixin.callbacks import TrainingCheckpoint
+from common import AcceleratedNet, MLP, make_data
+
+write_state = accel_mixin.mixin.write_state
+def slow_write(state, path):
+    time.sleep(1.5)
+    write_state(state, path)
+accel_mixin.mixin.write_state = slow_write
+
+class Boom(Callback):
+    def on_epoch_begin(self, net, **kwargs):
+        if len(net.history) == 2:
+            raise RuntimeError('boom')
+
+net = AcceleratedNet(MLP, accelerator=Accelerator(cpu=True), max_epochs=3, verbose=0,
+                     callbacks=[TrainingCheckpoint({str(tmp_path / 'ckpt')!r}, asynchronous=True),
+                                Boom()])
+net.fit(*make_data(100))
+''')
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert out.returncode == 1 and 'RuntimeError: boom' in out.stderr
+    (state,) = (tmp_path / 'ckpt').glob('run-*/training-state-000001.pt')
+    assert torch.load(state, weights_only=True)['epoch'] == 1
+
+
+def test_the_asynchronous_snapshot_is_freed_when_training_ends(data, tmp_path):
+    from accel_mixin.callbacks import TrainingCheckpoint
+
+    net = AcceleratedNet(MLP, accelerator=Accelerator(cpu=True), max_epochs=2, verbose=0,
+                         callbacks=[TrainingCheckpoint(tmp_path, asynchronous=True)])
+    net.fit(*data)
+    assert 'accelerate_snapshot_' not in vars(net)

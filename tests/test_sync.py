@@ -96,3 +96,15 @@ def test_an_error_on_rank_1_reaches_rank_0_promptly(ranks, hook):
     assert rank0['error'].startswith(f'DistributedError: {hook} failed on rank 1')
     assert 'boom from rank 1' in rank0['error']
     assert max(rank0['seconds'], rank1['seconds']) < 5  # the collective timeout is 30 s
+
+
+def test_uneven_batches_validate_in_step_and_refuse_uneven_training():
+    ranks = [r['checks'] for r in run_processes('uneven_check.py', timeout=180).check()]
+    rank0, rank1 = values(ranks, 'uneven_validation')
+    assert rank0['rows'] == rank1['rows']  # one history, no hang at its sync
+    assert rank0['valid_samples'] == [40, 40]  # every validation sample, once
+    for value in values(ranks, 'uneven_training'):
+        assert value['error'].startswith(
+            'DistributedError: With even_batches=False the ranks have different numbers of '
+            'training batches (rank 0: 2, rank 1: 1)')
+        assert value['seconds'] < 25  # not the 30 s collective timeout

@@ -6,7 +6,7 @@ Usage: torchrun --nproc_per_node 2 divergence_checks.py
 import hashlib
 
 import torch
-from skorch.callbacks import Callback, Freezer, Unfreezer
+from skorch.callbacks import Callback, Checkpoint, Freezer, LoadInitState, Unfreezer
 
 from common import (
     AcceleratedNet, Checks, MLP, TwoStageNet, error_and_seconds, make_accelerator, make_data,
@@ -150,6 +150,17 @@ class BypassingNet(AcceleratedNet):
 @checks
 def replica_check_catches_a_bypassing_train_step():
     return error_and_seconds(lambda: make_net(BypassingNet, max_epochs=2).fit(X, y))
+
+
+@checks
+def load_init_state_on_some_ranks_only():
+    # machines without a shared filesystem: the checkpoint is on rank 0's
+    # only; LoadInitState ignores rank 1's failed load
+    dirname = f'init_rank{rank}'
+    make_net(max_epochs=1, callbacks=[Checkpoint(dirname=dirname)]).fit(X, y)
+    checkpoint = Checkpoint(dirname=dirname)
+    net = make_net(max_epochs=1, callbacks=[checkpoint, LoadInitState(checkpoint)])
+    return error_and_seconds(lambda: net.fit(X, y))
 
 
 @checks
