@@ -252,12 +252,17 @@ class _Section:
     def __exit__(self, exc_type, exc, traceback):
         coordinator = self.coordinator
         coordinator._open.pop()  # pylint: disable=protected-access
-        # a stop every rank takes, or the echo of another rank's error, is
-        # not this rank's failure
-        if exc_type is not None and not issubclass(
-                exc_type, (KeyboardInterrupt, DistributedError, GeneratorExit)):
-            coordinator._publish(  # pylint: disable=protected-access
-                self.key, failure_message(self.what, coordinator.process_index, exc))
+        # a stop every rank takes is no failure
+        if exc_type is None or issubclass(exc_type, (KeyboardInterrupt, GeneratorExit)):
+            return False
+        if issubclass(exc_type, DistributedError):
+            # another rank's failure, learned in an inner section: passed on
+            # as it is, for ranks that left the inner section otherwise (a
+            # callback that swallowed the error there) and now wait out here
+            message = str(exc)
+        else:
+            message = failure_message(self.what, coordinator.process_index, exc)
+        coordinator._publish(self.key, message)  # pylint: disable=protected-access
         return False
 
 

@@ -7,9 +7,11 @@ Each is used because no public API does the job:
 - accelerate's ``Accelerator._models``, ``_optimizers``, ``_schedulers`` and
   ``_dataloaders``: the lists that unwrapping and rewrapping keep exact
   (``wrapping.py``);
-- the marks accelerate leaves on a prepared module, ``_is_accelerate_prepared``
-  and ``_original_forward`` (the autocast patch), which unwrapping stashes and
-  rewrapping restores;
+- the marks accelerate leaves on a prepared module: ``_original_forward``
+  (the autocast patch), which unwrapping stashes and rewrapping restores, and
+  ``_is_accelerate_prepared`` (since accelerate 1.x, on what ``prepare_model``
+  returns), which makes ``prepare_model`` return a module untouched, and which
+  is removed before a module is prepared again;
 - a prepared dataloader's ``synchronized_generator`` and ``iteration``, which
   decide the shuffling that a training state saves;
 - skorch's ``_check_f_arguments`` and ``NeuralNet._get_module``, which
@@ -77,12 +79,17 @@ def check_accelerator(accelerator):
                            'to keep the prepared objects exact when unwrapping and rewrapping')
 
 
-def check_prepared_module(prepared, module, accelerator):
-    """Raise unless accelerate marked what it made of ``module`` (``prepared``)
-    and ``module`` as it does when it prepares a module."""
-    if not getattr(prepared, '_is_accelerate_prepared', False):
-        raise _changed('accelerate', 'the mark _is_accelerate_prepared on prepared modules',
-                       'to prepare a module again after unwrapping')
+def check_prepared_module(prepared, module, accelerator, wrapped):
+    """Raise unless accelerate prepared ``module`` into ``prepared`` as expected.
+
+    ``wrapped``: whether accelerate must have wrapped it (DDP). A module that
+    comes back unwrapped where DDP was due has kept a mark that made
+    ``prepare_model`` skip it: one that accel_mixin did not know to remove.
+    """
+    if wrapped and prepared is module:
+        raise _changed('accelerate', 'the mark _is_accelerate_prepared on prepared modules '
+                       '(prepare_model returned a module unwrapped, by a mark accel_mixin '
+                       'does not know)', 'to prepare a module again after unwrapping')
     # getattr: a compiled module keeps the patch on the module it compiled
     if accelerator.native_amp and getattr(module, '_original_forward', None) is None:
         raise _changed('accelerate', 'the mark _original_forward on prepared modules',
@@ -118,7 +125,7 @@ def _check_prepare(accelerator):
     module = torch.nn.Linear(2, 2)
     prepared = accelerator.prepare_model(module, evaluation_mode=True)
     try:
-        check_prepared_module(prepared, module, accelerator)
+        check_prepared_module(prepared, module, accelerator, wrapped=False)
     finally:
         accelerator._models[:] = [m for m in accelerator._models if m is not module]  # pylint: disable=protected-access
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(4, 2)),

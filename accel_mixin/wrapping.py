@@ -17,6 +17,7 @@ from collections import namedtuple
 
 import torch
 from accelerate.scheduler import AcceleratedScheduler
+from accelerate.utils import DistributedType
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from accel_mixin.internals import check_accelerator, check_prepared_module
@@ -39,6 +40,12 @@ step_once : bool
 # accelerate's marks on a raw module: the autocast patch of ``forward`` and
 # the flag that makes ``prepare`` return the module untouched.
 _ACCELERATE_MARKS = ('forward', '_original_forward', '_is_accelerate_prepared')
+
+# where accelerate wraps a trainable module in DDP (names of older releases
+# may be missing)
+_DDP_TYPES = frozenset(getattr(DistributedType, name) for name in (
+    'MULTI_CPU', 'MULTI_GPU', 'MULTI_NPU', 'MULTI_MLU', 'MULTI_XPU', 'MULTI_MUSA',
+    'MULTI_SDAA', 'MULTI_HPU', 'MULTI_NEURON') if hasattr(DistributedType, name))
 
 _LIST_OF_KIND = {
     'module': '_models',
@@ -260,8 +267,11 @@ def _prepare_one(accelerator, obj, slot):
         _pop_marks(obj)
         # DDP refuses a module without trainable parameters (NLLLoss, ...);
         # evaluation mode still places it on the device and adds autocast.
-        prepared = accelerator.prepare_model(obj, evaluation_mode=not any(trainability(obj)))
-        check_prepared_module(prepared, obj, accelerator)  # the marks unwrapping relies on
+        trainable = any(trainability(obj))
+        prepared = accelerator.prepare_model(obj, evaluation_mode=not trainable)
+        # the marks unwrapping relies on, and a DDP wrapper where one is due
+        check_prepared_module(prepared, obj, accelerator,
+                              wrapped=trainable and accelerator.distributed_type in _DDP_TYPES)
         return prepared
     if slot.kind == 'optimizer':
         return accelerator.prepare_optimizer(obj)

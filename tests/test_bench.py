@@ -35,6 +35,8 @@ def test_benchmarks_run_and_report(tmp_path):
 
     stall = json.loads((results / 'raw' / 'stall_2.json').read_text())
     assert set(stall['stall_s']) == {'synchronous', 'asynchronous'}
+    small = json.loads((results / 'raw' / 'checkpoint_small_2.json').read_text())
+    assert small['params'] < checkpoint['params'] and 'torch.save + fsync' in small['save']
     replicas = json.loads((results / 'raw' / 'replicas_2.json').read_text())
     assert set(replicas['times_s']) == {'training step', 'replica check'}
     assert replicas['tensors'] == 8 and replicas['check_over_epoch'] > 0
@@ -44,6 +46,7 @@ def test_benchmarks_run_and_report(tmp_path):
     assert 'history sync: at most 1.05' in table
     assert 'asynchronous checkpoint: stall' in table
     assert 'replica check: at most 1% of an epoch' in table
+    assert 'save_params, small model' in table
     assert (results / 'bench.png').read_bytes()[:4] == b'\x89PNG'
     text = readme.read_text()
     assert 'old' not in text and table in text

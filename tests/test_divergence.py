@@ -177,9 +177,20 @@ def test_private_names_exist_under_several_processes(divergence):
 
 
 @pytest.mark.multiprocess
-def test_a_load_that_worked_on_some_ranks_only_fails_when_training_begins(divergence):
+def test_a_load_that_failed_on_some_ranks_only_fails_on_every_rank(divergence):
+    # LoadInitState swallows rank 1's FileNotFoundError; rank 0 learns of
+    # it in load_params, and rank 1 from rank 0 when training begins
     for value in values(divergence, 'load_init_state_on_some_ranks_only'):
         assert value['error'].startswith(
-            "DistributedError: Replica check when training begins: parameter 'module_.")
-        assert 'LoadInitState ignores a load that failed on some ranks' in value['error']
+            'DistributedError: load_params failed on rank 1: FileNotFoundError: No checkpoint '
+            'at init_rank1/')
         assert value['seconds'] < 25  # not the 30 s collective timeout
+
+
+@pytest.mark.multiprocess
+def test_weights_changed_on_some_ranks_only_fail_when_training_begins(divergence):
+    for value in values(divergence, 'weights_changed_on_some_ranks_at_train_begin'):
+        assert value['error'].startswith(
+            "DistributedError: Replica check when training begins: parameter 'module_.out.bias' "
+            "differs between ranks")
+        assert value['seconds'] < 25

@@ -30,11 +30,11 @@ def test_a_renamed_accelerator_list_fails_loudly(monkeypatch):
 def test_a_prepared_module_without_accelerates_marks_fails_loudly():
     accelerator = Accelerator(cpu=True, mixed_precision='bf16')
     module = torch.nn.Linear(2, 2)
+    # DDP was due, and prepare_model returned the module as it was
     with pytest.raises(InternalsChanged, match='the mark _is_accelerate_prepared'):
-        check_prepared_module(module, module, accelerator)
-    module._is_accelerate_prepared = True  # pylint: disable=protected-access
+        check_prepared_module(module, module, accelerator, wrapped=True)
     with pytest.raises(InternalsChanged, match='the mark _original_forward'):
-        check_prepared_module(module, module, accelerator)
+        check_prepared_module(module, module, accelerator, wrapped=False)
 
 
 def test_a_dataloader_without_its_shuffling_state_fails_loudly():

@@ -15,6 +15,7 @@ HERE = Path(__file__).resolve().parent
 QUICK = {
     'fit': ['--samples', '600', '--epochs', '1', '--repeats', '2'],
     'checkpoint': ['--width', '256', '--depth', '2', '--repeats', '2'],
+    'checkpoint_small': ['--width', '64', '--depth', '1', '--repeats', '2'],
     'stall': ['--width', '256', '--depth', '2', '--repeats', '2', '--train-seconds', '0.2'],
     'replicas': ['--width', '256', '--depth', '2', '--repeats', '2'],
 }
@@ -59,6 +60,10 @@ def main():
     launch('fit.py', raw / 'fit_1.json', 1, extra.get('fit', []), timeout)
     launch('fit.py', raw / 'fit_2.json', 2, extra.get('fit', []), timeout)
     launch('checkpoint.py', raw / 'checkpoint_2.json', 2, extra.get('checkpoint', []), timeout)
+    # a small model too (0.85M parameters, 3.4 MB), where fixed costs such as
+    # barriers show most
+    launch('checkpoint.py', raw / 'checkpoint_small_2.json', 2,
+           extra.get('checkpoint_small', ['--width', '448', '--depth', '4']), timeout)
     launch('stall.py', raw / 'stall_2.json', 2, extra.get('stall', []), timeout)
     launch('replicas.py', raw / 'replicas_2.json', 2, extra.get('replicas', []), timeout)
     report = [sys.executable, str(HERE / 'report.py'), '--raw', str(raw), '--out', args.out]

@@ -155,12 +155,26 @@ def replica_check_catches_a_bypassing_train_step():
 @checks
 def load_init_state_on_some_ranks_only():
     # machines without a shared filesystem: the checkpoint is on rank 0's
-    # only; LoadInitState ignores rank 1's failed load
+    # only; LoadInitState swallows rank 1's FileNotFoundError
     dirname = f'init_rank{rank}'
     make_net(max_epochs=1, callbacks=[Checkpoint(dirname=dirname)]).fit(X, y)
     checkpoint = Checkpoint(dirname=dirname)
     net = make_net(max_epochs=1, callbacks=[checkpoint, LoadInitState(checkpoint)])
     return error_and_seconds(lambda: net.fit(X, y))
+
+
+class LoadOnRank0(Callback):
+    """Changes weights on rank 0 only, as a careless callback would."""
+
+    def on_train_begin(self, net, **kwargs):
+        if rank == 0:
+            with torch.no_grad():
+                net.module_.out.bias.add_(1.0)
+
+
+@checks
+def weights_changed_on_some_ranks_at_train_begin():
+    return error_and_seconds(lambda: make_net(callbacks=[LoadOnRank0()]).fit(X, y))
 
 
 @checks
