@@ -17,8 +17,10 @@ a section at different points, one by an error that was caught, are in step
 again after it.
 
 A barrier's outcome is the same on every rank. The last rank to arrive
-sets a release key, which the others poll at short intervals (0.1 ms,
-doubling up to 2 ms: a round trip to the store costs tens of microseconds).
+sets a release key, which the others poll: every 0.1 ms for the first 20 ms
+(a small save ends within them; a round trip to the store costs tens of
+microseconds), then at intervals doubling up to 2 ms, so that a long wait
+costs little CPU.
 torch's ``Store.wait`` with a timeout would wake them sooner, but every
 timeout of it prints a warning from C++. A rank that gives up waiting first
 takes its arrival back, then
@@ -30,6 +32,7 @@ save), that rank shows a heartbeat, and the others keep waiting as long as it
 beats. The process group's timeout, which users shorten so that errors inside
 training steps surface fast, thus never cuts a slow save short.
 """
+import contextlib
 import threading
 import time
 from datetime import timedelta
@@ -40,9 +43,10 @@ from accel_mixin.internals import default_store
 
 __all__ = ['Coordinator', 'DistributedError', 'coordinator_for', 'failure_message']
 
-# polls of the release key: fast at first, a waiting rank costs little CPU
-# later; failures, heartbeats and the deadline are looked at less often
-_POLL_FIRST, _POLL_MAX, _LOOK_EVERY = 0.0001, 0.002, 0.02
+# polls of the release key: fast for a while, then slower, so that a long
+# wait costs little CPU; failures, heartbeats and the deadline are looked at
+# less often
+_POLL_FIRST, _POLL_FAST_FOR, _POLL_MAX, _LOOK_EVERY = 0.0001, 0.02, 0.002, 0.02
 # how often a rank running a long function beats
 _HEARTBEAT_SECONDS = 1.0
 
@@ -80,6 +84,8 @@ class Coordinator:
         self._generation = 0
         # the sections this rank is in, outermost first: [key, children so far]
         self._open = []
+        if self.store is not None:
+            self._heartbeat = _Heartbeat(self.store, min(_HEARTBEAT_SECONDS, timeout / 4))
 
     @property
     def distributed(self):
@@ -158,9 +164,11 @@ class Coordinator:
         deadline = time.monotonic() + self.timeout
         beats = self._heartbeats()
         pause, look = _POLL_FIRST, time.monotonic() + _LOOK_EVERY
+        slow_down = time.monotonic() + _POLL_FAST_FOR
         while not self.store.check([release]):
             time.sleep(pause)
-            pause = min(2 * pause, _POLL_MAX)
+            if time.monotonic() > slow_down:
+                pause = min(2 * pause, _POLL_MAX)
             if time.monotonic() < look:
                 continue
             look = time.monotonic() + _LOOK_EVERY
@@ -199,8 +207,7 @@ class Coordinator:
         with self.session(what):
             self.barrier(what)
             if here and self.distributed:
-                with _Heartbeat(self.store, self._open[-1][0] + '/alive',
-                                min(_HEARTBEAT_SECONDS, self.timeout / 4)):
+                with self._heartbeat.beating(self._open[-1][0] + '/alive'):
                     result = fn()
             else:
                 result = fn() if here else None
@@ -209,31 +216,45 @@ class Coordinator:
 
 
 class _Heartbeat:
-    """Beats under ``key`` while the block runs, so that ranks waiting for
-    this one know it is working rather than gone."""
+    """Beats under a key while a block runs, so that ranks waiting for this
+    one know it is working rather than gone.
 
-    def __init__(self, store, key, interval):
+    One thread per coordinator, started on first use and idle between
+    blocks: starting a thread for every save would cost more than a small
+    save's barriers.
+    """
+
+    def __init__(self, store, interval):
         self.store = store
-        self.key = key
         self.interval = interval
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._beat, daemon=True)
+        self.key = None
+        self.working = threading.Event()
+        self.thread = None
 
     def _beat(self):
-        while not self.stop.wait(self.interval):
-            try:
-                self.store.add(self.key, 1)
-            except Exception:  # pylint: disable=broad-except
-                return  # the store is gone: the group is being torn down
+        while True:
+            self.working.wait()  # a block runs
+            time.sleep(self.interval)
+            key = self.key
+            if self.working.is_set() and key is not None:
+                try:
+                    self.store.add(key, 1)
+                except Exception:  # pylint: disable=broad-except
+                    return  # the store is gone: the group is being torn down
 
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        self.thread.join()
-        return False
+    @contextlib.contextmanager
+    def beating(self, key):
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._beat, daemon=True,
+                                           name='accel_mixin-heartbeat')
+            self.thread.start()
+        self.key = key
+        self.working.set()
+        try:
+            yield
+        finally:
+            self.working.clear()
+            self.key = None
 
 
 class _Section:
