@@ -102,12 +102,18 @@ def _local_caches(net, batches):
     return caches
 
 
+def _padding_only(batch):
+    return any(key.endswith('_batch_size') and size == 0 for key, size in batch.items())
+
+
 def merge_epoch(net):
     """Give every rank the batch records and scoring caches of all ranks.
 
     One collective. Afterwards the epoch's ``batches`` hold every rank's
     records in dataset order, ``*_batch_count`` count them all, and each
-    caching ``EpochScoring`` holds the predictions of the whole data.
+    caching ``EpochScoring`` holds the predictions of the whole data. A batch
+    that held nothing but padding is neither kept nor counted: the history
+    is the one of a single process.
 
     """
     row = net.history[-1]
@@ -119,7 +125,10 @@ def merge_epoch(net):
     }
     payloads = gather_object([payload])
 
-    row['batches'] = interleave([p['batches'] for p in payloads])
+    # padding-only batches are the last of their rank: dropping them after
+    # interleaving keeps the dataset order
+    row['batches'] = [batch for batch in interleave([p['batches'] for p in payloads])
+                      if not _padding_only(batch)]
     for key in payload['counts']:
         row[key] = sum(p['counts'][key] for p in payloads)
     callbacks = dict(net.callbacks_)

@@ -6,9 +6,10 @@ from contextlib import contextmanager
 
 import torch
 from accelerate.utils import DistributedType, convert_to_fp32
-from skorch.callbacks import LRScheduler
+from skorch.callbacks import LRScheduler, PrintLog
 from skorch.net import NeuralNet
 from skorch.dataset import get_len, unpack_data
+from skorch.history import DistributedHistory
 from skorch.utils import TeeGenerator
 
 from accel_mixin.adapters import main_process_pickles
@@ -195,6 +196,11 @@ class AccelerateMixin(SafeParamsMixin):
             raise ValueError(
                 "When device placement is performed by the accelerator, set device=None"
             )
+        if isinstance(self.history_, DistributedHistory):
+            raise ValueError(
+                "AccelerateMixin shares the history between the processes itself: remove "
+                "history=DistributedHistory(...) (and the TCPStore made for it), or every "
+                "batch would be recorded twice. See 'Migrating from skorch.hf' in the README.")
         every = self.replica_check_every
         if every is not None and (not isinstance(every, int) or every < 0):
             raise ValueError(
@@ -535,7 +541,7 @@ class AccelerateMixin(SafeParamsMixin):
             self.history.record_batch(prefix + '_loss', step['loss'].item() if real else 0.0)
             self.history.record_batch(prefix + '_batch_size', real)
             self.notify('on_batch_end', batch=view, training=training, **step)
-            batch_count += 1
+            batch_count += bool(real)  # padding alone is no batch of the data
         self.history.record(prefix + '_batch_count', batch_count)
 
     def _real_step(self, step, view, real, training):
@@ -844,6 +850,12 @@ class AccelerateMixin(SafeParamsMixin):
     def __setstate__(self, state):
         super().__setstate__(state)
         accelerator = self.accelerator
+        if self.callbacks__print_log__sink == 'auto':
+            # the sink resolved by the rank that pickled (silent elsewhere than
+            # on its main process) is this process's to choose
+            for _, cb in getattr(self, 'callbacks_', []):
+                if isinstance(cb, PrintLog):
+                    cb.sink = sink_for(accelerator)
         if accelerator.device_placement:
             for name in self._modules + self._criteria:
                 module = getattr(self, name + '_', None)

@@ -378,3 +378,14 @@ def test_grid_search(mlp, data):
     search.fit(*data)
     assert search.best_estimator_.predict(data[0]).shape == (len(data[0]),)
     assert lengths(net.accelerator) == (0, 0, 0, 0)
+
+
+def test_distributed_history_is_refused_with_the_migration(mlp):
+    import torch.distributed as dist
+    from skorch.history import DistributedHistory
+
+    history = DistributedHistory(store=dist.HashStore(), rank=0, world_size=1)
+    net = AcceleratedNet(mlp, accelerator=Accelerator(cpu=True), history=history)
+    with pytest.raises(ValueError, match=r"remove history=DistributedHistory\(\.\.\.\) .*"
+                                         "Migrating from skorch.hf"):
+        net.initialize()

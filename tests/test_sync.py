@@ -108,3 +108,25 @@ def test_uneven_batches_validate_in_step_and_refuse_uneven_training():
             'DistributedError: With even_batches=False the ranks have different numbers of '
             'training batches (rank 0: 2, rank 1: 1)')
         assert value['seconds'] < 25  # not the 30 s collective timeout
+
+
+def test_padding_only_batches_are_neither_kept_nor_counted(ranks):
+    for value in values(ranks, 'padding_only_batches_are_not_counted'):
+        assert value == {'count': 7, 'records': 7, 'samples': 100}  # as in one process
+
+
+def test_a_pickle_does_not_depend_on_the_rank_that_made_it(ranks, capsys):
+    import base64
+    import pickle
+
+    _, made_on_rank1 = values(ranks, 'pickle_made_on_each_rank')
+    net = pickle.loads(base64.b64decode(made_on_rank1))  # in one process, as main
+    net.partial_fit(*net_data())
+    # the row of the epoch trained here, not the silence of rank 1's sink
+    assert capsys.readouterr().out.split()[:1] == ['2']
+
+
+def net_data():
+    from common import make_data
+
+    return make_data(100)

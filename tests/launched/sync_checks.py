@@ -3,6 +3,7 @@ skorch's callbacks, one voice, failures that reach every rank.
 
 Usage: torchrun --nproc_per_node 2 sync_checks.py
 """
+import base64
 import pickle
 import sys
 import time
@@ -169,6 +170,23 @@ def one_voice():
     for stream in (sys.stdout, sys.stderr):
         print('=== one voice ends', file=stream, flush=True)
     return {'epochs': len(net.history)}
+
+
+@checks
+def padding_only_batches_are_not_counted():
+    # 100 samples in batches of 16: 7 batches in one process; under two, rank
+    # 1's fourth batch is padding only
+    net = make_net(max_epochs=1, train_split=None, iterator_train__shuffle=False)
+    net.fit(X[:100], y[:100])
+    row = net.history[-1]
+    return {'count': row['train_batch_count'], 'records': len(row['batches']),
+            'samples': sum(batch['train_batch_size'] for batch in row['batches'])}
+
+
+@checks
+def pickle_made_on_each_rank():
+    net = make_net(max_epochs=1, verbose=1).fit(X, y)
+    return base64.b64encode(pickle.dumps(net)).decode()
 
 
 class FailOnRank1(Callback):
