@@ -1,7 +1,9 @@
 """What skorch's own callbacks need to run on several processes."""
 from contextlib import contextmanager
 
-__all__ = ['main_process_pickles']
+from skorch.callbacks import ProgressBar
+
+__all__ = ['main_process_pickles', 'progress_of_this_rank']
 
 
 @contextmanager
@@ -28,3 +30,38 @@ def main_process_pickles(callbacks, is_main_process):
     finally:
         for obj, value in saved:
             obj.f_pickle = value
+
+
+def _share(batches, num_processes, rank, even):
+    """How many of ``batches`` a rank runs: rank ``r`` takes ``r, r + N, ...``;
+    with even batches the ranks with one less run a padding batch too."""
+    if even:
+        return -(-batches // num_processes)
+    return len(range(rank, batches, num_processes))
+
+
+def progress_of_this_rank(net, dataset_train=None, dataset_valid=None):
+    """Let ``ProgressBar`` count the batches this rank runs.
+
+    With ``batches_per_epoch='auto'`` it counts the batches of the whole
+    data, with ``'count'`` the previous epoch's records of all ranks; a rank
+    runs its share of them, so the bar stopped halfway. Called after the
+    callbacks' ``on_epoch_begin``, on several processes.
+    """
+    accelerator = net.accelerator
+    share = lambda batches: _share(  # noqa: E731
+        batches, accelerator.num_processes, accelerator.process_index, accelerator.even_batches)
+    for _, cb in net.callbacks_:
+        if not isinstance(cb, ProgressBar) or getattr(cb, 'pbar_', None) is None:
+            continue
+        if cb.batches_per_epoch == 'auto':
+            total = sum(share(cb._get_batches_per_epoch_phase(net, dataset, training))  # pylint: disable=protected-access
+                        for dataset, training in ((dataset_train, True), (dataset_valid, False)))
+        elif cb.batches_per_epoch == 'count' and len(net.history) > 1:
+            records = net.history[-2, 'batches']
+            total = sum(share(sum(f'{phase}_batch_size' in record for record in records))
+                        for phase in ('train', 'valid'))
+        else:
+            continue
+        cb.pbar_.total = total
+        cb.pbar_.refresh()

@@ -12,7 +12,7 @@ from skorch.dataset import get_len, unpack_data
 from skorch.history import DistributedHistory
 from skorch.utils import TeeGenerator
 
-from accel_mixin.adapters import main_process_pickles
+from accel_mixin.adapters import main_process_pickles, progress_of_this_rank
 from accel_mixin.background import BackgroundWriter
 from accel_mixin.callbacks import TrainingCheckpoint
 from accel_mixin.checkpoint import (
@@ -428,6 +428,9 @@ class AccelerateMixin(SafeParamsMixin):
                 apply_epoch_states(self._pending, self._train_iterator())
                 self._pending.clear()
             super().notify(method_name, **cb_kwargs)
+            if self.accelerator.num_processes > 1:
+                progress_of_this_rank(self, cb_kwargs.get('dataset_train'),
+                                      cb_kwargs.get('dataset_valid'))
         elif method_name == 'on_epoch_end':
             self._end_epoch(**cb_kwargs)
         elif method_name == 'on_train_end':

@@ -130,3 +130,12 @@ def net_data():
     from common import make_data
 
     return make_data(100)
+
+
+def test_progress_bars_count_the_batches_each_rank_runs(ranks):
+    for auto, count in values(ranks, 'progress_bars_count_this_ranks_batches'):
+        # (tqdm closes a bar again when it is collected)
+        assert auto and all(n == total for n, total in auto)  # not 14 of 27
+        # 'count' knows no total in the first epoch, as in skorch; later ones
+        known = [(n, total) for n, total in count if total is not None]
+        assert known and all(n == total for n, total in known)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import tqdm
+from skorch.callbacks import logging as skorch_logging
 from accelerate.utils import gather_object
 from sklearn.metrics import accuracy_score
 from skorch.callbacks import (
@@ -20,6 +22,7 @@ from skorch.callbacks import (
 from accel_mixin.callbacks import ResumeTraining
 from common import AcceleratedNet, Checks, MLP, make_accelerator, make_data, report
 
+ORIGINAL_TQDM = tqdm.tqdm
 accelerator = make_accelerator()
 rank = accelerator.process_index
 X, y = make_data(600, noise=0.3, seed=1)  # noisy: scores move up and down
@@ -170,6 +173,29 @@ def one_voice():
     for stream in (sys.stdout, sys.stderr):
         print('=== one voice ends', file=stream, flush=True)
     return {'epochs': len(net.history)}
+
+
+class RecordingBar(tqdm.tqdm):
+    """tqdm that remembers, when it closes, how far it got and its total."""
+    closed = []
+
+    def close(self):
+        RecordingBar.closed.append((self.n, self.total))
+        super().close()
+
+
+@checks
+def progress_bars_count_this_ranks_batches():
+    bars = []
+    for batches_per_epoch in ('auto', 'count'):
+        RecordingBar.closed = []
+        skorch_logging.tqdm.tqdm = RecordingBar
+        try:
+            make_net(max_epochs=2, callbacks=[ProgressBar(batches_per_epoch)]).fit(X, y)
+        finally:
+            skorch_logging.tqdm.tqdm = ORIGINAL_TQDM
+        bars.append(list(RecordingBar.closed))
+    return bars
 
 
 @checks
