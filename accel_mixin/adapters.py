@@ -3,6 +3,8 @@ from contextlib import contextmanager
 
 from skorch.callbacks import ProgressBar
 
+from accel_mixin.internals import check_progress_bar
+
 __all__ = ['main_process_pickles', 'progress_of_this_rank']
 
 
@@ -48,6 +50,7 @@ def progress_of_this_rank(net, dataset_train=None, dataset_valid=None):
     runs its share of them, so the bar stopped halfway. Called after the
     callbacks' ``on_epoch_begin``, on several processes.
     """
+    check_progress_bar()
     accelerator = net.accelerator
     share = lambda batches: _share(  # noqa: E731
         batches, accelerator.num_processes, accelerator.process_index, accelerator.even_batches)

@@ -38,6 +38,7 @@ __all__ = [
     'checkpoint_epochs',
     'checkpoint_files',
     'collect_state',
+    'net_modules',
     'restore_training_state',
     'restore_weights',
     'stopped_early',
@@ -50,7 +51,8 @@ CHECKPOINT_NAME = 'training-state-{epoch:06d}.pt'
 _CHECKPOINT_RE = re.compile(r'^training-state-(\d{6,})\.pt$')
 
 
-def _modules(net):
+def net_modules(net):
+    """``(name, module)`` of every module and criterion the net built, unwrapped."""
     for name in net._modules + net._criteria:  # pylint: disable=protected-access
         module = net._raw(name)  # pylint: disable=protected-access
         if isinstance(module, torch.nn.Module):
@@ -103,7 +105,7 @@ def collect_state(net, train_iterator_state, stopped=False):
         'version': VERSION,
         'num_processes': accelerator.num_processes,
         'epoch': len(net.history),
-        'modules': {name: clean_state_dict(module) for name, module in _modules(net)},
+        'modules': {name: clean_state_dict(module) for name, module in net_modules(net)},
         'optimizers': {name: net._raw(name).state_dict()  # pylint: disable=protected-access
                        for name in net._optimizers},  # pylint: disable=protected-access
         'schedulers': schedulers,
@@ -150,7 +152,7 @@ def validate_state(state, source):
 def restore_weights(net, state, source):
     """Load every module and criterion; the net must be unwrapped."""
     saved = state['modules']
-    for name, module in _modules(net):
+    for name, module in net_modules(net):
         if name not in saved:
             raise CheckpointError(
                 f"{source} holds no state for {name}_ (it holds {sorted(saved)}): it was "

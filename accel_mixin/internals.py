@@ -15,7 +15,9 @@ Each is used because no public API does the job:
 - a prepared dataloader's ``synchronized_generator`` and ``iteration``, which
   decide the shuffling that a training state saves;
 - skorch's ``_check_f_arguments`` and ``NeuralNet._get_module``, which
-  ``save_params`` and ``load_params`` share with skorch.
+  ``save_params`` and ``load_params`` share with skorch, and
+  ``ProgressBar._get_batches_per_epoch_phase``, whose count of the whole
+  data's batches a rank's bar divides into its share.
 
 A release that renames one of them must make accel_mixin fail loudly, naming
 it, never degrade silently (a barrier that no longer waits, a module that is
@@ -25,12 +27,14 @@ versions.
 """
 import torch
 from skorch import utils as skorch_utils
+from skorch.callbacks import ProgressBar
 from skorch.net import NeuralNet
 
 __all__ = [
     'InternalsChanged',
     'check_accelerator',
     'check_dataloader',
+    'check_progress_bar',
     'check_prepared_module',
     'default_store',
     'missing',
@@ -142,3 +146,11 @@ def _check_skorch():
     if not callable(getattr(NeuralNet, '_get_module', None)):
         raise _changed('skorch', 'NeuralNet._get_module',
                        'to find the modules that save_params and load_params name')
+    check_progress_bar()
+
+
+def check_progress_bar():
+    """Raise unless skorch's ProgressBar counts the batches of a phase."""
+    if not callable(getattr(ProgressBar, '_get_batches_per_epoch_phase', None)):
+        raise _changed('skorch', 'ProgressBar._get_batches_per_epoch_phase',
+                       "to make each rank's progress bar count the batches it runs")

@@ -17,7 +17,7 @@ from accel_mixin.background import BackgroundWriter
 from accel_mixin.callbacks import TrainingCheckpoint
 from accel_mixin.checkpoint import (
     apply_epoch_states, apply_prepared_states, apply_train_begin_states, collect_state,
-    restore_training_state, restore_weights, stopped_early, train_iterator_state,
+    net_modules, restore_training_state, restore_weights, stopped_early, train_iterator_state,
     validate_state)
 from accel_mixin.coordination import DistributedError, coordinator_for
 from accel_mixin.distributed import (
@@ -365,9 +365,7 @@ class AccelerateMixin(SafeParamsMixin):
 
     def _named_parameters(self):
         """Every parameter of the raw modules and criteria, named after its slot."""
-        return named_parameters(
-            (name + '_', module) for name in self._modules + self._criteria
-            for module in [self._raw(name)] if isinstance(module, torch.nn.Module))
+        return named_parameters((name + '_', module) for name, module in net_modules(self))
 
     def get_all_learnable_params(self):
         # As in skorch, but from the raw modules, so that the names carry no

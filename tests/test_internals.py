@@ -76,3 +76,11 @@ def test_xla_is_refused_with_several_processes_only(monkeypatch):
                 check_supported(fake)
         else:
             check_supported(fake)
+
+
+def test_a_renamed_progress_bar_method_is_listed(monkeypatch):
+    from skorch.callbacks import ProgressBar
+
+    monkeypatch.delattr(ProgressBar, '_get_batches_per_epoch_phase')
+    (found,) = missing(Accelerator(cpu=True))
+    assert 'skorch no longer has ProgressBar._get_batches_per_epoch_phase' in found
