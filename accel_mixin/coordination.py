@@ -16,11 +16,12 @@ section counts as one step of its parent however it ends, so ranks that left
 a section at different points, one by an error that was caught, are in step
 again after it.
 
-A barrier's outcome is the same on every rank. The last rank to arrive
-sets a release key, which the others poll: every 0.1 ms for the first 20 ms
-(a small save ends within them; a round trip to the store costs tens of
-microseconds), then at intervals doubling up to 2 ms, so that a long wait
-costs little CPU.
+A barrier's outcome is the same on every rank. Each rank adds its arrival
+to the barrier's counter, and the ranks that arrived early poll the counter
+until it is full: every 0.1 ms for the first 20 ms (a small save ends within
+them; a round trip to the store costs tens of microseconds), then at
+intervals doubling up to 2 ms, so that a long wait costs little CPU. The
+last rank to arrive thus makes one round trip only.
 torch's ``Store.wait`` with a timeout would wake them sooner, but every
 timeout of it prints a warning from C++. A rank that gives up waiting first
 takes its arrival back, then
@@ -43,7 +44,7 @@ from accel_mixin.internals import default_store
 
 __all__ = ['Coordinator', 'DistributedError', 'coordinator_for', 'failure_message']
 
-# polls of the release key: fast for a while, then slower, so that a long
+# polls of a barrier's counter: fast for a while, then slower, so that a long
 # wait costs little CPU; failures, heartbeats and the deadline are looked at
 # less often
 _POLL_FIRST, _POLL_FAST_FOR, _POLL_MAX, _LOOK_EVERY = 0.0001, 0.02, 0.002, 0.02
@@ -156,16 +157,30 @@ class Coordinator:
             with self.session(what):
                 self.barrier(what)
             return
+        self._arrive(what)()
+
+    def _arrive(self, what):
+        """Arrive at the next barrier; return the wait for the others.
+
+        The wait may be called more than once: it waits the first time only.
+        """
         key = self._child('b')
-        release = key + '/released'
         if self.store.add(key, 1) >= self.num_processes:
-            self.store.set(release, b'1')
-            return
+            return _passed
+        waited = []
+
+        def wait():
+            if not waited:
+                self._wait(key, what)
+                waited.append(True)
+        return wait
+
+    def _wait(self, key, what):
         deadline = time.monotonic() + self.timeout
-        beats = self._heartbeats()
+        beats = None  # read at the first look: a short wait never pays for it
         pause, look = _POLL_FIRST, time.monotonic() + _LOOK_EVERY
         slow_down = time.monotonic() + _POLL_FAST_FOR
-        while not self.store.check([release]):
+        while self.store.add(key, 0) < self.num_processes:
             time.sleep(pause)
             if time.monotonic() > slow_down:
                 pause = min(2 * pause, _POLL_MAX)
@@ -179,22 +194,21 @@ class Coordinator:
             if now != beats:  # a rank is still working: wait on
                 beats, deadline = now, time.monotonic() + self.timeout
             elif time.monotonic() > deadline:
-                self._give_up(key, release, what)
+                self._give_up(key, what)
                 return
 
-    def _give_up(self, key, release, what):
+    def _give_up(self, key, what):
         """Leave a barrier that timed out, so that every rank agrees on it."""
         if self.store.add(key, -1) + 1 >= self.num_processes:
             # everyone had arrived after all: put the arrival back, pass
             self.store.add(key, 1)
-            self.store.set(release, b'1')
             return
         message = (f'{what}: rank {self.process_index} waited {self.timeout:.0f} s for the '
                    'other ranks, which neither arrived nor reported a failure')
         self._publish(self._open[-1][0], message)
         raise DistributedError(message)
 
-    def run(self, fn, *, what, here=True):
+    def run(self, fn, *, what, here=True, gate=None):
         """Run ``fn`` on the ranks where ``here`` is true, and agree on the outcome.
 
         Every rank starts once all have arrived, and returns only once ``fn``
@@ -203,16 +217,41 @@ class Coordinator:
         If ``fn`` failed anywhere, every rank raises: the failing one its own
         exception, the others a :class:`DistributedError` naming it.
 
+        Parameters
+        ----------
+        gate : callable or None (default=None)
+          For a ``fn`` whose effects become visible at one point, such as a
+          write that ends with a rename: ``gate(wait)`` gives a context in
+          which ``fn`` calls ``wait()`` just before that point. ``fn`` then
+          starts on arrival and does its work while the other ranks arrive;
+          nothing becomes visible before all have.
+
         """
         with self.session(what):
-            self.barrier(what)
+            early = gate is not None and here and self.distributed
+            if early:
+                arrived = self._arrive(what)
+            else:
+                self.barrier(what)
             if here and self.distributed:
                 with self._heartbeat.beating(self._open[-1][0] + '/alive'):
-                    result = fn()
+                    if early:
+                        # no heartbeat while waiting at the gate: this rank
+                        # would see its own beats and wait forever
+                        with gate(self._heartbeat.paused(arrived)):
+                            result = fn()
+                    else:
+                        result = fn()
             else:
                 result = fn() if here else None
+            if early:
+                arrived()  # a fn that never reached the gate
             self.barrier(what)
         return result
+
+
+def _passed():
+    pass
 
 
 class _Heartbeat:
@@ -241,6 +280,16 @@ class _Heartbeat:
                     self.store.add(key, 1)
                 except Exception:  # pylint: disable=broad-except
                     return  # the store is gone: the group is being torn down
+
+    def paused(self, wait):
+        """``wait``, wrapped to run without beats."""
+        def paused_wait():
+            self.working.clear()
+            try:
+                wait()
+            finally:
+                self.working.set()
+        return paused_wait
 
     @contextlib.contextmanager
     def beating(self, key):

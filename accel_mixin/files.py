@@ -14,8 +14,9 @@ import contextlib
 import json
 import os
 import pickle
+import secrets
 import socket
-import tempfile
+import stat
 import threading
 import time
 import zipfile
@@ -26,6 +27,7 @@ from accel_mixin.state_dict import CheckpointError
 
 __all__ = [
     'atomic_write',
+    'replacing_after',
     'read_history',
     'read_state',
     'write_history',
@@ -35,7 +37,7 @@ __all__ = [
 _TMP = '.accel_mixin-tmp-'
 # In temporary names: a process id means something on its own machine only,
 # and a shared filesystem may hold the writes of several machines.
-_HOST = socket.gethostname().replace('-', '_').replace(os.sep, '_') or 'host'
+_HOST = socket.gethostname().replace('-', '_').replace('.', '_').replace(os.sep, '_') or 'host'
 
 
 def _read_umask():
@@ -100,13 +102,15 @@ def _sweep(path):
                     os.unlink(full)
 
 
-def _second_name(path, tmp):
-    """Link the file at ``path`` under a temporary name, or return None.
+# Replacing the last name of a file frees its blocks inside the rename, a
+# third of a second for 200 MB here; a file at least this large first gets a
+# second name, and its blocks are freed in the background. A smaller one is
+# freed faster than a thread starts.
+FREE_IN_BACKGROUND_FROM = 16 * 2**20
 
-    Replacing the last name of a large file frees its blocks inside the
-    rename, a third of a second for 200 MB here; with a second name the
-    rename is instant and the blocks are freed in the background.
-    """
+
+def _second_name(path, tmp):
+    """Link the file at ``path`` under a temporary name, or return None."""
     previous = tmp + '-previous'
     try:
         os.link(path, previous)
@@ -124,8 +128,25 @@ def _unlink_quietly(path):
         os.unlink(path)
 
 
-def atomic_write(path, write):
-    """Write ``path`` through ``write(binary_file)``, all or nothing.
+_GATE = threading.local()
+
+
+@contextlib.contextmanager
+def replacing_after(wait):
+    """Within the block, atomic writes of this thread call ``wait()`` just
+    before they replace their target: a write prepared while other processes
+    arrive becomes visible only once they all have. If ``wait`` raises, the
+    target is left as it was."""
+    previous = getattr(_GATE, 'wait', None)
+    _GATE.wait = wait
+    try:
+        yield
+    finally:
+        _GATE.wait = previous
+
+
+def atomic_write(path, write, *, by_name=False):
+    """Write ``path`` through ``write``, all or nothing.
 
     Parameters
     ----------
@@ -133,31 +154,42 @@ def atomic_write(path, write):
       The target.
 
     write : callable
-      Writes the content into the binary file object it is given.
+      Writes the content into the binary file object it is given, or, with
+      ``by_name=True``, into the file named by the path it is given.
+
+    by_name : bool (default=False)
+      Give ``write`` the temporary file's name instead of a file object:
+      ``torch.save`` writes a named file through its own C++ writer, which
+      is faster than through a Python file object.
 
     """
     path = os.fspath(path)
-    if os.path.islink(path):
+    target = _target_status(path)
+    if target is not None and stat.S_ISLNK(target.st_mode):
         # update the file the link points to; replacing the link itself
         # would cut it off from its target
         path = os.path.realpath(path)
-    directory, name = os.path.split(os.path.abspath(path))
-    if os.path.isdir(path):
+        target = _target_status(path)
+    if target is not None and stat.S_ISDIR(target.st_mode):
         raise IsADirectoryError(
             f"Cannot save to {path}: it is a directory; pass a file name such as "
             f"{os.path.join(path, 'params.pt')}")
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(
-            f"Cannot save to {path}: the directory {directory} does not exist; create it first")
+    directory, name = os.path.split(os.path.abspath(path))
     _sweep(path)
-    fd, tmp = tempfile.mkstemp(prefix=f'.{name}{_TMP}{_HOST}-{os.getpid()}-', dir=directory)
+    fd, tmp = _create_temporary(directory, name, target)
     try:
         with os.fdopen(fd, 'wb') as f:  # closes the descriptor, whatever happens next
-            _set_mode(tmp, path)
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        previous = _second_name(path, tmp)
+            if by_name:
+                write(tmp)
+            else:
+                write(f)
+                f.flush()
+            os.fsync(f.fileno())  # the same file, however it was written
+        large = target is not None and target.st_size >= FREE_IN_BACKGROUND_FROM
+        previous = _second_name(path, tmp) if large else None
+        wait = getattr(_GATE, 'wait', None)
+        if wait is not None:
+            wait()
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -173,24 +205,50 @@ def atomic_write(path, write):
             os.close(dir_fd)
 
 
-def _set_mode(tmp, path):
-    """Give ``tmp`` the mode a plain open would, or that of the file it replaces.
-
-    mkstemp makes the file private (0600). Some filesystems (vfat, exFAT,
-    some SMB and FUSE mounts) refuse chmod: their files have the mode the
-    mount gives them, which is the mode a plain open would get there too.
-    """
+def _target_status(path):
     try:
-        mode = os.stat(path).st_mode & 0o7777
+        return os.lstat(path)
     except FileNotFoundError:
-        mode = 0o666 & ~_UMASK
-    with contextlib.suppress(OSError):
-        os.chmod(tmp, mode)
+        return None
 
 
-def _write(f, write):
+def _create_temporary(directory, name, target):
+    """Create a new temporary file next to the target; return (fd, path).
+
+    The file gets the mode a plain open would give it, or that of the file
+    it replaces. Some filesystems (vfat, exFAT, some SMB and FUSE mounts)
+    refuse chmod: their files have the mode the mount gives them, which is
+    the mode a plain open would get there too.
+    """
+    mode = 0o666 if target is None else stat.S_IMODE(target.st_mode)
+    # the name has a dot after ``name``: torch.save refuses a file whose
+    # name, up to its last dot, is empty
+    prefix = os.path.join(directory, f'.{name}{_TMP}{_HOST}-{os.getpid()}-')
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, 'O_CLOEXEC', 0)
+    while True:
+        tmp = prefix + secrets.token_hex(4)
+        try:
+            fd = os.open(tmp, flags, mode)
+            break
+        except FileExistsError:
+            continue
+        except FileNotFoundError:
+            if not os.path.isdir(directory):
+                raise FileNotFoundError(
+                    f"Cannot save to {os.path.join(directory, name)}: the directory "
+                    f"{directory} does not exist; create it first") from None
+            raise
+    # the umask applies to a new file's mode: only the mode of a replaced
+    # file with bits that the umask removes needs a chmod
+    if target is not None and mode & _UMASK:
+        with contextlib.suppress(OSError):
+            os.fchmod(fd, mode)
+    return fd, tmp
+
+
+def _write(f, write, *, by_name=False):
     if _is_path(f):
-        atomic_write(f, write)
+        atomic_write(f, write, by_name=by_name)
     else:  # a file object the caller opened: theirs to make safe
         write(f)
 
@@ -202,7 +260,7 @@ def write_state(state, f, *, use_safetensors=False):
 
         _write(f, lambda fh: fh.write(save(state)))
     else:
-        _write(f, lambda fh: torch.save(state, fh))
+        _write(f, lambda target: torch.save(state, target), by_name=True)
 
 
 def write_history(history, f):

@@ -23,7 +23,7 @@ from accel_mixin.coordination import DistributedError, coordinator_for
 from accel_mixin.distributed import (
     check_process_layout, check_supported, collect_garbage_at_exit, quiet_unless_main, sink_for,
     writes_files)
-from accel_mixin.files import read_state, write_state
+from accel_mixin.files import read_state, replacing_after, write_state
 from accel_mixin.history_sync import agree_on_row, first, merge_epoch, real_samples
 from accel_mixin.internals import check_dataloader
 from accel_mixin.params import SafeParamsMixin
@@ -679,7 +679,7 @@ class AccelerateMixin(SafeParamsMixin):
         save = super().save_params
         with self._unwrapped(), quiet_unless_main(self.accelerator):
             self._coordinator.run(lambda: save(*args, **kwargs), what='save_params',
-                                  here=writes_files(self.accelerator))
+                                  here=writes_files(self.accelerator), gate=replacing_after)
 
     def load_params(self, *args, **kwargs):
         """Load the parameters of the net's modules, optimizers and history.
@@ -737,7 +737,8 @@ class AccelerateMixin(SafeParamsMixin):
             state = collect_state(self, train_iterator_state(self._train_iterator()),
                                   stopped=self.__dict__.get(_STOPPING, False))
             if not asynchronous:
-                self._coordinator.run(lambda: write(state), what='save_state', here=writes)
+                self._coordinator.run(lambda: write(state), what='save_state', here=writes,
+                                      gate=replacing_after)
             elif writes:
                 # the previous write is done: its snapshot's memory is free
                 copy = snapshot(state, reuse=self.__dict__.get(_SNAPSHOT))

@@ -187,6 +187,68 @@ def test_a_rank_that_times_out_just_as_the_last_arrives_passes():
     with rank0.session('x'), rank1.session('x'):
         key = rank1._child('b')  # pylint: disable=protected-access
         rank1.store.add(key, 2)  # both arrived, as the timeout fires
-        rank1._give_up(key, key + '/released', 'x')  # pylint: disable=protected-access
+        rank1._give_up(key, 'x')  # pylint: disable=protected-access
         assert rank1.store.add(key, 0) == 2
         assert rank1.failure() is None
+
+
+def gated_save(coordinator, path, content, events):
+    """A save through the gate, as save_params makes it: the write starts on
+    arrival, the rename waits for every rank."""
+    from accel_mixin.files import atomic_write, replacing_after
+
+    def write():
+        events.append(('writing', time.monotonic()))
+        atomic_write(path, lambda f: f.write(content))
+        events.append(('renamed', time.monotonic()))
+    return coordinator.run(write, what='save_params', here=coordinator.process_index == 0,
+                           gate=replacing_after)
+
+
+def test_a_gated_write_works_early_and_becomes_visible_once_all_arrived(tmp_path):
+    rank0, rank1 = pair()
+    path = tmp_path / 'params.pt'
+    path.write_bytes(b'old')
+    events = []
+
+    def late():
+        time.sleep(0.5)
+        events.append(('arrived', time.monotonic()))
+        assert path.read_bytes() == b'old'  # nothing visible before everyone arrived
+        return gated_save(rank1, path, b'new', events)
+
+    results = run_ranks(lambda: gated_save(rank0, path, b'new', events), late)
+    assert [result[0] for result in results] == ['ok', 'ok']
+    times = dict(events)
+    assert times['writing'] < times['arrived'] < times['renamed']
+    assert path.read_bytes() == b'new'
+
+
+def test_a_gated_write_leaves_the_file_when_another_rank_fails_before_arriving(tmp_path):
+    rank0, rank1 = pair()
+    path = tmp_path / 'params.pt'
+    path.write_bytes(b'old')
+
+    def failing():
+        with rank1.session('save_params'):
+            raise ValueError('rank 1 broke before the save')
+
+    results = run_ranks(lambda: gated_save(rank0, path, b'new', []), failing)
+    assert isinstance(results[0][1], DistributedError)
+    assert 'rank 1 broke before the save' in str(results[0][1])
+    assert path.read_bytes() == b'old'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['params.pt']  # no temporary left
+
+
+def test_a_gated_write_does_not_keep_itself_waiting_with_its_own_heartbeat(tmp_path):
+    # the writer waits at the gate for a rank that never comes: its own
+    # heartbeat must not count as progress, or it would wait forever
+    rank0, _ = pair(timeout=0.5)
+    rank0._heartbeat.interval = 0.05  # pylint: disable=protected-access
+    path = tmp_path / 'params.pt'
+    start = time.monotonic()
+    results = run_ranks(lambda: gated_save(rank0, path, b'new', []))
+    assert isinstance(results[0][1], DistributedError)
+    assert 'neither arrived' in str(results[0][1])
+    assert time.monotonic() - start < 10
+    assert not path.exists()

@@ -152,6 +152,14 @@ def test_saves_leave_no_temporary_files_and_usual_permissions(tmp_path):
     assert (tmp_path / 'params.pt').stat().st_mode & 0o777 == 0o666 & ~umask
 
 
+@pytest.mark.parametrize('mode', [0o600, 0o666, 0o640])
+def test_a_replaced_file_keeps_its_mode(tmp_path, mode):
+    (tmp_path / 'params.pt').write_bytes(b'old')
+    os.chmod(tmp_path / 'params.pt', mode)
+    nets()['accelerated, wrapped'].save_params(f_params=tmp_path / 'params.pt')
+    assert (tmp_path / 'params.pt').stat().st_mode & 0o777 == mode
+
+
 def test_a_save_sweeps_abandoned_temporary_files_only(tmp_path):
     import os
     import time
@@ -186,7 +194,8 @@ def test_a_failing_save_leaves_the_previous_file(tmp_path, monkeypatch):
     before = target.read_bytes()
 
     def broken_save(obj, f, *args, **kwargs):
-        f.write(b'half a checkpoint')
+        with open(f, 'wb') as fh:  # torch.save is given the temporary file's name
+            fh.write(b'half a checkpoint')
         raise OSError('disk full')
 
     monkeypatch.setattr(torch, 'save', broken_save)
@@ -408,7 +417,10 @@ def test_a_filesystem_that_refuses_chmod_still_saves_without_leaking(tmp_path, m
     def refuse(*args, **kwargs):
         raise PermissionError(1, 'Operation not permitted')
 
+    (tmp_path / 'params.pt').write_bytes(b'')
+    os.chmod(tmp_path / 'params.pt', 0o666)  # a mode the umask would not give: a chmod is tried
     monkeypatch.setattr(os, 'chmod', refuse)
+    monkeypatch.setattr(os, 'fchmod', refuse)
     before = open_descriptors()
     for _ in range(3):
         net.save_params(f_params=tmp_path / 'params.pt')
