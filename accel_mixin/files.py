@@ -174,9 +174,9 @@ def atomic_write(path, write, *, by_name=False):
         raise IsADirectoryError(
             f"Cannot save to {path}: it is a directory; pass a file name such as "
             f"{os.path.join(path, 'params.pt')}")
-    directory, name = os.path.split(os.path.abspath(path))
+    directory = os.path.dirname(os.path.abspath(path))
     _sweep(path)
-    fd, tmp = _create_temporary(directory, name, target)
+    fd, tmp = _create_temporary(path, target)
     try:
         with os.fdopen(fd, 'wb') as f:  # closes the descriptor, whatever happens next
             if by_name:
@@ -185,11 +185,11 @@ def atomic_write(path, write, *, by_name=False):
                 write(f)
                 f.flush()
             os.fsync(f.fileno())  # the same file, however it was written
-        large = target is not None and target.st_size >= FREE_IN_BACKGROUND_FROM
-        previous = _second_name(path, tmp) if large else None
         wait = getattr(_GATE, 'wait', None)
         if wait is not None:
             wait()
+        large = target is not None and target.st_size >= FREE_IN_BACKGROUND_FROM
+        previous = _second_name(path, tmp) if large else None
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -212,7 +212,7 @@ def _target_status(path):
         return None
 
 
-def _create_temporary(directory, name, target):
+def _create_temporary(path, target):
     """Create a new temporary file next to the target; return (fd, path).
 
     The file gets the mode a plain open would give it, or that of the file
@@ -220,6 +220,7 @@ def _create_temporary(directory, name, target):
     refuse chmod: their files have the mode the mount gives them, which is
     the mode a plain open would get there too.
     """
+    directory, name = os.path.split(os.path.abspath(path))
     mode = 0o666 if target is None else stat.S_IMODE(target.st_mode)
     # the name has a dot after ``name``: torch.save refuses a file whose
     # name, up to its last dot, is empty
@@ -235,8 +236,8 @@ def _create_temporary(directory, name, target):
         except FileNotFoundError:
             if not os.path.isdir(directory):
                 raise FileNotFoundError(
-                    f"Cannot save to {os.path.join(directory, name)}: the directory "
-                    f"{directory} does not exist; create it first") from None
+                    f"Cannot save to {path}: the directory {directory} does not exist; "
+                    "create it first") from None
             raise
     # the umask applies to a new file's mode: only the mode of a replaced
     # file with bits that the umask removes needs a chmod

@@ -30,7 +30,7 @@ from accel_mixin.params import SafeParamsMixin
 from accel_mixin.portable import PortableAccelerator
 from accel_mixin.replicas import (
     check_replicas, check_same_data, check_same_steps, named_parameters)
-from accel_mixin.stepping import Stepper
+from accel_mixin.stepping import Stepper, takes_closures
 from accel_mixin.training_state import snapshot
 from accel_mixin.wrapping import PreparedObjects, Slot, requires_closure
 
@@ -212,15 +212,17 @@ class AccelerateMixin(SafeParamsMixin):
         return self._prepared.raw_or_current(name + '_', self, name + '_')
 
     def _check_optimizers(self):
+        if takes_closures(self.accelerator):
+            return
         for name in self._optimizers:
             optimizer = self._raw(name)
-            if requires_closure(optimizer):
+            if optimizer is not None and requires_closure(optimizer):
                 raise ValueError(
                     f"The optimizer {name}_ ({type(optimizer).__name__}) needs a "
                     "closure to step, which accelerate's gradient scaling and "
-                    "accumulation do not support; choose an optimizer whose step() "
-                    "works without arguments (e.g. torch.optim.Adam), or train "
-                    "without AccelerateMixin."
+                    "accumulation do not support; with mixed precision fp16 or "
+                    "gradient_accumulation_steps > 1, choose an optimizer whose step() "
+                    "works without arguments (e.g. torch.optim.Adam)."
                 )
 
     def _initialize_accelerator(self):
@@ -448,6 +450,8 @@ class AccelerateMixin(SafeParamsMixin):
     def _begin_training(self, X, y):
         """After the callbacks' on_train_begin: check the data, restore what
         a resumed run has for the callbacks, prepare what they built."""
+        # before preparing: a net trimmed for prediction has no optimizer
+        self.check_training_readiness()
         if self.accelerator.num_processes > 1:
             check_same_data(self.accelerator, X, y)
         apply_train_begin_states(self, self._pending)
@@ -555,12 +559,13 @@ class AccelerateMixin(SafeParamsMixin):
 
     def on_train_begin(self, net, X=None, y=None, **kwargs):
         super().on_train_begin(net, X=X, y=y, **kwargs)
-        # an interrupted fit may have left half-accumulated gradients
+        # an interrupted fit may have left half-accumulated gradients; they
+        # are cleared on the parameters, so that the optimizers see the
+        # calls a skorch net makes, no more
         self.accelerator.step = 0
-        for name in self._optimizers:
-            optimizer = getattr(self, name + '_')
-            if optimizer is not None:
-                optimizer.zero_grad()
+        for module in self._accumulation_modules():
+            for param in module.parameters():
+                param.grad = None
 
     def _accumulation_modules(self):
         return [
@@ -597,10 +602,21 @@ class AccelerateMixin(SafeParamsMixin):
         not notified: their gradients are partial sums that nothing should
         clip or inspect. Without accumulation, it is notified on every batch.
 
+        Without a gradient scaler and without accumulation, each optimizer
+        steps as in skorch: ``optimizer.step(closure)``, where the closure
+        zeroes the gradients, runs forward and backward and returns the loss,
+        so that optimizers that evaluate it themselves (LBFGS) work. With
+        either, the gradients are computed once and every optimizer steps
+        without a closure (a GradScaler cannot step with one, and a closure
+        that zeroes the gradients would discard the accumulated ones).
+
         """
         step_accumulator = self.get_train_step_accumulator()
+        closures = self._stepper.takes_closures
 
         def step_fn():
+            if closures:
+                self._zero_grad_optimizer()
             step = self.train_step_single(batch, **fit_params)
             step_accumulator.store_step(step)
             if self._stepper.sync_gradients:
@@ -617,16 +633,22 @@ class AccelerateMixin(SafeParamsMixin):
 
         with self._stepper.accumulate(self._accumulation_modules):
             self._step_optimizer(step_fn)
-            self._zero_grad_optimizer()
+            if not closures:
+                # after the step rather than before the forward pass, which
+                # would discard the accumulated gradients
+                self._zero_grad_optimizer()
         return step_accumulator.get_step()
 
     def _optimizer_objects(self):
         return [getattr(self, name + '_') for name in self._optimizers]
 
     def _step_optimizer(self, step_fn):
-        # GradScaler cannot step with a closure: compute, then step.
-        step_fn()
-        self._stepper.step_all(self._optimizer_objects())
+        if self._stepper.takes_closures:
+            for optimizer in self._optimizer_objects():
+                self._stepper.step(optimizer, step_fn)
+        else:
+            step_fn()
+            self._stepper.step_all(self._optimizer_objects())
 
     def _zero_grad_optimizer(self, set_to_none=None):
         for optimizer in self._optimizer_objects():

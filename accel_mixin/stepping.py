@@ -10,12 +10,31 @@ goes through accelerate.
 """
 import contextlib
 
+import torch
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 
-__all__ = ['Stepper']
+__all__ = ['Stepper', 'takes_closures', 'uses_closure_value']
 
 _SPECIAL = (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA)
+
+
+def takes_closures(accelerator):
+    """Whether optimizers step with skorch's closure: not with a gradient
+    scaler, which cannot step with one, nor with gradient accumulation,
+    where a closure that zeroes the gradients would discard the
+    accumulated ones."""
+    return accelerator.scaler is None and accelerator.gradient_accumulation_steps == 1
+
+
+def uses_closure_value(optimizer):
+    """Whether ``optimizer.step(closure)`` may act on the loss that the
+    closure returns: LBFGS does, and so may any optimizer whose ``step`` is
+    not one of torch's own, which only compute the gradients with it."""
+    inner = getattr(optimizer, 'optimizer', optimizer)
+    if isinstance(inner, torch.optim.LBFGS):
+        return True
+    return not getattr(type(inner).step, '__module__', '').startswith('torch.optim.')
 
 
 class Stepper:
@@ -32,6 +51,8 @@ class Stepper:
     def __init__(self, accelerator):
         self.accelerator = accelerator
         self.steps = accelerator.gradient_accumulation_steps
+        self.takes_closures = takes_closures(accelerator)
+        self.num_processes = accelerator.num_processes
         self.plain = (
             accelerator.scaler is None
             and accelerator.distributed_type not in _SPECIAL
@@ -98,11 +119,22 @@ class Stepper:
             del scaler.update  # the class's method again
         self.step(optimizers[-1])
 
-    def step(self, optimizer):
+    def step(self, optimizer, closure=None):
+        """Step ``optimizer``, with ``closure`` if given.
+
+        Under several processes, an optimizer that may act on the loss the
+        closure returns gets the loss averaged over the processes: each
+        process's own loss would let LBFGS stop its iterations at different
+        points on different processes, and their gradient syncs would no
+        longer match.
+        """
+        if closure is not None and self.num_processes > 1 and uses_closure_value(optimizer):
+            closure = _averaged(closure, self.accelerator)
+        args = () if closure is None else (closure,)
         if not (self.plain and isinstance(optimizer, AcceleratedOptimizer)):
-            optimizer.step()
+            optimizer.step(*args)
         elif self.sync_gradients:
-            optimizer.optimizer.step()
+            optimizer.optimizer.step(*args)
 
     def zero_grad(self, optimizer, set_to_none=None):
         kwargs = {} if set_to_none is None else {'set_to_none': set_to_none}
@@ -113,6 +145,12 @@ class Stepper:
             # the signature on every call; torch defaults to set_to_none=True
             optimizer = optimizer.optimizer
         optimizer.zero_grad(**kwargs)
+
+
+def _averaged(closure, accelerator):
+    def averaged():
+        return accelerator.reduce(closure().detach(), reduction='mean')
+    return averaged
 
 
 def _no_update(new_scale=None):  # pylint: disable=unused-argument

@@ -196,3 +196,17 @@ def test_group_without_cpu_setting_is_refused_with_the_fix(layout):
 def test_incumbent_silently_trains_alone(layout):
     for value in values(layout['incumbent'], 'alone_refused'):
         assert value['distributed_type'] == 'DistributedType.NO'
+
+
+# --- optimizers that step with a closure ------------------------------------
+
+def test_closure_optimizers_step_alike_on_every_rank(ours):
+    # LBFGS and an optimizer that calls the closure three times per step, as
+    # skorch's own tests do; every rank sees the same, averaged, losses
+    results = values(ours, 'closure_optimizers')
+    for value in results:
+        assert value['lbfgs_spread'] == 0.0 and value['three_calls_spread'] == 0.0
+        assert value['lbfgs_valid_acc'] > 0.75
+        assert len(value['three_calls_losses']) == 3 * value['steps_per_rank'] > 0
+    assert results[0]['three_calls_losses'] == results[1]['three_calls_losses']
+

@@ -57,9 +57,9 @@ class CountWrites:
         self.calls = []
         self.saved = (files.atomic_write, training.open_file_like)
 
-        def atomic_write(path, write):
+        def atomic_write(path, write, **kwargs):
             self.calls.append(str(path))
-            return self.saved[0](path, write)
+            return self.saved[0](path, write, **kwargs)
 
         def open_file_like(f, mode):
             self.calls.append(str(f))
