@@ -48,6 +48,10 @@ __all__ = ['Coordinator', 'DistributedError', 'coordinator_for', 'failure_messag
 # wait costs little CPU; failures, heartbeats and the deadline are looked at
 # less often
 _POLL_FIRST, _POLL_FAST_FOR, _POLL_MAX, _LOOK_EVERY = 0.0001, 0.02, 0.002, 0.02
+# what every rank must call alike (the README lists the same)
+COLLECTIVE = ('fit, partial_fit, predict, predict_proba, forward, score, save_params, '
+              'load_params, save_state, load_state, wait_for_saves')
+
 # how often a rank running a long function beats
 _HEARTBEAT_SECONDS = 1.0
 
@@ -83,7 +87,8 @@ class Coordinator:
         self.timeout = timeout
         self.store = None if store is None else dist.PrefixStore('accel_mixin', store)
         self._generation = 0
-        # the sections this rank is in, outermost first: [key, children so far]
+        self._agreed = 0  # the last generation whose call the ranks compared
+        # the sections this rank is in, outermost first: [key, children so far, what]
         self._open = []
         if self.store is not None:
             self._heartbeat = _Heartbeat(self.store, min(_HEARTBEAT_SECONDS, timeout / 4))
@@ -130,7 +135,7 @@ class Coordinator:
 
     def failure(self):
         """The failure of a section this rank is in, innermost first, or None."""
-        for key, _ in reversed(self._open):
+        for key, *_ in reversed(self._open):
             key += '/failed'
             if self.store.check([key]):
                 return self.store.get(key).decode()
@@ -139,7 +144,7 @@ class Coordinator:
     def _heartbeats(self):
         """The beats of the sections this rank is in: they grow while some
         rank works in one of them."""
-        return sum(self.store.add(key + '/alive', 0) for key, _ in self._open)
+        return sum(self.store.add(key + '/alive', 0) for key, *_ in self._open)
 
     def barrier(self, what):
         """Wait for every rank, or raise as soon as one failed.
@@ -164,6 +169,8 @@ class Coordinator:
 
         The wait may be called more than once: it waits the first time only.
         """
+        if self._agreed != self._generation:
+            self._agree_on_the_call()
         key = self._child('b')
         if self.store.add(key, 1) >= self.num_processes:
             return _passed
@@ -174,6 +181,22 @@ class Coordinator:
                 self._wait(key, what)
                 waited.append(True)
         return wait
+
+    def _agree_on_the_call(self):
+        """At the first barrier of a session, check that every rank is in the
+        same top-level call: a rank in ``predict`` while another is in
+        ``save_params`` would otherwise wait for the timeout, or abort in a
+        collective of the other call."""
+        self._agreed = self._generation
+        session, _, call = self._open[0]
+        first = self.store.compare_set(session + '/call', '', call).decode()
+        if first != call:
+            message = (
+                f'{call} on rank {self.process_index} met {first} on another rank: every '
+                f'rank must make the same collective calls, in the same order ({COLLECTIVE}); '
+                'a call under "if accelerator.is_main_process:" leaves the other ranks behind')
+            self._publish(session, message)
+            raise DistributedError(message)
 
     def _wait(self, key, what):
         deadline = time.monotonic() + self.timeout
@@ -204,7 +227,8 @@ class Coordinator:
             self.store.add(key, 1)
             return
         message = (f'{what}: rank {self.process_index} waited {self.timeout:.0f} s for the '
-                   'other ranks, which neither arrived nor reported a failure')
+                   'other ranks, which neither arrived nor reported a failure. Every rank must '
+                   f'make the same collective calls ({COLLECTIVE})')
         self._publish(self._open[-1][0], message)
         raise DistributedError(message)
 
@@ -316,7 +340,7 @@ class _Section:
         self.what = what
 
     def __enter__(self):
-        self.coordinator._open.append([self.key, 0])  # pylint: disable=protected-access
+        self.coordinator._open.append([self.key, 0, self.what])  # pylint: disable=protected-access
         return self
 
     def __exit__(self, exc_type, exc, traceback):

@@ -26,6 +26,7 @@ from accel_mixin.distributed import (
 from accel_mixin.files import read_state, replacing_after, write_state
 from accel_mixin.history_sync import agree_on_row, first, merge_epoch, real_samples
 from accel_mixin.internals import check_dataloader
+from accel_mixin.native_output import native_warnings_dropped
 from accel_mixin.params import SafeParamsMixin
 from accel_mixin.portable import PortableAccelerator
 from accel_mixin.replicas import (
@@ -319,8 +320,9 @@ class AccelerateMixin(SafeParamsMixin):
             return self
 
     def partial_fit(self, X, y=None, classes=None, **fit_params):
+        others = self.accelerator.num_processes > 1 and not self.accelerator.is_main_process
         with self._coordinator.session('partial_fit'), quiet_unless_main(self.accelerator), \
-                self._finishing_writes():
+                native_warnings_dropped(active=others), self._finishing_writes():
             return super().partial_fit(X, y, classes=classes, **fit_params)
 
     @contextmanager
@@ -657,6 +659,19 @@ class AccelerateMixin(SafeParamsMixin):
     def validation_step(self, batch, **fit_params):
         with self._stepper.autocast():
             return super().validation_step(batch, **fit_params)
+
+    def forward_iter(self, X, training=False, device='cpu'):
+        """skorch's ``forward_iter``, after every rank arrived.
+
+        Inference gathers every batch from every rank: a rank that calls
+        ``predict`` alone would wait in a collective that the others never
+        join, or abort in one of theirs. The barrier instead raises a
+        ``DistributedError`` on every rank that names both calls, or, if the
+        others make no collective call, one after the timeout.
+        """
+        if self.accelerator.num_processes > 1:
+            self._coordinator.barrier('inference (predict, predict_proba, forward, score)')
+        yield from super().forward_iter(X, training=training, device=device)
 
     def evaluation_step(self, batch, training=False):
         # Autocast here rather than only in the prepared module's forward, so

@@ -163,8 +163,9 @@ def test_a_barrier_that_times_out_fails_on_every_rank():
 
     (state0, exc0), (state1, exc1) = run_ranks(slow, waiting)
     assert state0 == state1 == 'raised'
-    assert str(exc1) == ('save: rank 1 waited 0 s for the other ranks, which neither arrived '
-                         'nor reported a failure')
+    assert str(exc1).startswith('save: rank 1 waited 0 s for the other ranks, which neither '
+                                'arrived nor reported a failure. Every rank must make the same '
+                                'collective calls (fit, partial_fit, predict')
     assert str(exc0) == str(exc1)  # rank 0 learns why
 
 
@@ -252,3 +253,52 @@ def test_a_gated_write_does_not_keep_itself_waiting_with_its_own_heartbeat(tmp_p
     assert 'neither arrived' in str(results[0][1])
     assert time.monotonic() - start < 10
     assert not path.exists()
+
+
+def test_ranks_in_different_calls_raise_at_once_naming_both():
+    rank0, rank1 = pair()
+
+    def inference():
+        rank0.barrier('predict')
+
+    def saving():
+        return rank1.run(lambda: None, what='save_params')
+
+    start = time.monotonic()
+    (state0, exc0), (state1, exc1) = run_ranks(inference, saving)
+    assert time.monotonic() - start < 5  # not the 30 s timeout
+    assert state0 == state1 == 'raised'
+    for exc in (exc0, exc1):
+        assert isinstance(exc, DistributedError)
+        message = str(exc)
+        assert 'predict' in message and 'save_params' in message
+        assert 'every rank must make the same collective calls' in message
+
+
+def test_ranks_in_the_same_calls_compare_them_once_per_call():
+    rank0, rank1 = pair()
+    compared = []
+
+    class Counting:
+        def __init__(self, store):
+            self.store = store
+
+        def compare_set(self, key, *args):
+            compared.append(key)
+            return self.store.compare_set(key, *args)
+
+        def __getattr__(self, name):
+            return getattr(self.store, name)
+
+    for coordinator in (rank0, rank1):
+        coordinator.store = Counting(coordinator.store)
+
+    def body(coordinator):
+        for _ in range(3):
+            coordinator.run(lambda: None, what='save_params')
+        with coordinator.session('fit'):
+            for _ in range(4):
+                coordinator.barrier('epoch')
+    assert run_ranks(lambda: body(rank0), lambda: body(rank1)) == [('ok', None)] * 2
+    assert sorted(compared) == sorted(f'g{g}/call' for g in (1, 2, 3, 4) for _ in range(2))
+

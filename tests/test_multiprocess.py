@@ -210,3 +210,10 @@ def test_closure_optimizers_step_alike_on_every_rank(ours):
         assert len(value['three_calls_losses']) == 3 * value['steps_per_rank'] > 0
     assert results[0]['three_calls_losses'] == results[1]['three_calls_losses']
 
+
+def test_a_collective_call_on_one_rank_only_fails_fast_naming_both_calls(ours):
+    for value in values(ours, 'predict_on_the_main_process_only'):
+        assert value['error'].startswith('DistributedError: ')
+        assert 'inference (predict' in value['error'] and 'save_params' in value['error']
+        assert value['seconds'] < 10  # the collective timeout is 30 s
+

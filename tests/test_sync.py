@@ -85,6 +85,7 @@ def test_one_voice(launch):
     assert out0.count('A checkpoint was triggered in epoch 2.') == 1
     assert 'Perhaps you meant' in err0  # skorch's warning, as in one process
     assert '%|' in err0  # the progress bar
+    assert 'find_unused_parameters=True was specified' in err0  # DDP's reducer, from C++
     # rank 1 said nothing at all
     assert out1 == err1 == ''
 

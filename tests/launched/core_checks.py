@@ -391,5 +391,20 @@ def closure_optimizers():
     }
 
 
+@checks
+def predict_on_the_main_process_only():
+    """The README's rule broken: predict under ``if is_main_process``."""
+    if IMPL != 'ours':
+        return None
+    trained = make_net(max_epochs=1).fit(X, y)
+
+    def misuse():
+        if accelerator.is_main_process:
+            trained.predict(X)
+        trained.save_params(f_params='misuse.pt')
+
+    return error_and_seconds(misuse)
+
+
 report({'rank': rank, 'num_processes': accelerator.num_processes,
         'checks': checks.results})
