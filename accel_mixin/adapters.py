@@ -1,11 +1,40 @@
 """What skorch's own callbacks need to run on several processes."""
 from contextlib import contextmanager
 
-from skorch.callbacks import ProgressBar
+from skorch.callbacks import EpochTimer, PrintLog, ProgressBar
 
 from accel_mixin.internals import check_progress_bar
 
-__all__ = ['main_process_pickles', 'progress_of_this_rank']
+__all__ = ['main_process_only', 'main_process_pickles', 'progress_of_this_rank']
+
+
+_LOGGERS = 'skorch.callbacks.logging'
+_RUN_EVERYWHERE = (EpochTimer, PrintLog, ProgressBar)
+_MAIN_ONLY = {}
+
+
+def main_process_only(callback):
+    """Whether ``callback`` runs on the main process only.
+
+    Loggers do: they record what every rank shares (the synced history, the
+    parameters, which are the same everywhere), and from several processes
+    they would record it several times. A logger is a callback of skorch's
+    ``skorch.callbacks.logging`` (``TensorBoard``, ``WandbLogger``,
+    ``MlflowLogger``, ``NeptuneLogger``, ``SacredLogger``) or a subclass of
+    one, except ``EpochTimer``, which records into the history, and
+    ``PrintLog`` and ``ProgressBar``, which other processes run silenced, so
+    that their state, and the pickles that hold it, are the same on every
+    rank. Any callback can say otherwise with a ``main_process_only``
+    attribute. Callbacks that change training run on every rank.
+    """
+    explicit = getattr(callback, 'main_process_only', None)
+    if explicit is not None:
+        return bool(explicit)
+    cls = type(callback)
+    if cls not in _MAIN_ONLY:
+        _MAIN_ONLY[cls] = (any(base.__module__ == _LOGGERS for base in cls.__mro__)
+                           and not issubclass(cls, _RUN_EVERYWHERE))
+    return _MAIN_ONLY[cls]
 
 
 @contextmanager

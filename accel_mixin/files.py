@@ -195,14 +195,16 @@ def atomic_write(path, write, *, by_name=False):
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    if previous:
-        _unlink_in_background(previous)
     with contextlib.suppress(OSError):  # make the rename itself durable
         dir_fd = os.open(directory, os.O_RDONLY)
         try:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+    if previous:
+        # after the fsync, whose journal commit would otherwise wait for
+        # the freeing of the old file's blocks
+        _unlink_in_background(previous)
 
 
 def _target_status(path):

@@ -12,7 +12,7 @@ from skorch.dataset import get_len, unpack_data
 from skorch.history import DistributedHistory
 from skorch.utils import TeeGenerator
 
-from accel_mixin.adapters import main_process_pickles, progress_of_this_rank
+from accel_mixin.adapters import main_process_only, main_process_pickles, progress_of_this_rank
 from accel_mixin.background import BackgroundWriter
 from accel_mixin.callbacks import TrainingCheckpoint
 from accel_mixin.checkpoint import (
@@ -421,7 +421,7 @@ class AccelerateMixin(SafeParamsMixin):
             self._unwrap_accelerator()
             self.__dict__[_IN_TRAIN_BEGIN] = True
             try:
-                super().notify(method_name, **cb_kwargs)
+                self._notify_callbacks(method_name, **cb_kwargs)
             finally:
                 del self.__dict__[_IN_TRAIN_BEGIN]
         elif method_name == 'on_epoch_begin':
@@ -429,7 +429,7 @@ class AccelerateMixin(SafeParamsMixin):
                 # a resumed run continues from the random state it saved
                 apply_epoch_states(self._pending, self._train_iterator())
                 self._pending.clear()
-            super().notify(method_name, **cb_kwargs)
+            self._notify_callbacks(method_name, **cb_kwargs)
             if self.accelerator.num_processes > 1:
                 progress_of_this_rank(self, cb_kwargs.get('dataset_train'),
                                       cb_kwargs.get('dataset_valid'))
@@ -437,7 +437,7 @@ class AccelerateMixin(SafeParamsMixin):
             self._end_epoch(**cb_kwargs)
         elif method_name == 'on_train_end':
             with main_process_pickles(self.callbacks_, self.accelerator.is_main_process):
-                super().notify(method_name, **cb_kwargs)
+                self._notify_callbacks(method_name, **cb_kwargs)
             self._coordinator.barrier('on_train_end')
             # Unwrap only after the callbacks: EarlyStopping(load_best=True)
             # restores weights it took from the wrapped module.
@@ -447,7 +447,7 @@ class AccelerateMixin(SafeParamsMixin):
             # still in flight holds its own reference
             self.__dict__.pop(_SNAPSHOT, None)
         else:
-            super().notify(method_name, **cb_kwargs)
+            self._notify_callbacks(method_name, **cb_kwargs)
 
     def _begin_training(self, X, y):
         """After the callbacks' on_train_begin: check the data, restore what
@@ -467,6 +467,18 @@ class AccelerateMixin(SafeParamsMixin):
                            'when training begins')
         self.__dict__[_STEPPER] = Stepper(self.accelerator)
 
+    def _notify_callbacks(self, method_name, **cb_kwargs):
+        """skorch's ``notify``; off the main process without the loggers
+        (``main_process_only``), which record once, from the main process."""
+        if self.accelerator.is_main_process:
+            super().notify(method_name, **cb_kwargs)
+            return
+        # skorch's loop, which has no way to leave a callback out
+        getattr(self, method_name)(self, **cb_kwargs)
+        for _, cb in self.callbacks_:
+            if not main_process_only(cb):
+                getattr(cb, method_name)(self, **cb_kwargs)
+
     def _end_epoch(self, **cb_kwargs):
         """Sync the epoch, run the callbacks, and agree on the row and on stopping.
 
@@ -484,7 +496,7 @@ class AccelerateMixin(SafeParamsMixin):
         stop, error = False, None
         try:
             with main_process_pickles(self.callbacks_, self.accelerator.is_main_process):
-                super().notify('on_epoch_end', **cb_kwargs)
+                self._notify_callbacks('on_epoch_end', **cb_kwargs)
         except KeyboardInterrupt:
             stop = True
         except Exception as exc:  # pylint: disable=broad-except

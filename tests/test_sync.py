@@ -1,5 +1,4 @@
 """One truth on every rank, in two real processes (launched/sync_checks.py)."""
-
 import pytest
 
 from harness import check_values as values, run_processes
@@ -140,3 +139,18 @@ def test_progress_bars_count_the_batches_each_rank_runs(ranks):
         # 'count' knows no total in the first epoch, as in skorch; later ones
         known = [(n, total) for n, total in count if total is not None]
         assert known and all(n == total for n, total in known)
+
+
+def test_tensorboard_records_each_value_once_from_the_main_process(ranks):
+    main, other = values(ranks, 'tensorboard_once')
+    for layout in ('main_only', 'every_rank'):
+        recorded, history = main[layout]['scalars'], main[layout]['history']
+        if layout == 'main_only':
+            assert main[layout]['event_files'] == 1
+        for key in ('train_loss', 'valid_loss', 'valid_acc'):
+            tag = 'Loss/' + key if key.startswith(('train', 'valid')) else key
+            steps, values_ = zip(*sorted(recorded[tag]))
+            assert steps == (1, 2, 3)  # once per epoch, from one process
+            assert values_ == pytest.approx(history[key], rel=1e-6)
+            assert history[key] == other[layout]['history'][key]  # synced
+        assert len(recorded['dur']) == 3  # the main process's own epoch times

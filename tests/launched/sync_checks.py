@@ -203,6 +203,46 @@ def progress_bars_count_this_ranks_batches():
     return bars
 
 
+def read_scalars(files):
+    """Every scalar of the event files, read with tensorboard's own reader:
+    {tag: [(step, value), ...]}."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = {}
+    for path in files:
+        accumulator = EventAccumulator(str(path))
+        accumulator.Reload()
+        for tag in accumulator.Tags()['scalars']:
+            out.setdefault(tag, []).extend(
+                (event.step, event.value) for event in accumulator.Scalars(tag))
+    return out
+
+
+@checks
+def tensorboard_once():
+    """skorch's TensorBoard, with the writer made on the main process only
+    (the README's way) and, as a user may write it, on every rank."""
+    from skorch.callbacks import TensorBoard
+    from torch.utils.tensorboard import SummaryWriter
+
+    out = {}
+    for layout in ('main_only', 'every_rank'):
+        logdir = Path(f'tb_{layout}').resolve()
+        writer = (SummaryWriter(str(logdir / f'rank{rank}')) if layout == 'every_rank'
+                  else SummaryWriter(str(logdir)) if accelerator.is_main_process else None)
+        net = make_net(max_epochs=3, callbacks=[TensorBoard(writer)])
+        net.fit(X, y)
+        if writer is not None:
+            writer.close()
+        accelerator.wait_for_everyone()  # every writer closed
+        keys = ('train_loss', 'valid_loss', 'valid_acc', 'dur')
+        files = sorted(logdir.rglob('events.out.tfevents.*'))
+        out[layout] = {'event_files': len(files), 'scalars': read_scalars(files),
+                       'history': {key: net.history[:, key] for key in keys}}
+    return out
+
+
+
 @checks
 def padding_only_batches_are_not_counted():
     # 100 samples in batches of 16: 7 batches in one process; under two, rank
