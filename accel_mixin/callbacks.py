@@ -24,6 +24,16 @@ from accel_mixin.state_dict import CheckpointError
 __all__ = ['ResumeTraining', 'TrainingCheckpoint']
 
 
+def _check_net(net, callback):
+    """Training states are AccelerateMixin's: say so on any other net."""
+    if not all(hasattr(net, name) for name in ('save_state', 'load_state', 'wait_for_everyone')):
+        raise TypeError(
+            f"{type(callback).__name__} saves and loads training states with "
+            f"AccelerateMixin.save_state and load_state, which {type(net).__name__} does not "
+            "have: use it on a net with AccelerateMixin in front (in one process, "
+            "Accelerator(cpu=True) will do), or use skorch's Checkpoint and LoadInitState.")
+
+
 class TrainingCheckpoint(Callback):
     """Save the whole training state at the end of epochs, for resuming.
 
@@ -83,6 +93,7 @@ class TrainingCheckpoint(Callback):
         return self
 
     def on_train_begin(self, net, X=None, y=None, **kwargs):
+        _check_net(net, self)
         self.run_ = run_identity(net, X, y)
         run_folders(self.dirname)  # a clear error where dirname is a file
         self.run_folder_ = os.path.join(self.dirname, self.run_.folder)
@@ -93,8 +104,14 @@ class TrainingCheckpoint(Callback):
                 f"Cannot create the run folder {self.run_folder_} ({type(exc).__name__}: {exc}); "
                 "give TrainingCheckpoint a dirname this process can write to.") from exc
 
-    def save_epoch(self, net):
-        """Save the state of the epoch that just ended, if it is due."""
+    def on_epoch_finished(self, net):
+        """Save the state of the epoch that just ended, if it is due.
+
+        ``AccelerateMixin`` calls it once an epoch is over on every rank:
+        after every callback's ``on_epoch_end``, with the epoch's row, the
+        callbacks' decisions and the replica check agreed, so that the state
+        saved is that of the finished epoch.
+        """
         epoch = len(net.history)
         if epoch % self.every_n_epochs:
             return
@@ -175,6 +192,7 @@ class ResumeTraining(Callback):
         return self
 
     def on_train_begin(self, net, X=None, y=None, **kwargs):
+        _check_net(net, self)
         identity = run_identity(net, X, y)
         runs = run_folders(self.dirname)
         own = os.path.join(self.dirname, identity.folder)
@@ -189,7 +207,7 @@ class ResumeTraining(Callback):
             read_manifest(runs[self.run])
         # every rank gets here before the ranks compare their files, or
         # raises if a callback before this one failed on some rank
-        net._coordinator.barrier('ResumeTraining')  # pylint: disable=protected-access
+        net.wait_for_everyone('ResumeTraining')
         path = agreed_checkpoint(own, net.accelerator)
         if path is None and self.run is not None:
             path = agreed_checkpoint(runs[self.run], net.accelerator)

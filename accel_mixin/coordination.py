@@ -50,7 +50,7 @@ __all__ = ['Coordinator', 'DistributedError', 'coordinator_for', 'failure_messag
 _POLL_FIRST, _POLL_FAST_FOR, _POLL_MAX, _LOOK_EVERY = 0.0001, 0.02, 0.002, 0.02
 # what every rank must call alike (the README lists the same)
 COLLECTIVE = ('fit, partial_fit, predict, predict_proba, forward, score, save_params, '
-              'load_params, save_state, load_state, wait_for_saves')
+              'load_params, save_state, load_state, wait_for_saves, wait_for_everyone')
 
 # how often a rank running a long function beats
 _HEARTBEAT_SECONDS = 1.0

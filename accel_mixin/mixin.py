@@ -14,44 +14,29 @@ from skorch.utils import TeeGenerator
 
 from accel_mixin.adapters import main_process_only, main_process_pickles, progress_of_this_rank
 from accel_mixin.background import BackgroundWriter
-from accel_mixin.callbacks import TrainingCheckpoint
 from accel_mixin.checkpoint import (
     apply_epoch_states, apply_prepared_states, apply_train_begin_states, collect_state,
-    net_modules, restore_training_state, restore_weights, stopped_early, train_iterator_state,
-    validate_state)
+    net_modules, stopped_early, train_iterator_state)
 from accel_mixin.coordination import DistributedError, coordinator_for
 from accel_mixin.distributed import (
     check_process_layout, check_supported, collect_garbage_at_exit, quiet_unless_main, sink_for,
     writes_files)
-from accel_mixin.files import read_state, replacing_after, write_state
+from accel_mixin.files import replacing_after, write_state
 from accel_mixin.history_sync import agree_on_row, first, merge_epoch, real_samples
 from accel_mixin.internals import check_dataloader
 from accel_mixin.native_output import native_warnings_dropped
 from accel_mixin.params import SafeParamsMixin
 from accel_mixin.portable import PortableAccelerator
+from accel_mixin.process_state import ATTRIBUTE as PROCESS_STATE, process_state
 from accel_mixin.replicas import (
     check_replicas, check_same_data, check_same_steps, named_parameters)
+from accel_mixin.resuming import resume
 from accel_mixin.stepping import Stepper, takes_closures
 from accel_mixin.training_state import snapshot
-from accel_mixin.wrapping import PreparedObjects, Slot, requires_closure
+from accel_mixin.wrapping import Slot, requires_closure
 
 __all__ = ['AccelerateMixin']
 
-# process-local state, never pickled; the names end with "_" so that
-# get_params and clone skip them
-_REGISTRY = 'accelerate_prepared_'
-_STEPPER = 'accelerate_stepper_'
-_COORDINATOR = 'accelerate_coordinator_'
-_WRITER = 'accelerate_writer_'
-_TRAIN_ITERATOR = 'accelerate_train_iterator_'
-_PENDING = 'accelerate_pending_restore_'
-_RESUMED = 'accelerate_resumed_'
-_IN_TRAIN_BEGIN = 'accelerate_in_train_begin_'
-_WAS_WRAPPED = 'accelerate_was_wrapped_'
-_SNAPSHOT = 'accelerate_snapshot_'
-_STOPPING = 'accelerate_stopping_'
-_PROCESS_LOCAL = (_REGISTRY, _STEPPER, _COORDINATOR, _WRITER, _TRAIN_ITERATOR, _PENDING,
-                  _RESUMED, _IN_TRAIN_BEGIN, _WAS_WRAPPED, _SNAPSHOT, _STOPPING)
 # skorch >= 1.4 tells partial_fit that fit called it, for metadata routing
 _FIT_ROUTING = ({'_routing_method': 'fit'}
                 if '_routing_method' in inspect.signature(NeuralNet.fit_loop).parameters else {})
@@ -155,25 +140,26 @@ class AccelerateMixin(SafeParamsMixin):
     # --- what accelerate prepares -------------------------------------------
 
     @property
+    def _process(self):
+        return process_state(self)
+
+    @property
     def _prepared(self):
-        prepared = self.__dict__.get(_REGISTRY)
-        if prepared is None:
-            prepared = self.__dict__[_REGISTRY] = PreparedObjects()
-        return prepared
+        return self._process.prepared
 
     @property
     def _coordinator(self):
-        cached = self.__dict__.get(_COORDINATOR)
-        if cached is None or cached[0] is not self.accelerator:
-            cached = self.__dict__[_COORDINATOR] = (self.accelerator, coordinator_for(self.accelerator))
-        return cached[1]
+        process = self._process
+        if process.coordinator is None or process.coordinator[0] is not self.accelerator:
+            process.coordinator = (self.accelerator, coordinator_for(self.accelerator))
+        return process.coordinator[1]
 
     @property
     def _stepper(self):
-        stepper = self.__dict__.get(_STEPPER)
-        if stepper is None or stepper.accelerator is not self.accelerator:
-            stepper = self.__dict__[_STEPPER] = Stepper(self.accelerator)
-        return stepper
+        process = self._process
+        if process.stepper is None or process.stepper.accelerator is not self.accelerator:
+            process.stepper = Stepper(self.accelerator)
+        return process.stepper
 
     def _accelerate_slots(self):
         """Every object accelerate prepares, in the order it must be prepared."""
@@ -282,26 +268,17 @@ class AccelerateMixin(SafeParamsMixin):
                 self._prepared.wrap(self.accelerator)
 
     def initialize(self):
-        """Initializes all of its components and returns self."""
-        self._forget_loaded_state()  # a fresh start
+        """Initializes all of its components as skorch does, then prepares
+        them for the accelerator; returns self."""
+        self._process.forget_loaded_state()  # a fresh start
         with quiet_unless_main(self.accelerator):
-            self._initialize_components()
-            self._initialize_accelerator()
-        self.initialized_ = True
+            super().initialize()
+            try:
+                self._initialize_accelerator()
+            except BaseException:
+                self.initialized_ = False
+                raise
         return self
-
-    def _initialize_components(self):
-        """skorch's initialization, up to preparation."""
-        self.check_training_readiness()
-
-        self._initialize_virtual_params()
-        self._initialize_callbacks()
-        self._initialize_module()
-        self._initialize_criterion()
-        self._initialize_optimizer()
-        self._initialize_history()
-
-        self._validate_params()
 
     def fit(self, X, y=None, **fit_params):
         """Initialize and fit the module, as skorch does.
@@ -313,7 +290,7 @@ class AccelerateMixin(SafeParamsMixin):
         """
         with self._coordinator.session('fit'), quiet_unless_main(self.accelerator), \
                 self._finishing_writes():
-            if not (self.initialized_ and self.__dict__.get(_RESUMED)):
+            if not (self.initialized_ and self._process.resumed):
                 return super().fit(X, y, **fit_params)
             # skorch's fit, without its initialize()
             super().partial_fit(X, y, **_FIT_ROUTING, **fit_params)
@@ -332,7 +309,7 @@ class AccelerateMixin(SafeParamsMixin):
         try:
             yield
         except BaseException:
-            writer = self.__dict__.get(_WRITER)
+            writer = self._process.writer
             if writer is not None:
                 try:
                     writer.wait()
@@ -344,7 +321,7 @@ class AccelerateMixin(SafeParamsMixin):
     def fit_loop(self, X, y=None, epochs=None, **fit_params):
         # A resumed run trains only the epochs that remain up to max_epochs,
         # none if the run it resumes was stopped early.
-        resumed = self.__dict__.pop(_RESUMED, None)
+        resumed, self._process.resumed = self._process.resumed, None
         if resumed is not None and epochs is None:
             epochs = max(self.max_epochs - len(self.history), 0)
             if resumed['stopped']:
@@ -419,11 +396,11 @@ class AccelerateMixin(SafeParamsMixin):
             # is built on the raw optimizer); what they build is prepared
             # next, after a resumed run's scheduler states are back.
             self._unwrap_accelerator()
-            self.__dict__[_IN_TRAIN_BEGIN] = True
+            self._process.in_train_begin = True
             try:
                 self._notify_callbacks(method_name, **cb_kwargs)
             finally:
-                del self.__dict__[_IN_TRAIN_BEGIN]
+                self._process.in_train_begin = False
         elif method_name == 'on_epoch_begin':
             if self._pending:
                 # a resumed run continues from the random state it saved
@@ -445,7 +422,7 @@ class AccelerateMixin(SafeParamsMixin):
                 self._unwrap_accelerator()
             # the CPU copy that asynchronous saves reuse is for one fit: a write
             # still in flight holds its own reference
-            self.__dict__.pop(_SNAPSHOT, None)
+            self._process.snapshot = None
         else:
             self._notify_callbacks(method_name, **cb_kwargs)
 
@@ -465,7 +442,7 @@ class AccelerateMixin(SafeParamsMixin):
             # some ranks only (LoadInitState ignores errors) shows here
             check_replicas(self.accelerator, list(self._named_parameters()),
                            'when training begins')
-        self.__dict__[_STEPPER] = Stepper(self.accelerator)
+        self._process.stepper = Stepper(self.accelerator)
 
     def _notify_callbacks(self, method_name, **cb_kwargs):
         """skorch's ``notify``; off the main process without the loggers
@@ -520,13 +497,14 @@ class AccelerateMixin(SafeParamsMixin):
         # after every other callback: the state of the finished epoch, and
         # whether EarlyStopping ends training there, so that a rerun does not
         # go on (a Ctrl-C or another callback's stop does not count)
-        self.__dict__[_STOPPING] = stop and stopped_early(self.callbacks_)
+        self._process.stopping = stop and stopped_early(self.callbacks_)
         try:
             for _, cb in self.callbacks_:
-                if isinstance(cb, TrainingCheckpoint):
-                    cb.save_epoch(self)
+                finished = getattr(cb, 'on_epoch_finished', None)
+                if finished is not None:
+                    finished(self)
         finally:
-            del self.__dict__[_STOPPING]
+            self._process.stopping = False
         if stop:
             raise KeyboardInterrupt
 
@@ -616,17 +594,19 @@ class AccelerateMixin(SafeParamsMixin):
         not notified: their gradients are partial sums that nothing should
         clip or inspect. Without accumulation, it is notified on every batch.
 
-        Without a gradient scaler and without accumulation, each optimizer
-        steps as in skorch: ``optimizer.step(closure)``, where the closure
-        zeroes the gradients, runs forward and backward and returns the loss,
-        so that optimizers that evaluate it themselves (LBFGS) work. With
-        either, the gradients are computed once and every optimizer steps
-        without a closure (a GradScaler cannot step with one, and a closure
-        that zeroes the gradients would discard the accumulated ones).
+        Optimizers that act on the loss their closure returns (LBFGS, or one
+        whose ``step`` is not torch's own) step as in skorch, without a
+        gradient scaler and without accumulation:
+        ``optimizer.step(closure)``, where the closure zeroes the gradients,
+        runs forward and backward and returns the loss. Otherwise the
+        gradients are computed once and every optimizer steps on them, with
+        or without a scaler alike (a GradScaler cannot step with a closure,
+        and a closure that zeroes the gradients would discard the
+        accumulated ones).
 
         """
         step_accumulator = self.get_train_step_accumulator()
-        closures = self._stepper.takes_closures
+        closures = self._stepper.closures_for(self._optimizer_objects())
 
         def step_fn():
             if closures:
@@ -646,7 +626,7 @@ class AccelerateMixin(SafeParamsMixin):
             return step['loss']
 
         with self._stepper.accumulate(self._accumulation_modules):
-            self._step_optimizer(step_fn)
+            self._step_optimizer(step_fn, closures=closures)
             if not closures:
                 # after the step rather than before the forward pass, which
                 # would discard the accumulated gradients
@@ -656,8 +636,10 @@ class AccelerateMixin(SafeParamsMixin):
     def _optimizer_objects(self):
         return [getattr(self, name + '_') for name in self._optimizers]
 
-    def _step_optimizer(self, step_fn):
-        if self._stepper.takes_closures:
+    def _step_optimizer(self, step_fn, closures=None):
+        if closures is None:
+            closures = self._stepper.closures_for(self._optimizer_objects())
+        if closures:
             for optimizer in self._optimizer_objects():
                 self._stepper.step(optimizer, step_fn)
         else:
@@ -702,16 +684,16 @@ class AccelerateMixin(SafeParamsMixin):
         if training:
             # its shuffling is part of a training state
             check_dataloader(iterator)
-            self.__dict__[_TRAIN_ITERATOR] = weakref.ref(iterator)
+            self._process.train_iterator = weakref.ref(iterator)
         return iterator
 
     def _train_iterator(self):
-        ref = self.__dict__.get(_TRAIN_ITERATOR)
+        ref = self._process.train_iterator
         return ref() if ref is not None else None
 
     @property
     def _pending(self):
-        return self.__dict__.setdefault(_PENDING, {})
+        return self._process.pending
 
     # --- saving and loading -------------------------------------------------
 
@@ -784,15 +766,33 @@ class AccelerateMixin(SafeParamsMixin):
                 self._coordinator.session('save_state'):
             self.wait_for_saves()
             state = collect_state(self, train_iterator_state(self._train_iterator()),
-                                  stopped=self.__dict__.get(_STOPPING, False))
+                                  stopped=self._process.stopping)
             if not asynchronous:
                 self._coordinator.run(lambda: write(state), what='save_state', here=writes,
                                       gate=replacing_after)
             elif writes:
                 # the previous write is done: its snapshot's memory is free
-                copy = snapshot(state, reuse=self.__dict__.get(_SNAPSHOT))
-                self.__dict__[_SNAPSHOT] = copy
+                copy = snapshot(state, reuse=self._process.snapshot)
+                self._process.snapshot = copy
                 self._writer.submit(lambda: write(copy))
+
+    def wait_for_everyone(self, what='wait_for_everyone'):
+        """Wait for every process, failing fast.
+
+        As ``accelerator.wait_for_everyone()``, except that if a process
+        failed in the call this one is part of (a callback of the same
+        ``fit``, say), every process raises a ``DistributedError`` that names
+        it instead of waiting for the timeout. For callbacks that go into
+        collectives of their own (``ResumeTraining`` compares the ranks'
+        files).
+
+        Parameters
+        ----------
+        what : str (default='wait_for_everyone')
+          What the processes wait for, as errors name it.
+
+        """
+        self._coordinator.barrier(what)
 
     def wait_for_saves(self):
         """Wait for an asynchronous ``save_state`` to finish, on every rank.
@@ -803,7 +803,10 @@ class AccelerateMixin(SafeParamsMixin):
 
     @property
     def _writer(self):
-        return self.__dict__.setdefault(_WRITER, BackgroundWriter())
+        process = self._process
+        if process.writer is None:
+            process.writer = BackgroundWriter()
+        return process.writer
 
     def load_state(self, path):
         """Restore a training state that ``save_state`` wrote.
@@ -828,58 +831,10 @@ class AccelerateMixin(SafeParamsMixin):
           every rank.
 
         """
-        # a load that fails halfway leaves no earlier load to go on from
-        self._forget_loaded_state()
         with quiet_unless_main(self.accelerator), self._coordinator.session('load_state'):
             if not self.initialized_:
-                self._initialize_components()
-                self.initialized_ = True
-            state = self._resume_start(path)
-            self._restore_weights(state, path)
-            self._prepare_restored()
-            self._restore_training_state(state, path)
-            self._resume_end()
-
-    def _forget_loaded_state(self):
-        """Drop what a ``load_state`` left for the next fit to go on from."""
-        self.__dict__.pop(_PENDING, None)
-        self.__dict__.pop(_RESUMED, None)
-
-    def _resume_start(self, path):
-        """Read the training state once, on every rank."""
-        def read():
-            # unmapped: optimizers keep the loaded tensors
-            state = read_state(path, torch_load_kwargs=self.torch_load_kwargs, mmap=False)
-            validate_state(state, path)
-            return state
-        return self._coordinator.run(read, what='load_state')
-
-    def _restore_weights(self, state, path):
-        """Load the weights into the unwrapped modules."""
-        # a net never prepared ends prepared, as initialize() leaves it
-        self.__dict__[_WAS_WRAPPED] = self._prepared.wrapped or not len(self._prepared)
-        self._unwrap_accelerator()
-        self._coordinator.run(lambda: restore_weights(self, state, path), what='load_state')
-
-    def _prepare_restored(self):
-        """Prepare (or rewrap) the restored modules; at train begin, the net
-        prepares once the callbacks have built what they build."""
-        was_wrapped = self.__dict__.pop(_WAS_WRAPPED, False)
-        if not self.__dict__.get(_IN_TRAIN_BEGIN):
-            self._initialize_accelerator()
-            if not was_wrapped:
-                self._unwrap_accelerator()
-
-    def _restore_training_state(self, state, path):
-        """Restore optimizers, scaler, history, loop and callbacks."""
-        pending = self._coordinator.run(
-            lambda: restore_training_state(self, state, path), what='load_state')
-        self.__dict__[_PENDING] = pending
-
-    def _resume_end(self):
-        """Training resumes with the remaining epochs; everyone is ready."""
-        self.__dict__[_RESUMED] = {'stopped': self._pending.pop('stopped', False)}
-        self._coordinator.barrier('load_state')
+                self.initialize()
+            resume(self, path)
 
     def _check_device(self, requested_device, map_device):
         if requested_device is None:
@@ -893,8 +848,7 @@ class AccelerateMixin(SafeParamsMixin):
     def __getstate__(self):
         with self._unwrapped():
             state = super().__getstate__()
-        for name in _PROCESS_LOCAL:
-            state.pop(name, None)
+        state.pop(PROCESS_STATE, None)
         state['accelerator'] = PortableAccelerator(self.accelerator)
         return state
 

@@ -119,6 +119,11 @@ class Stepper:
             del scaler.update  # the class's method again
         self.step(optimizers[-1])
 
+    def closures_for(self, optimizers):
+        """Whether ``optimizers`` step with skorch's closure: where one of them
+        acts on the loss it returns, and nothing forbids closures."""
+        return self.takes_closures and any(uses_closure_value(o) for o in optimizers)
+
     def step(self, optimizer, closure=None):
         """Step ``optimizer``, with ``closure`` if given.
 

@@ -349,4 +349,16 @@ def test_the_asynchronous_snapshot_is_freed_when_training_ends(data, tmp_path):
     net = AcceleratedNet(MLP, accelerator=Accelerator(cpu=True), max_epochs=2, verbose=0,
                          callbacks=[TrainingCheckpoint(tmp_path, asynchronous=True)])
     net.fit(*data)
-    assert 'accelerate_snapshot_' not in vars(net)
+    assert net._process.snapshot is None  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize('callback', ['TrainingCheckpoint', 'ResumeTraining'])
+def test_on_a_plain_skorch_net_the_callbacks_say_why_not(callback, data, tmp_path):
+    from skorch import NeuralNetClassifier
+
+    import accel_mixin.callbacks
+
+    cls = getattr(accel_mixin.callbacks, callback)
+    net = NeuralNetClassifier(MLP, max_epochs=1, verbose=0, callbacks=[cls(tmp_path)])
+    with pytest.raises(TypeError, match='AccelerateMixin in front'):
+        net.fit(*data)
