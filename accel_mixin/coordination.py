@@ -87,6 +87,7 @@ class Coordinator:
         self.timeout = timeout
         self.store = None if store is None else dist.PrefixStore('accel_mixin', store)
         self._generation = 0
+        self._alone = None  # what runs on this rank only, if anything
         self._agreed = 0  # the last generation whose call the ranks compared
         # the sections this rank is in, outermost first: [key, children so far, what]
         self._open = []
@@ -97,8 +98,32 @@ class Coordinator:
     def distributed(self):
         return self.store is not None
 
+    @property
+    def alone(self):
+        """What this rank runs without the others, or None."""
+        return self._alone
+
+    @contextlib.contextmanager
+    def running_alone(self, who):
+        """Within the block this rank runs ``who`` and the others do not (a
+        logger on the main process): a collective call there would wait for
+        ranks that never come, so it raises at once instead."""
+        previous, self._alone = self._alone, who
+        try:
+            yield
+        finally:
+            self._alone = previous
+
+    def _refuse_alone(self, what):
+        if self._alone is not None:
+            raise DistributedError(
+                f'{what} is a collective call, which every rank must make, but '
+                f'{self._alone} runs on the main process only; give it '
+                'main_process_only=False to run it on every rank')
+
     def session(self, what):
         """A top-level section; a new generation of keys unless nested."""
+        self._refuse_alone(what)
         if self._open:
             return self.section(what)
         self._generation += 1
@@ -158,6 +183,7 @@ class Coordinator:
         """
         if not self.distributed:
             return
+        self._refuse_alone(what)
         if not self._open:
             with self.session(what):
                 self.barrier(what)

@@ -40,16 +40,6 @@ _TMP = '.accel_mixin-tmp-'
 _HOST = socket.gethostname().replace('-', '_').replace('.', '_').replace(os.sep, '_') or 'host'
 
 
-def _read_umask():
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-# read once, at import: changing the umask to read it is not thread-safe
-_UMASK = _read_umask()
-
-
 def _is_path(f):
     return isinstance(f, (str, os.PathLike))
 
@@ -176,14 +166,16 @@ def atomic_write(path, write, *, by_name=False):
             f"{os.path.join(path, 'params.pt')}")
     directory = os.path.dirname(os.path.abspath(path))
     _sweep(path)
-    fd, tmp = _create_temporary(path, target)
+    fd, tmp = _create_temporary(path)
     try:
         with os.fdopen(fd, 'wb') as f:  # closes the descriptor, whatever happens next
+            mode = _Mode(fd, target)
             if by_name:
                 write(tmp)
             else:
                 write(f)
                 f.flush()
+            mode.finish()
             os.fsync(f.fileno())  # the same file, however it was written
         wait = getattr(_GATE, 'wait', None)
         if wait is not None:
@@ -210,20 +202,16 @@ def atomic_write(path, write, *, by_name=False):
 def _target_status(path):
     try:
         return os.lstat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
 
 
-def _create_temporary(path, target):
+def _create_temporary(path):
     """Create a new temporary file next to the target; return (fd, path).
 
-    The file gets the mode a plain open would give it, or that of the file
-    it replaces. Some filesystems (vfat, exFAT, some SMB and FUSE mounts)
-    refuse chmod: their files have the mode the mount gives them, which is
-    the mode a plain open would get there too.
+    It gets the mode a plain open would give it: the umask applies.
     """
     directory, name = os.path.split(os.path.abspath(path))
-    mode = 0o666 if target is None else stat.S_IMODE(target.st_mode)
     # the name has a dot after ``name``: torch.save refuses a file whose
     # name, up to its last dot, is empty
     prefix = os.path.join(directory, f'.{name}{_TMP}{_HOST}-{os.getpid()}-')
@@ -231,22 +219,43 @@ def _create_temporary(path, target):
     while True:
         tmp = prefix + secrets.token_hex(4)
         try:
-            fd = os.open(tmp, flags, mode)
-            break
+            return os.open(tmp, flags, 0o666), tmp
         except FileExistsError:
             continue
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             if not os.path.isdir(directory):
                 raise FileNotFoundError(
                     f"Cannot save to {path}: the directory {directory} does not exist; "
                     "create it first") from None
             raise
-    # the umask applies to a new file's mode: only the mode of a replaced
-    # file with bits that the umask removes needs a chmod
-    if target is not None and mode & _UMASK:
-        with contextlib.suppress(OSError):
-            os.fchmod(fd, mode)
-    return fd, tmp
+
+
+class _Mode:
+    """The temporary file's mode while it is written and once it is done.
+
+    It ends with the mode of the file it replaces, or the mode a plain open
+    gives a new one. While it is written it must be writable by its owner:
+    ``torch.save`` opens it again by name, which a read-only target's mode,
+    or a umask that removes the owner's write bit, would refuse. Some
+    filesystems (vfat, exFAT, some SMB and FUSE mounts) refuse chmod: their
+    files have the mode the mount gives them, which a plain open gets too.
+    """
+
+    def __init__(self, fd, target):
+        self.fd = fd
+        created = stat.S_IMODE(os.fstat(fd).st_mode)
+        self.final = created if target is None else stat.S_IMODE(target.st_mode)
+        self.now = created
+        self._set(created | stat.S_IWUSR)
+
+    def finish(self):
+        self._set(self.final)
+
+    def _set(self, mode):
+        if mode != self.now:
+            with contextlib.suppress(OSError):
+                os.fchmod(self.fd, mode)
+                self.now = mode
 
 
 def _write(f, write, *, by_name=False):

@@ -290,10 +290,13 @@ class AccelerateMixin(SafeParamsMixin):
         """
         with self._coordinator.session('fit'), quiet_unless_main(self.accelerator), \
                 self._finishing_writes():
+            # before initialize(), whose preparation runs DDP's collectives:
+            # a rank in another call learns it here, naming both calls
+            self._coordinator.barrier('fit')
             if not (self.initialized_ and self._process.resumed):
                 return super().fit(X, y, **fit_params)
             # skorch's fit, without its initialize()
-            super().partial_fit(X, y, **_FIT_ROUTING, **fit_params)
+            self.partial_fit(X, y, **_FIT_ROUTING, **fit_params)
             return self
 
     def partial_fit(self, X, y=None, classes=None, **fit_params):
@@ -445,16 +448,22 @@ class AccelerateMixin(SafeParamsMixin):
         self._process.stepper = Stepper(self.accelerator)
 
     def _notify_callbacks(self, method_name, **cb_kwargs):
-        """skorch's ``notify``; off the main process without the loggers
-        (``main_process_only``), which record once, from the main process."""
-        if self.accelerator.is_main_process:
+        """skorch's ``notify``; under several processes, the loggers
+        (``main_process_only``) run on the main process only, and record
+        once. A collective call that one of them makes raises at once
+        (``save_params`` excepted, which the main process alone writes)."""
+        if self.accelerator.num_processes == 1:
             super().notify(method_name, **cb_kwargs)
             return
         # skorch's loop, which has no way to leave a callback out
         getattr(self, method_name)(self, **cb_kwargs)
-        for _, cb in self.callbacks_:
+        main = self.accelerator.is_main_process
+        for name, cb in self.callbacks_:
             if not main_process_only(cb):
                 getattr(cb, method_name)(self, **cb_kwargs)
+            elif main:
+                with self._coordinator.running_alone(f'the callback {name!r}'):
+                    getattr(cb, method_name)(self, **cb_kwargs)
 
     def _end_epoch(self, **cb_kwargs):
         """Sync the epoch, run the callbacks, and agree on the row and on stopping.
@@ -558,6 +567,11 @@ class AccelerateMixin(SafeParamsMixin):
         for module in self._accumulation_modules():
             for param in module.parameters():
                 param.grad = None
+        for optimizer in map(self._raw, self._optimizers):
+            if isinstance(optimizer, torch.optim.Optimizer):  # tensors outside modules too
+                for group in optimizer.param_groups:
+                    for param in group['params']:
+                        param.grad = None
 
     def _accumulation_modules(self):
         return [
@@ -709,6 +723,11 @@ class AccelerateMixin(SafeParamsMixin):
         """
         save = super().save_params
         with self._unwrapped(), quiet_unless_main(self.accelerator):
+            if self._coordinator.alone is not None:
+                # a logger on the main process (WandbLogger's save_model,
+                # MlflowLogger's artifacts): the main process writes anyway
+                save(*args, **kwargs)
+                return
             self._coordinator.run(lambda: save(*args, **kwargs), what='save_params',
                                   here=writes_files(self.accelerator), gate=replacing_after)
 
@@ -832,6 +851,7 @@ class AccelerateMixin(SafeParamsMixin):
 
         """
         with quiet_unless_main(self.accelerator), self._coordinator.session('load_state'):
+            self._coordinator.barrier('load_state')  # before initialize(), as in fit
             if not self.initialized_:
                 self.initialize()
             resume(self, path)

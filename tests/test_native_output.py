@@ -47,6 +47,23 @@ def test_warning_lines_are_dropped_and_everything_else_kept():
     assert b'x' * 200000 in err
 
 
+@pytest.mark.parametrize('ending', ['os.abort()', 'os._exit(3)'])
+def test_the_last_words_of_a_rank_that_dies_in_the_block_arrive(ending):
+    script = textwrap.dedent(f'''
+        import os
+        from accel_mixin.native_output import native_warnings_dropped
+        with native_warnings_dropped():
+            os.write(2, b'[W1130 00:00:00.0 x.cpp:1] Warning: dropped\\n')
+            os.write(2, b'terminate called after throwing an instance of ...\\n')
+            {ending}
+    ''')
+    out = subprocess.run([sys.executable, '-c', script], capture_output=True, timeout=60,
+                         check=False)
+    assert out.returncode != 0
+    assert b'terminate called after throwing' in out.stderr
+    assert b'dropped' not in out.stderr
+
+
 def test_inactive_blocks_change_nothing():
     err = run('off')
     assert b'Warning: dropped\n' in err and b'nested, dropped' not in err

@@ -463,3 +463,55 @@ def test_a_large_replaced_file_is_freed_in_the_background(tmp_path, monkeypatch)
         time.sleep(0.01)
     assert stray_files(tmp_path) == []
     assert torch.equal(torch.load(target)['w'], torch.ones(3))
+
+
+def write_as_another_user(path, umask):
+    """write_state in a forked child that runs as nobody with ``umask``;
+    returns the child's exit status and the file's mode."""
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest from here on
+        status = 1
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            os.umask(umask)
+            from accel_mixin.files import write_state
+            write_state({'w': torch.ones(2)}, path)
+            status = 0
+        finally:
+            os._exit(status)  # pylint: disable=protected-access
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), os.stat(path).st_mode & 0o777
+
+
+@pytest.mark.skipif(not hasattr(os, 'geteuid') or os.geteuid() != 0,
+                    reason='needs root to write as another user')
+@pytest.mark.parametrize('existing, umask, expected', [
+    (0o444, 0o022, 0o444),  # a read-only target is replaced and stays read-only
+    (None, 0o277, 0o400),  # a umask that removes the owner's write bit
+    (0o644, 0o077, 0o644),  # a replaced file keeps its mode, whatever the umask
+])
+def test_modes_that_forbid_writing_by_name_still_save(existing, umask, expected):
+    # root may write anything: the writer runs as another user, as users do
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix='accel_mixin-modes-')  # a folder nobody can reach
+    try:
+        os.chmod(folder, 0o777)
+        target = os.path.join(folder, 'params.pt')
+        if existing is not None:
+            with open(target, 'wb') as f:
+                f.write(b'old')
+            os.chown(target, 65534, 65534)
+            os.chmod(target, existing)
+        assert write_as_another_user(target, umask) == (0, expected)
+        assert torch.equal(torch.load(target)['w'], torch.ones(2))
+    finally:
+        shutil.rmtree(folder)
+
+
+def test_a_file_where_a_directory_is_expected(tmp_path):
+    (tmp_path / 'afile').write_bytes(b'')
+    with pytest.raises(FileNotFoundError, match='does not exist; create it first'):
+        nets()['accelerated, wrapped'].save_params(f_params=tmp_path / 'afile' / 'params.pt')

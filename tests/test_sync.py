@@ -154,3 +154,19 @@ def test_tensorboard_records_each_value_once_from_the_main_process(ranks):
             assert values_ == pytest.approx(history[key], rel=1e-6)
             assert history[key] == other[layout]['history'][key]  # synced
         assert len(recorded['dur']) == 3  # the main process's own epoch times
+
+
+def test_a_logger_saves_alone_and_a_collective_call_from_one_fails_fast(ranks):
+    rank0, rank1 = values(ranks, 'loggers_that_save_or_predict')
+    # WandbLogger(save_model=True) and MlflowLogger save from the main process
+    for rank in (rank0, rank1):
+        assert rank['saving']['error'] is None
+        assert rank['saved'] == ['logged-1.pt', 'logged-2.pt']  # a shared folder here
+    # predict needs every rank: it raises at once instead of waiting for them
+    assert rank0['predicting']['error'].startswith(
+        "DistributedError: inference (predict, predict_proba, forward, score) is a "
+        "collective call, which every rank must make, but the callback 'PredictingLogger' "
+        "runs on the main process only")
+    assert 'PredictingLogger' in rank1['predicting']['error']
+    assert max(rank0['predicting']['seconds'], rank1['predicting']['seconds']) < 10
+

@@ -398,12 +398,16 @@ def predict_on_the_main_process_only():
         return None
     trained = make_net(max_epochs=1).fit(X, y)
 
-    def misuse():
-        if accelerator.is_main_process:
-            trained.predict(X)
-        trained.save_params(f_params='misuse.pt')
+    def then(next_call):
+        def misuse():
+            if accelerator.is_main_process:
+                trained.predict(X)
+            next_call()
+        return error_and_seconds(misuse)
 
-    return error_and_seconds(misuse)
+    # fit prepares (DDP's collectives) before anything else: it waits first
+    return {'save_params': then(lambda: trained.save_params(f_params='misuse.pt')),
+            'fit': then(lambda: make_net(max_epochs=1).fit(X, y))}
 
 
 report({'rank': rank, 'num_processes': accelerator.num_processes,

@@ -21,7 +21,8 @@ from skorch.callbacks import (
     LRScheduler, ProgressBar, TrainEndCheckpoint)
 
 from accel_mixin.callbacks import ResumeTraining
-from common import AcceleratedNet, Checks, MLP, make_accelerator, make_data, report
+from common import (
+    AcceleratedNet, Checks, MLP, error_and_seconds, make_accelerator, make_data, report)
 
 ORIGINAL_TQDM = tqdm.tqdm
 accelerator = make_accelerator()
@@ -241,6 +242,33 @@ def tensorboard_once():
                        'history': {key: net.history[:, key] for key in keys}}
     return out
 
+
+
+class SavingLogger(Callback):
+    """As WandbLogger(save_model=True) and MlflowLogger(create_artifact=True)
+    do: a logger that saves the net's parameters."""
+    main_process_only = True
+
+    def on_epoch_end(self, net, **kwargs):
+        net.save_params(f_params=f'logged-{len(net.history)}.pt')
+
+
+class PredictingLogger(Callback):
+    """A logger that would need every rank: predict is collective."""
+    main_process_only = True
+
+    def on_epoch_end(self, net, **kwargs):
+        net.predict(X[:10])
+
+
+@checks
+def loggers_that_save_or_predict():
+    saving = error_and_seconds(
+        lambda: make_net(max_epochs=2, callbacks=[SavingLogger()]).fit(X, y))
+    saved = sorted(p.name for p in Path('.').glob('logged-*.pt'))
+    predicting = error_and_seconds(
+        lambda: make_net(max_epochs=2, callbacks=[PredictingLogger()]).fit(X, y))
+    return {'saving': saving, 'saved': saved, 'predicting': predicting}
 
 
 @checks
