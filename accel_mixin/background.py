@@ -1,7 +1,9 @@
 """One write at a time, in a background thread."""
 import threading
+import warnings
+from contextlib import contextmanager
 
-__all__ = ['BackgroundWriter']
+__all__ = ['BackgroundWriter', 'finished_on_error']
 
 
 class BackgroundWriter:
@@ -37,3 +39,21 @@ class BackgroundWriter:
         error, self._error = self._error, None
         if error is not None:
             raise error
+
+
+@contextmanager
+def finished_on_error(get_writer):
+    """Where the block raises, finish the write still in flight of the
+    writer that ``get_writer()`` returns then (or None), and warn if it
+    failed too, without hiding the block's error."""
+    try:
+        yield
+    except BaseException:
+        writer = get_writer()
+        if writer is not None:
+            try:
+                writer.wait()
+            except Exception as exc:  # pylint: disable=broad-except
+                warnings.warn(f"An asynchronous save_state failed too: "
+                              f"{type(exc).__name__}: {exc}", RuntimeWarning)
+        raise

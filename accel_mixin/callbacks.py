@@ -14,11 +14,12 @@ import os
 
 from skorch.callbacks import Callback
 
-from accel_mixin.checkpoint import (
-    CHECKPOINT_NAME, agreed_checkpoint, checkpoint_epochs, checkpoint_files, stopped_early)
-from accel_mixin.distributed import writes_files
+from accel_mixin.checkpoint_files import (
+    CHECKPOINT_NAME, agreed_checkpoint, checkpoint_epochs, checkpoint_files)
+from accel_mixin.process_layout import writes_files
 from accel_mixin.runs import (
     describe_differences, read_manifest, run_folders, run_identity, write_manifest)
+from accel_mixin.skorch_callbacks import stopped_early
 from accel_mixin.state_dict import CheckpointError
 
 __all__ = ['ResumeTraining', 'TrainingCheckpoint']
@@ -77,6 +78,8 @@ class TrainingCheckpoint(Callback):
       Where its files go.
 
     """
+    in_run_identity = False  # it records the run, it does not change it (runs.py)
+
     def __init__(self, dirname, every_n_epochs=1, keep_last=2, asynchronous=False):
         self.dirname = dirname
         self.every_n_epochs = every_n_epochs
@@ -104,19 +107,21 @@ class TrainingCheckpoint(Callback):
                 f"Cannot create the run folder {self.run_folder_} ({type(exc).__name__}: {exc}); "
                 "give TrainingCheckpoint a dirname this process can write to.") from exc
 
-    def on_epoch_finished(self, net):
+    def on_epoch_finished(self, net, stopped=False, **kwargs):
         """Save the state of the epoch that just ended, if it is due.
 
         ``AccelerateMixin`` calls it once an epoch is over on every rank:
         after every callback's ``on_epoch_end``, with the epoch's row, the
         callbacks' decisions and the replica check agreed, so that the state
-        saved is that of the finished epoch.
+        saved is that of the finished epoch. ``stopped`` says whether
+        ``EarlyStopping`` ends training there.
         """
         epoch = len(net.history)
         if epoch % self.every_n_epochs:
             return
         path = os.path.join(self.run_folder_, CHECKPOINT_NAME.format(epoch=epoch))
-        net.save_state(path, asynchronous=self.asynchronous, on_written=self._written)
+        net.save_state(path, asynchronous=self.asynchronous, on_written=self._written,
+                       stopped=stopped)
 
     def _written(self):
         """On the writing process, once a file is complete."""
@@ -182,6 +187,8 @@ class ResumeTraining(Callback):
       The training state training resumed from, if any.
 
     """
+    in_run_identity = False  # it records the run, it does not change it (runs.py)
+
     def __init__(self, dirname, run=None, sink=print):
         self.dirname = dirname
         self.run = run

@@ -18,7 +18,7 @@ from accel_mixin.coordination import DistributedError, failure_message
 
 __all__ = [
     'agree_on_row',
-    'first',
+    'leading_samples',
     'interleave',
     'merge_epoch',
     'real_samples',
@@ -41,7 +41,7 @@ def real_samples(gradient_state, num_processes, process_index, batch_size):
     return min(max(remainder - process_index * batch_size, 0), batch_size)
 
 
-def first(data, n):
+def leading_samples(data, n):
     """The first ``n`` samples of a batch or a model output (nested tensors)."""
     return recursively_apply(lambda tensor: tensor[:n], data)
 

@@ -5,7 +5,7 @@ from skorch.utils import _check_f_arguments, get_map_location
 from accel_mixin.files import read_history, read_state, write_history, write_state
 from accel_mixin.state_dict import CheckpointError, clean_state_dict, load_module_state
 
-__all__ = ['SafeParamsMixin']
+__all__ = ['SafeParamsMixin', 'load_optimizer_state']
 
 _NOT_INITIALIZED = (
     "Cannot {} state of an un-initialized model. Please initialize first by calling "
@@ -119,7 +119,7 @@ class SafeParamsMixin:
             if is_module:
                 load_module_state(obj, state, source=f, name=attr)
             else:
-                _load_optimizer_state(obj, state, source=f, name=attr)
+                load_optimizer_state(obj, state, source=f, name=attr)
             del state
 
     def _checked_attribute(self, attr, action):
@@ -128,7 +128,9 @@ class SafeParamsMixin:
         return self._get_module(attr, msg=_NO_ATTRIBUTE.format(action))
 
 
-def _load_optimizer_state(optimizer, state, *, source, name):
+def load_optimizer_state(optimizer, state, *, source, name):
+    """``optimizer.load_state_dict(state)``, or a ``CheckpointError`` that
+    names the file ``source``, the attribute ``name`` and the fix."""
     try:
         optimizer.load_state_dict(state)
     except (ValueError, KeyError, TypeError) as exc:

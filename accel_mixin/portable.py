@@ -11,10 +11,14 @@ import warnings
 
 from accelerate import Accelerator
 from accelerate.utils import GradientAccumulationPlugin
+from skorch.callbacks import PrintLog
 
-from accel_mixin.distributed import check_not_a_child_of_a_rank
+from accel_mixin.net_objects import net_modules
+from accel_mixin.output import sink_for
+from accel_mixin.process_layout import check_not_a_child_of_a_rank
 
-__all__ = ['PortableAccelerator', 'accelerator_settings', 'build_accelerator']
+__all__ = ['PortableAccelerator', 'accelerator_settings', 'build_accelerator',
+           'settle_unpickled']
 
 _HANDLERS = ('ddp_handler', 'scaler_handler', 'init_handler', 'autocast_handler')
 
@@ -71,3 +75,16 @@ class PortableAccelerator:
 
     def __reduce__(self):
         return build_accelerator, (accelerator_settings(self.accelerator),)
+
+
+def settle_unpickled(net):
+    """Make an unpickled net this process's: its print sink, if 'auto' (the
+    rank that pickled resolved it for itself), and its modules on the
+    accelerator's device."""
+    if net.callbacks__print_log__sink == 'auto':
+        for _, cb in getattr(net, 'callbacks_', []):
+            if isinstance(cb, PrintLog):
+                cb.sink = sink_for(net.accelerator)
+    if net.accelerator.device_placement:
+        for _, module in net_modules(net):
+            module.to(net.accelerator.device)

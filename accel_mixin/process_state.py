@@ -11,6 +11,9 @@ give the next fit. All of it belongs to one process: pickles, copies,
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from accel_mixin.background import BackgroundWriter
+from accel_mixin.coordination import coordinator_for
+from accel_mixin.stepping import Stepper
 from accel_mixin.wrapping import PreparedObjects
 
 __all__ = ['ATTRIBUTE', 'ProcessState', 'process_state']
@@ -32,12 +35,31 @@ class ProcessState:
     pending: dict = field(default_factory=dict)
     # set by load_state: the next fit goes on from the loaded state
     resumed: Optional[dict] = None
-    in_train_begin: bool = False  # load_state called by a callback's on_train_begin
-    stopping: bool = False  # the epoch that ends now is where EarlyStopping stops
 
     def forget_loaded_state(self):
         self.pending = {}
         self.resumed = None
+
+    def coordinator_for(self, accelerator):
+        """The coordinator of ``accelerator``, made once per accelerator."""
+        if self.coordinator is None or self.coordinator[0] is not accelerator:
+            self.coordinator = (accelerator, coordinator_for(accelerator))
+        return self.coordinator[1]
+
+    def stepper_for(self, accelerator):
+        """The stepper of ``accelerator``; training makes a fresh one."""
+        if self.stepper is None or self.stepper.accelerator is not accelerator:
+            self.stepper = Stepper(accelerator)
+        return self.stepper
+
+    def running_train_iterator(self):
+        """The training dataloader of the running (or last) fit, or None."""
+        return self.train_iterator() if self.train_iterator is not None else None
+
+    def background_writer(self):
+        if self.writer is None:
+            self.writer = BackgroundWriter()
+        return self.writer
 
 
 def process_state(net):

@@ -26,9 +26,10 @@ from accelerate.utils import gather
 from skorch.dataset import get_len
 
 from accel_mixin.coordination import DistributedError
+from accel_mixin.net_objects import net_modules
 
-__all__ = ['check_replicas', 'check_same_data', 'check_same_steps', 'fingerprints',
-           'named_parameters']
+__all__ = ['check_net_replicas', 'check_replicas', 'check_same_data', 'check_same_steps',
+           'fingerprints', 'named_parameters']
 
 # integer views of the same width as each floating point type
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -106,13 +107,14 @@ def check_same_steps(accelerator, iterator):
 
 
 def named_parameters(modules):
-    """``(name, parameter)`` of every ``(prefix, module)``, each parameter once."""
+    """``(name, parameter)`` of every ``(prefix, module)``, each parameter
+    once, named ``prefix.name`` (just ``name`` where the prefix is empty)."""
     seen = set()
     for prefix, module in modules:
         for name, param in module.named_parameters():
             if param not in seen:
                 seen.add(param)
-                yield f'{prefix}.{name}', param
+                yield (f'{prefix}.{name}' if prefix else name), param
 
 
 def fingerprints(params):
@@ -194,3 +196,9 @@ def check_replicas(accelerator, named_params, when):
         "without trainable parameters initialized differently on each rank (seed it), or "
         "data that differ between ranks. Set replica_check_every=0 to train without this "
         "check.")
+
+
+def check_net_replicas(net, when):
+    """``check_replicas`` on every parameter of the net's modules and criteria."""
+    modules = ((name + '_', module) for name, module in net_modules(net))
+    check_replicas(net.accelerator, list(named_parameters(modules)), when)

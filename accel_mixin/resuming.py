@@ -12,17 +12,20 @@ collective section that fails on every rank if it fails on one:
 
 The random number generators and the shuffling of the training data wait in
 the net's process state until the next epoch begins; the next ``fit`` trains
-the epochs that remain.
+the epochs that remain (``epochs_to_train``).
 """
-from accel_mixin.checkpoint import restore_training_state, restore_weights, validate_state
-from accel_mixin.files import read_state
+import warnings
 
-__all__ = ['resume']
+from accel_mixin.files import read_state
+from accel_mixin.process_state import process_state
+from accel_mixin.training_state import restore_training_state, restore_weights, validate_state
+
+__all__ = ['epochs_to_train', 'resume']
 
 
 def resume(net, path):
     """Restore the training state at ``path`` into the initialized ``net``."""
-    process, coordinator = net._process, net._coordinator  # pylint: disable=protected-access
+    process, coordinator = process_state(net), net._coordinator  # pylint: disable=protected-access
     # a load that fails halfway leaves no earlier load to go on from
     process.forget_loaded_state()
     state = coordinator.run(lambda: _read(net, path), what='load_state')
@@ -46,7 +49,7 @@ def _read(net, path):
 def _load_weights(net, state, path):
     """Load the weights into the unwrapped modules; return whether the net
     is to be wrapped afterwards."""
-    prepared = net._prepared  # pylint: disable=protected-access
+    prepared = process_state(net).prepared
     # a net never prepared ends prepared, as initialize() leaves it
     was_wrapped = prepared.wrapped or not len(prepared)
     net._unwrap_accelerator()  # pylint: disable=protected-access
@@ -56,10 +59,25 @@ def _load_weights(net, state, path):
 
 
 def _prepare(net, was_wrapped):
-    """Prepare what is new and rewrap; at train begin (``ResumeTraining``),
-    the net prepares itself once the callbacks have built what they build."""
-    if net._process.in_train_begin:  # pylint: disable=protected-access
-        return
+    """Prepare what is new and rewrap, or leave the net unwrapped as it was
+    (at train begin, where ``ResumeTraining`` loads, the callbacks set up on
+    the unwrapped objects; the net prepares what they build afterwards)."""
     net._initialize_accelerator()  # pylint: disable=protected-access
     if not was_wrapped:
         net._unwrap_accelerator()  # pylint: disable=protected-access
+
+
+def epochs_to_train(net, resumed, epochs):
+    """The epochs a ``fit_loop`` trains: after a resume (``resumed`` holds
+    what it said), those that remain up to ``max_epochs``, none if the run it
+    resumes was stopped early; otherwise ``epochs`` as given."""
+    if resumed is None or epochs is not None:
+        return epochs
+    if resumed['stopped']:
+        warnings.warn(
+            f"The training state resumed from ends where EarlyStopping stopped "
+            f"training, after epoch {len(net.history)}: no epochs are trained. "
+            "To train on regardless, call partial_fit(X, y, epochs=n).",
+            RuntimeWarning)
+        return 0
+    return max(net.max_epochs - len(net.history), 0)

@@ -76,13 +76,9 @@ _CONTINUING = frozenset([
 
 
 def _is_bookkeeping(callback):
-    """Callbacks that log or checkpoint but do not change what is trained."""
-    # callbacks.py imports this module
-    from accel_mixin.callbacks import (  # pylint: disable=import-outside-toplevel,cyclic-import
-        ResumeTraining, TrainingCheckpoint)
-
-    return (isinstance(callback, (ResumeTraining, TrainingCheckpoint))
-            or type(callback).__module__ == skorch_logging.__name__
+    """Callbacks that log or checkpoint but do not change what is trained
+    (``TrainingCheckpoint`` and ``ResumeTraining`` say so themselves)."""
+    return (type(callback).__module__ == skorch_logging.__name__
             or getattr(callback, 'in_run_identity', True) is False)
 
 

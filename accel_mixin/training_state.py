@@ -1,131 +1,243 @@
-"""The pieces of a training state that are not weights: random number
-generators, callbacks, the training dataloader's shuffling. Everything is
-turned into tensors and plain Python values, so that a training state loads
-with ``weights_only=True``.
-"""
-import json
-import random
+"""Training-state checkpoints: everything a run needs to go on as if it had
+never stopped.
 
-import numpy as np
-import torch
+A training state is one torch file: the weights of every module and
+criterion, every optimizer, the LR schedulers of ``LRScheduler`` callbacks,
+the gradient scaler, the random number generators of every rank, the
+history, the position of training (epochs done, gradient accumulation, the
+training dataloader's shuffling) and the fitted state of the callbacks. It
+holds only tensors and plain Python values, so it loads with
+``weights_only=True``.
+
+Restoring follows Lightning's order, as steps the mixin calls by name: read
+the file once; load the weights into the unwrapped modules; prepare; restore
+optimizers, schedulers, scaler, history, loop and callbacks; free the file's
+state and wait for everyone. Random number generators and the dataloader's
+shuffling are restored at the start of the next epoch, after ``fit`` has set
+up its data, as the uninterrupted run had them there.
+"""
+import copy
+import warnings
+from collections import OrderedDict
+
+from accelerate.utils import gather_object
+from skorch.callbacks import EarlyStopping, LRScheduler
+from skorch.history import History
+
+from accel_mixin.net_objects import net_modules, raw, raw_scheduler
+from accel_mixin.params import load_optimizer_state
+from accel_mixin.state_dict import (
+    CheckpointError, clean_state_dict, load_module_state, strip_wrapper_prefixes)
+from accel_mixin.state_values import (
+    as_plain, callback_state, history_state, restore_callback_state, restore_rng, rng_state)
 
 __all__ = [
-    'callback_state',
-    'plain',
-    'restore_callback_state',
-    'restore_rng',
-    'rng_state',
-    'snapshot',
+    'FORMAT',
+    'collect_state',
+    'restore_training_state',
+    'restore_weights',
+    'validate_state',
 ]
 
-# Per-epoch caches, objects rebuilt at every fit, and what ResumeTraining and
-# TrainingCheckpoint know of the run being trained: not state to resume.
-_TRANSIENT = {'y_preds_', 'y_trues_', 'lr_scheduler_', 'policy_', 'pbar_', 'checkpoint_',
-              'resumed_from_', 'run_', 'run_folder_'}
-_PLAIN_SCALARS = (bool, int, float, str, type(None))
+FORMAT = 'accel_mixin.training_state'
+VERSION = 1
 
 
-class _NotPlain(Exception):
-    pass
+def _schedulers(net):
+    for name, cb in net.callbacks_:
+        if isinstance(cb, LRScheduler):
+            yield name, cb
 
 
-def plain(value):
-    """``value`` as tensors and plain Python values (NumPy values converted),
-    or raise _NotPlain."""
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, np.generic):  # before the scalars: np.float64 is a float
-        return value.item()
-    if isinstance(value, _PLAIN_SCALARS):
-        return value
-    if isinstance(value, np.ndarray):
-        return torch.from_numpy(np.ascontiguousarray(value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(plain(item) for item in value)
-    if isinstance(value, dict):
-        return {plain(key): plain(item) for key, item in value.items()}
-    raise _NotPlain(type(value).__name__)
+def collect_state(net, train_iterator_state, stopped=False):
+    """The training state of ``net``; every rank calls it (for the RNGs).
 
+    Parameters
+    ----------
+    net : AccelerateMixin net
+      Initialized.
 
-def callback_state(callback):
-    """The fitted attributes (ending with ``_``) of a callback that are plain
-    data: EarlyStopping's counters, a scoring callback's best score, ..."""
-    state = {}
-    for key, value in vars(callback).items():
-        if not key.endswith('_') or key in _TRANSIENT:
-            continue
-        try:
-            state[key] = plain(value)
-        except _NotPlain:
-            continue
-    return state
+    train_iterator_state : dict
+      What decides the shuffling of the next epoch.
 
+    stopped : bool (default=False)
+      Whether training stops after this epoch (``EarlyStopping``), so that
+      a resumed run trains no further.
 
-def restore_callback_state(callback, state):
-    for key, value in state.items():
-        setattr(callback, key, value)
-
-
-def rng_state():
-    """This process's random number generators: Python, NumPy, torch, CUDA."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    version, internal, gauss = random.getstate()
-    state = {
-        'python': {'version': version, 'internal': list(internal), 'gauss': gauss},
-        'numpy': {'kind': kind, 'keys': torch.from_numpy(keys.astype(np.int64)),
-                  'pos': int(pos), 'has_gauss': int(has_gauss), 'cached_gaussian': float(cached)},
-        'torch': torch.get_rng_state(),
-    }
-    # only where this process started CUDA: a CPU run on a GPU machine must
-    # not start it, and an unused generator has nothing to resume
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state['cuda'] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng(state):
-    python = state['python']
-    random.setstate((python['version'], tuple(python['internal']), python['gauss']))
-    numpy = state['numpy']
-    np.random.set_state((numpy['kind'], numpy['keys'].numpy().astype(np.uint32), numpy['pos'],
-                         numpy['has_gauss'], numpy['cached_gaussian']))
-    torch.set_rng_state(state['torch'])
-    if 'cuda' in state and torch.cuda.is_available():
-        # a machine with fewer GPUs than the one that saved restores those it has
-        for device, cuda_state in enumerate(state['cuda'][:torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(cuda_state, device)
-
-
-def history_state(history):
-    """The history as plain data (a JSON round trip drops NumPy types)."""
-    return json.loads(json.dumps(history.to_list(), default=_json_default))
-
-
-def _json_default(value):
-    if isinstance(value, np.generic):
-        return value.item()
-    raise TypeError(f'history holds a {type(value).__name__}, which a training state cannot keep')
-
-
-def snapshot(state, reuse=None):
-    """A copy of ``state`` whose tensors live on the CPU and share nothing
-    with training, for writing while training goes on.
-
-    Tensors are copied into those of ``reuse``, an earlier snapshot of the
-    same layout, where shapes and dtypes match: filling memory that exists
-    is four times faster than allocating it anew.
     """
-    if isinstance(state, torch.Tensor):
-        tensor = state.detach()
-        if (isinstance(reuse, torch.Tensor) and reuse.shape == tensor.shape
-                and reuse.dtype == tensor.dtype and reuse.device.type == 'cpu'):
-            return reuse.copy_(tensor)
-        return tensor.to('cpu', copy=True)
-    if isinstance(state, dict):
-        reuse = reuse if isinstance(reuse, dict) else {}
-        return {key: snapshot(value, reuse.get(key)) for key, value in state.items()}
-    if isinstance(state, (list, tuple)):
-        if not (isinstance(reuse, (list, tuple)) and len(reuse) == len(state)):
-            reuse = [None] * len(state)
-        return type(state)(snapshot(item, old) for item, old in zip(state, reuse))
+    accelerator = net.accelerator
+    rngs = [rng_state()]
+    if accelerator.num_processes > 1:
+        rngs = gather_object(rngs)
+    schedulers = {}
+    for name, cb in _schedulers(net):
+        scheduler = raw_scheduler(name, cb, net)
+        if scheduler is not None:
+            # a plateau scheduler keeps the best score as skorch recorded it,
+            # a NumPy float, which weights_only loading refuses
+            schedulers[name] = as_plain(scheduler.state_dict())
+    return {
+        'format': FORMAT,
+        'version': VERSION,
+        'num_processes': accelerator.num_processes,
+        'epoch': len(net.history),
+        'modules': {name: clean_state_dict(module) for name, module in net_modules(net)},
+        'optimizers': {name: raw(net, name).state_dict()
+                       for name in net._optimizers},  # pylint: disable=protected-access
+        'schedulers': schedulers,
+        'scaler': accelerator.scaler.state_dict() if accelerator.scaler is not None else None,
+        'rng': rngs,
+        'history': history_state(net.history),
+        'callbacks': {name: _callback_state(net, cb) for name, cb in net.callbacks_},
+        'loop': {
+            'accumulation_step': int(accelerator.step),
+            'train_iterator': train_iterator_state,
+            'stopped': bool(stopped),
+        },
+    }
+
+
+# EarlyStopping(load_best=True) keeps a copy of the best weights; a state
+# holds it only where it differs from the weights saved anyway
+_BEST_WEIGHTS = 'best_model_weights_'
+_BEST_IS_CURRENT = 'accel_mixin:best_model_weights_are_the_current_ones'
+
+
+def _callback_state(net, cb):
+    state = callback_state(cb)
+    if isinstance(cb, EarlyStopping) and state.get(_BEST_WEIGHTS) is not None:
+        current = cb.best_epoch_ == net.history[-1, 'epoch']
+        state[_BEST_IS_CURRENT] = current
+        # under the keys of the bare module, which fit any process layout
+        state[_BEST_WEIGHTS] = None if current else strip_wrapper_prefixes(state[_BEST_WEIGHTS])
     return state
+
+
+def validate_state(state, source):
+    """Refuse anything but a training state of a version we read."""
+    if not isinstance(state, dict) or state.get('format') != FORMAT:
+        raise CheckpointError(
+            f"{source} is not a training state written by save_state; files of "
+            "save_params load with load_params.")
+    if state.get('version') != VERSION:
+        raise CheckpointError(
+            f"{source} is a training state of version {state.get('version')}; this "
+            f"accel_mixin reads version {VERSION}.")
+
+
+def restore_weights(net, state, source):
+    """Load every module and criterion; the net must be unwrapped."""
+    saved = state['modules']
+    for name, module in net_modules(net):
+        if name not in saved:
+            raise CheckpointError(
+                f"{source} holds no state for {name}_ (it holds {sorted(saved)}): it was "
+                "saved from a net with other modules.")
+        load_module_state(module, saved[name], source=source, name=name + '_')
+
+
+def restore_training_state(net, state, source):
+    """Restore optimizers, scaler, history, loop and callbacks.
+
+    Returns what can only be restored later: the LR schedulers, which
+    ``LRScheduler`` builds when training begins, and the callbacks' state,
+    which callbacks such as EarlyStopping reset when training begins, both
+    restored after the callbacks' ``on_train_begin``; and the random number
+    generators and dataloader shuffling, restored when the next epoch begins.
+
+    """
+    accelerator = net.accelerator
+    for name in net._optimizers:  # pylint: disable=protected-access
+        if name not in state['optimizers']:
+            raise CheckpointError(f"{source} holds no state for {name}_.")
+        load_optimizer_state(raw(net, name), state['optimizers'][name],
+                              source=source, name=name + '_')
+    if state['scaler'] is not None and accelerator.scaler is not None:
+        accelerator.scaler.load_state_dict(state['scaler'])
+    net.history = History(state['history'])
+    accelerator.step = state['loop']['accumulation_step']
+
+    rngs = state['rng']
+    rank = accelerator.process_index
+    if len(rngs) != accelerator.num_processes and accelerator.is_main_process:
+        warnings.warn(
+            f"{source} was saved by {len(rngs)} process(es) and resumes on "
+            f"{accelerator.num_processes}: weights, optimizers and history continue, but "
+            "the random number streams differ from the run that saved it, so the "
+            "resumed run will not repeat it exactly.", RuntimeWarning)
+    return {
+        'schedulers': state['schedulers'],
+        'optimizer_groups': {name: optimizer['param_groups']
+                             for name, optimizer in state['optimizers'].items()},
+        'callbacks': state['callbacks'],
+        'rng': rngs[rank] if rank < len(rngs) else None,
+        'train_iterator': state['loop']['train_iterator'],
+        'stopped': state['loop'].get('stopped', False),
+    }
+
+
+def apply_train_begin_states(net, pending):
+    """After the callbacks' on_train_begin: their state, and the state of the
+    schedulers they built."""
+    callbacks = dict(net.callbacks_)
+    best_weights = {}
+    for name, cb_state in pending.pop('callbacks', {}).items():
+        if name in callbacks:
+            if _BEST_IS_CURRENT in cb_state:
+                cb_state = dict(cb_state)
+                best_weights[name] = (cb_state.pop(_BEST_IS_CURRENT), cb_state.pop(_BEST_WEIGHTS))
+            restore_callback_state(callbacks[name], cb_state)
+    pending['best_weights'] = best_weights
+    schedulers = pending.pop('schedulers', {})
+    for name, cb in _schedulers(net):
+        if name in schedulers and getattr(cb, 'lr_scheduler_', None) is not None:
+            cb.lr_scheduler_.load_state_dict(schedulers[name])
+    # A scheduler built after the restore (a callback after ResumeTraining,
+    # or a load_state before fit) was built with last_epoch from the restored
+    # history, and its constructor set the learning rate (and momentum) of
+    # the optimizer anew; the saved hyperparameters are the ones to go on with.
+    for name, groups in pending.pop('optimizer_groups', {}).items():
+        optimizer = raw(net, name)
+        for group, saved in zip(optimizer.param_groups, groups):
+            group.update({key: value for key, value in saved.items() if key != 'params'})
+
+
+def apply_prepared_states(net, pending):
+    """Once the modules are prepared: EarlyStopping's best weights, under
+    the keys of ``module_`` as it is now wrapped, which is what it loads them
+    into when training ends."""
+    callbacks = dict(net.callbacks_)
+    for name, (current, weights) in pending.pop('best_weights', {}).items():
+        module_state = net.module_.state_dict()
+        if current:
+            callbacks[name].best_model_weights_ = copy.deepcopy(module_state)
+            continue
+        # wrapped keys by the bare keys they end in
+        keys = strip_wrapper_prefixes(OrderedDict((key, key) for key in module_state))
+        callbacks[name].best_model_weights_ = OrderedDict(
+            (keys.get(key, key), value) for key, value in weights.items())
+
+
+def apply_epoch_states(pending, train_iterator):
+    """Restore RNGs and shuffling at the start of the first resumed epoch."""
+    if pending.get('rng') is not None:
+        restore_rng(pending['rng'])
+    saved = pending.get('train_iterator') or {}
+    if train_iterator is None:
+        return
+    generator = getattr(train_iterator, 'synchronized_generator', None)
+    if generator is not None and saved.get('generator') is not None:
+        generator.set_state(saved['generator'])
+    if saved.get('iteration') is not None and hasattr(train_iterator, 'iteration'):
+        train_iterator.iteration = saved['iteration']
+
+
+def train_iterator_state(train_iterator):
+    """What decides the shuffling of the next epoch of ``train_iterator``."""
+    if train_iterator is None:
+        return {'generator': None, 'iteration': None}
+    generator = getattr(train_iterator, 'synchronized_generator', None)
+    return {
+        'generator': generator.get_state() if generator is not None else None,
+        'iteration': getattr(train_iterator, 'iteration', None),
+    }

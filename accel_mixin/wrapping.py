@@ -20,9 +20,9 @@ from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import DistributedType
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
-from accel_mixin.internals import check_accelerator, check_prepared_module
+from accel_mixin.internals import check_accelerator, check_dataloader, check_prepared_module
 
-__all__ = ['Slot', 'PreparedObjects', 'requires_closure']
+__all__ = ['PreparedObjects', 'Slot', 'prepare_dataloader', 'requires_closure']
 
 Slot = namedtuple('Slot', ['key', 'owner', 'attr', 'kind', 'step_once'], defaults=[False])
 Slot.__doc__ = """Where a preparable object lives.
@@ -69,6 +69,19 @@ def requires_closure(optimizer):
     except (TypeError, ValueError):
         return False
     return param is not None and param.default is inspect.Parameter.empty
+
+
+def prepare_dataloader(accelerator, dataloader, training):
+    """``accelerator.prepare_data_loader(dataloader)``, left off the
+    accelerator's list: skorch builds dataloaders anew for every fit and
+    predict, which would pile up in the accelerator and in every pickle of
+    it. A training dataloader's shuffling is part of a training state."""
+    prepared = accelerator.prepare_data_loader(dataloader)
+    dataloaders = accelerator._dataloaders  # pylint: disable=protected-access
+    dataloaders[:] = [dl for dl in dataloaders if dl is not prepared]
+    if training:
+        check_dataloader(prepared)
+    return prepared
 
 
 def _pop_marks(obj):

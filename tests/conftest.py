@@ -6,6 +6,8 @@ import pytest
 from accelerate.state import AcceleratorState, GradientState
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / 'launched'))
+# scripts/jobs.py: the repository's tool that stops a launched job for good
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / 'scripts'))
 
 # pylint: disable=wrong-import-position
 from common import LogitMLP, MLP, make_data  # noqa: E402

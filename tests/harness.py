@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from accel_mixin.launching import kill_job
+from jobs import kill_job  # scripts/jobs.py
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCHED = Path(__file__).resolve().parent / 'launched'

@@ -21,7 +21,7 @@ from accelerate.utils import GradScalerKwargs
 from skorch import NeuralNetClassifier
 from skorch.callbacks import Callback, GradientNormClipping
 
-from accel_mixin.training_state import restore_rng, rng_state
+from accel_mixin.state_values import restore_rng, rng_state
 from common import AcceleratedNet, MLP
 from conftest import reset_accelerate
 

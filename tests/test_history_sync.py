@@ -8,7 +8,7 @@ from accelerate import Accelerator
 from skorch import NeuralNetClassifier
 from skorch.callbacks import BatchScoring, EpochScoring
 
-from accel_mixin.history_sync import first, interleave, real_samples
+from accel_mixin.history_sync import interleave, leading_samples, real_samples
 from common import AcceleratedNet
 
 
@@ -38,7 +38,7 @@ def test_one_process_has_no_padding():
 
 def test_first_cuts_nested_outputs():
     data = {'x': torch.arange(5), 'pair': (torch.ones(5, 2), torch.zeros(5))}
-    cut = first(data, 3)
+    cut = leading_samples(data, 3)
     assert cut['x'].tolist() == [0, 1, 2]
     assert cut['pair'][0].shape == (3, 2) and cut['pair'][1].shape == (3,)
 

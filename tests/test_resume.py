@@ -11,7 +11,8 @@ import torch
 from accelerate import Accelerator
 
 from accel_mixin import CheckpointError
-from accel_mixin.checkpoint import agreed_checkpoint
+from accel_mixin.checkpoint_files import agreed_checkpoint
+from accel_mixin.process_state import process_state
 from common import AcceleratedNet, MLP
 from harness import check_values as values, run_plain, run_processes
 
@@ -166,7 +167,7 @@ def test_load_state_into_an_uninitialized_net_then_partial_fit_continues(data, t
     net.save_state(tmp_path / 'state.pt')
     fresh = AcceleratedNet(MLP, accelerator=net.accelerator, max_epochs=4, verbose=0)
     fresh.load_state(tmp_path / 'state.pt')
-    assert fresh._prepared.wrapped  # prepared after the weights were loaded
+    assert process_state(fresh).prepared.wrapped  # prepared after the weights were loaded
     fresh.partial_fit(*data)
     assert len(fresh.history) == 4  # only the remaining epochs
 
@@ -316,15 +317,15 @@ sys.path.insert(0, {str(Path(__file__).parent / 'launched')!r})
 import torch
 from accelerate import Accelerator
 from skorch.callbacks import Callback
-import accel_mixin.mixin
+import accel_mixin.checkpointing
 from accel_mixin.callbacks import TrainingCheckpoint
 from common import AcceleratedNet, MLP, make_data
 
-write_state = accel_mixin.mixin.write_state
+write_state = accel_mixin.checkpointing.write_state
 def slow_write(state, path):
     time.sleep(1.5)
     write_state(state, path)
-accel_mixin.mixin.write_state = slow_write
+accel_mixin.checkpointing.write_state = slow_write
 
 class Boom(Callback):
     def on_epoch_begin(self, net, **kwargs):

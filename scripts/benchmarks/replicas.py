@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
-from accel_mixin.replicas import check_replicas
+from accel_mixin.net_objects import net_modules
+from accel_mixin.replicas import check_replicas, named_parameters
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # pylint: disable=wrong-import-position
@@ -41,7 +42,7 @@ def main():
     net = training_net(accelerator, args.width, args.depth)
     X = torch.randn(args.batch_size, 100)
     y = torch.randint(0, 2, (args.batch_size,))
-    params = list(net._named_parameters())  # pylint: disable=protected-access
+    params = list(named_parameters((name + '_', m) for name, m in net_modules(net)))
 
     def measure(name):
         barrier()

@@ -9,9 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from accel_mixin.launching import kill_job
-
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from jobs import kill_job  # noqa: E402  pylint: disable=wrong-import-position
+
 QUICK = {
     'fit': ['--samples', '600', '--epochs', '1', '--repeats', '2'],
     'checkpoint': ['--width', '256', '--depth', '2', '--repeats', '2'],

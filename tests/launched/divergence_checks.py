@@ -8,6 +8,8 @@ import hashlib
 import torch
 from skorch.callbacks import Callback, Checkpoint, Freezer, LoadInitState, Unfreezer
 
+from accel_mixin.net_objects import raw
+
 from common import (
     AcceleratedNet, Checks, MLP, TwoStageNet, error_and_seconds, make_accelerator, make_data,
     report)
@@ -30,7 +32,7 @@ def digest(net):
     """Every parameter of every module, as this rank holds it."""
     out = {}
     for name in net._modules:  # pylint: disable=protected-access
-        for key, param in net._raw(name).named_parameters():  # pylint: disable=protected-access
+        for key, param in raw(net, name).named_parameters():
             out[f'{name}.{key}'] = hashlib.sha256(
                 param.detach().cpu().numpy().tobytes()).hexdigest()[:16]
     return out
@@ -49,7 +51,7 @@ def freezer_after_prepare():
     # Freezer acts when epoch 1 begins, after DDP was built for every parameter
     net = make_net(callbacks=[Freezer('hidden.*')])
     net.initialize()
-    before = copy_of(net._raw('module'))  # pylint: disable=protected-access
+    before = copy_of(raw(net, 'module'))
     net.partial_fit(X, y)
     return {'digest': digest(net), 'changed': changed(before, net.module_)}
 

@@ -61,8 +61,8 @@ def mismatch_raises_on_every_rank():
 class RemoveDirAfterFirstSave(TrainingCheckpoint):
     """The folder vanishes after the first save, so the next write fails."""
 
-    def on_epoch_finished(self, net):
-        super().on_epoch_finished(net)
+    def on_epoch_finished(self, net, **kwargs):
+        super().on_epoch_finished(net, **kwargs)
         net.wait_for_saves()
         accelerator.wait_for_everyone()
         if rank == 0 and Path(self.dirname).exists():

@@ -1,11 +1,11 @@
 """What skorch's own callbacks need to run on several processes."""
 from contextlib import contextmanager
 
-from skorch.callbacks import EpochTimer, PrintLog, ProgressBar
+from skorch.callbacks import EarlyStopping, EpochTimer, PrintLog, ProgressBar
 
 from accel_mixin.internals import check_progress_bar
 
-__all__ = ['main_process_only', 'main_process_pickles', 'progress_of_this_rank']
+__all__ = ['main_process_only', 'main_process_pickles', 'progress_of_this_rank', 'stopped_early']
 
 
 _LOGGERS = 'skorch.callbacks.logging'
@@ -97,3 +97,10 @@ def progress_of_this_rank(net, dataset_train=None, dataset_valid=None):
             continue
         cb.pbar_.total = total
         cb.pbar_.refresh()
+
+
+def stopped_early(callbacks):
+    """Whether an ``EarlyStopping`` among ``callbacks`` (skorch's
+    ``callbacks_``) has just decided to stop training."""
+    return any(isinstance(cb, EarlyStopping) and getattr(cb, 'misses_', None) == cb.patience
+               for _, cb in callbacks)

@@ -1,12 +1,11 @@
-"""Rank helpers in one process; their multi-process side runs in
+"""The launch-layout checks in one process; their multi-process side runs in
 test_multiprocess.py."""
 from types import SimpleNamespace
 
 import pytest
 from accelerate import Accelerator
 
-from accel_mixin.distributed import (
-    check_process_layout, quiet_unless_main, silent, sink_for)
+from accel_mixin.process_layout import check_process_layout
 
 
 def fake_accelerator(main=True, processes=1):
@@ -38,24 +37,6 @@ def test_layout_accepts_a_single_process(monkeypatch, world_size):
 def test_layout_accepts_a_group_the_accelerator_sees(monkeypatch):
     monkeypatch.setenv('WORLD_SIZE', '2')
     check_process_layout(fake_accelerator(processes=2))
-
-
-def test_sink_is_print_on_the_main_process_only(capsys):
-    assert sink_for(fake_accelerator(main=True)) is print
-    assert sink_for(fake_accelerator(main=False)) is silent
-    silent('nothing')
-    assert capsys.readouterr().out == ''
-
-
-def test_quiet_unless_main(capsys):
-    import warnings
-
-    with quiet_unless_main(fake_accelerator(main=False)):
-        print('rank 1 says')
-        warnings.warn('rank 1 warns')
-    with quiet_unless_main(fake_accelerator(main=True)):
-        print('rank 0 says')
-    assert capsys.readouterr().out == 'rank 0 says\n'
 
 
 @pytest.mark.multiprocess

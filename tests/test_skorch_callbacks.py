@@ -5,7 +5,7 @@ from skorch.callbacks import (
     PrintLog, ProgressBar, TensorBoard, WandbLogger)
 from skorch.callbacks.logging import MlflowLogger, NeptuneLogger, SacredLogger
 
-from accel_mixin.adapters import main_process_only
+from accel_mixin.skorch_callbacks import main_process_only
 
 
 class HistogramBoard(TensorBoard):

@@ -1,9 +1,8 @@
-"""Rank helpers: the process layout, and one voice."""
+"""The layout of the processes: refuse the launches and backends that would
+train wrong models or hang, and say which processes write files."""
 import atexit
-import contextlib
 import gc
 import os
-import warnings
 
 from accelerate.utils import DistributedType
 
@@ -12,9 +11,6 @@ __all__ = [
     'collect_garbage_at_exit',
     'check_process_layout',
     'check_supported',
-    'quiet_unless_main',
-    'silent',
-    'sink_for',
     'writes_files',
 ]
 
@@ -133,47 +129,6 @@ def collect_garbage_at_exit():
     """
     if not _EXIT_HOOK:
         _EXIT_HOOK.append(atexit.register(gc.collect))
-
-
-def silent(*args, **kwargs):  # pylint: disable=unused-argument
-    """A sink that prints nothing: the sink of processes other than the main."""
-
-
-def sink_for(accelerator):
-    """The print function for this process: ``print`` on the main process only.
-
-    Returning the builtin itself keeps skorch's rule that ``verbose=0``
-    silences a ``print`` sink.
-
-    """
-    return print if accelerator.is_main_process else silent
-
-
-@contextlib.contextmanager
-def quiet_unless_main(accelerator):
-    """On processes other than the main one, silence stdout, stderr and warnings.
-
-    Callbacks print epoch tables, progress bars and warnings on every
-    process; the main process speaks for all.
-
-    """
-    if accelerator.is_main_process:
-        yield
-        return
-    with contextlib.redirect_stdout(_devnull()), contextlib.redirect_stderr(_devnull()), \
-            warnings.catch_warnings():
-        warnings.simplefilter('ignore')
-        yield
-
-
-_DEVNULL = []
-
-
-def _devnull():
-    # One file, never closed: a progress bar made while quiet keeps it.
-    if not _DEVNULL:
-        _DEVNULL.append(open(os.devnull, 'w', encoding='utf-8'))  # noqa: SIM115
-    return _DEVNULL[0]
 
 
 def writes_files(accelerator):

@@ -1,4 +1,4 @@
-"""Stopping a launched job for good.
+"""Stopping a launched job for good (repository tooling, not part of the package).
 
 torchrun starts its workers in sessions of their own, so killing torchrun's
 process group leaves them running. Tests, benchmarks and the preemption
@@ -6,6 +6,8 @@ example stop jobs with ``kill_job``.
 """
 import os
 import signal
+
+import psutil  # pip install 'accel_mixin[test]'
 
 __all__ = ['kill_job']
 
@@ -22,13 +24,6 @@ def kill_job(proc, timeout=10):
       Seconds to wait for the killed workers to be gone.
 
     """
-    try:
-        import psutil
-    except ImportError as exc:
-        raise ImportError(
-            "kill_job needs psutil to find a launcher's workers: pip install psutil "
-            "(or pip install 'accel_mixin[test]')") from exc
-
     try:
         workers = psutil.Process(proc.pid).children(recursive=True)
     except psutil.NoSuchProcess:

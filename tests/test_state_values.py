@@ -6,17 +6,18 @@ import pytest
 import torch
 from skorch.callbacks import EarlyStopping
 
-from accel_mixin.training_state import (
-    _NotPlain, callback_state, plain, restore_callback_state, restore_rng, rng_state, snapshot)
+from accel_mixin.state_values import (
+    _NotPlain, as_plain, callback_state, cpu_snapshot, restore_callback_state, restore_rng,
+    rng_state)
 
 
 def test_plain_converts_numpy_and_keeps_tensors():
     value = {'a': np.float64(1.5), 'b': [np.int64(2), torch.ones(2)], 'c': np.arange(3)}
-    out = plain(value)
+    out = as_plain(value)
     assert type(out['a']) is float and type(out['b'][0]) is int
     assert torch.equal(out['c'], torch.arange(3))
     with pytest.raises(_NotPlain):
-        plain(object())
+        as_plain(object())
 
 
 def test_rng_state_round_trip():
@@ -40,10 +41,10 @@ def test_callback_state_keeps_plain_fitted_attributes():
 
 def test_snapshot_copies_and_reuses_memory():
     live = {'w': torch.ones(3), 'opt': [torch.zeros(2)], 'step': 4}
-    first = snapshot(live)
+    first = cpu_snapshot(live)
     live['w'].add_(1)
     assert first['w'].tolist() == [1.0, 1.0, 1.0]  # shares nothing with training
-    second = snapshot(live, reuse=first)
+    second = cpu_snapshot(live, reuse=first)
     assert second['w'] is first['w'] and second['w'].tolist() == [2.0, 2.0, 2.0]
     live['w'] = torch.ones(5)  # another shape: a new tensor
-    assert snapshot(live, reuse=second)['w'].shape == (5,)
+    assert cpu_snapshot(live, reuse=second)['w'].shape == (5,)

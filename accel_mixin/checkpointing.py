@@ -1,0 +1,181 @@
+"""Checkpoint files on every process: ``save_params``, ``load_params``,
+``save_state`` and ``load_state`` for a net whose objects accelerate wraps.
+
+Every process calls them. They unwrap the net, so that files hold the keys of
+the bare modules; the main process writes (with ``save_on_each_node``, the
+main process of every machine), atomically; every process returns once the
+files are complete and raises if any process failed. The training state's
+format is ``training_state``'s, its restore ``resuming``'s.
+"""
+from accel_mixin.files import replacing_after, write_state
+from accel_mixin.output import quiet_unless_main
+from accel_mixin.params import SafeParamsMixin
+from accel_mixin.process_layout import writes_files
+from accel_mixin.process_state import process_state
+from accel_mixin.resuming import resume
+from accel_mixin.state_values import cpu_snapshot
+from accel_mixin.training_state import collect_state, train_iterator_state
+
+__all__ = ['CheckpointingMixin']
+
+
+class CheckpointingMixin(SafeParamsMixin):
+    """Saving and loading on every process, for ``AccelerateMixin``.
+
+    Relies on the net's ``_unwrapped()``, which ``AccelerateMixin`` provides.
+    """
+    @property
+    def _process(self):
+        return process_state(self)
+
+    @property
+    def _coordinator(self):
+        return self._process.coordinator_for(self.accelerator)
+
+
+    def save_params(self, *args, **kwargs):
+        """Save the parameters of the net's modules, optimizers and history.
+
+        Accepts the arguments of ``skorch.net.NeuralNet.save_params``. The
+        state is taken from the unwrapped objects, so the keys carry no DDP
+        prefix and the files load into accelerated and plain skorch nets
+        alike. Only the main process writes; every process returns once the
+        files are complete, and raises if the write failed.
+
+        """
+        save = lambda: super(CheckpointingMixin, self).save_params(*args, **kwargs)  # noqa: E731
+        with self._unwrapped(), quiet_unless_main(self.accelerator):
+            if self._coordinator.alone is not None:
+                # a logger on the main process (WandbLogger's save_model,
+                # MlflowLogger's artifacts): the main process writes anyway
+                save()
+                return
+            self._coordinator.run(save, what='save_params',
+                                  here=writes_files(self.accelerator), gate=replacing_after)
+
+    def load_params(self, *args, **kwargs):
+        """Load the parameters of the net's modules, optimizers and history.
+
+        Accepts the arguments of ``skorch.net.NeuralNet.load_params``. Every
+        process loads into the unwrapped objects, so that DDP keeps its
+        wrapper around the loaded weights. With ``device=None`` the files are
+        mapped to the CPU, and the accelerator's device placement stays in
+        charge. If loading fails on any process, every process raises.
+
+        """
+        if kwargs.get('checkpoint') is not None and not self.initialized_:
+            self.initialize()
+        load = lambda: super(CheckpointingMixin, self).load_params(*args, **kwargs)  # noqa: E731
+        with self._unwrapped(), quiet_unless_main(self.accelerator):
+            self._coordinator.run(load, what='load_params')
+
+    def _check_device(self, requested_device, map_device):
+        if requested_device is None:
+            # The accelerator places the objects: map files to the CPU, keep
+            # device=None and say nothing.
+            return None
+        return super()._check_device(requested_device, map_device)
+
+    def save_state(self, path, asynchronous=False, on_written=None, stopped=False):
+        """Save the whole training state, to resume training exactly.
+
+        The file holds the weights of every module and criterion, every
+        optimizer, the LR schedulers of ``LRScheduler`` callbacks, the
+        gradient scaler, the random number generators of every rank, the
+        history, the position of training and the state of the callbacks,
+        as tensors and plain values only. Every rank must call it; the main
+        process writes, atomically.
+
+        Parameters
+        ----------
+        path : str or os.PathLike
+          The file to write.
+
+        asynchronous : bool (default=False)
+          If True, copy the state to CPU memory and write it in a background
+          thread while training goes on. At most one write is in flight: the
+          next save waits for the previous one, and ``wait_for_saves`` waits
+          for the last. A failed write raises on every rank at the next of
+          these.
+
+        on_written : callable or None (default=None)
+          Called without arguments on the writing process once the file is
+          complete (``TrainingCheckpoint`` rotates its files there).
+
+        stopped : bool (default=False)
+          Whether training ends with this state (``EarlyStopping`` stopped
+          it), so that a run resumed from it trains no further.
+
+        """
+        def write(state):
+            write_state(state, path)
+            if on_written is not None:
+                on_written()
+
+        with self._unwrapped(), quiet_unless_main(self.accelerator), \
+                self._coordinator.session('save_state'):
+            self.wait_for_saves()
+            iterator = self._process.running_train_iterator()
+            state = collect_state(self, train_iterator_state(iterator), stopped=stopped)
+            writes = writes_files(self.accelerator)
+            if not asynchronous:
+                self._coordinator.run(lambda: write(state), what='save_state', here=writes,
+                                      gate=replacing_after)
+            elif writes:
+                # the previous write is done: its snapshot's memory is free
+                copy = self._process.snapshot = cpu_snapshot(state, reuse=self._process.snapshot)
+                self._process.background_writer().submit(lambda: write(copy))
+
+    def wait_for_saves(self):
+        """Wait for an asynchronous ``save_state`` to finish, on every rank.
+
+        Raises on every rank if the write failed.
+        """
+        self._coordinator.run(self._process.background_writer().wait, what='asynchronous save_state')
+
+    def load_state(self, path):
+        """Restore a training state that ``save_state`` wrote.
+
+        Restores in steps (``accel_mixin.resuming``): read the file once;
+        load the weights into the unwrapped modules; prepare; restore
+        optimizers, schedulers, scaler, history, loop and callbacks; free
+        the state and wait for everyone. The random number generators and
+        the shuffling of the training data are restored when the next epoch
+        begins, and the next ``fit`` or ``partial_fit`` trains only the
+        epochs that remain up to ``max_epochs``.
+
+        Parameters
+        ----------
+        path : str or os.PathLike
+          A file that ``save_state`` wrote.
+
+        Raises
+        ------
+        CheckpointError
+          If the file is not a training state, or does not fit the net; on
+          every rank.
+
+        """
+        with quiet_unless_main(self.accelerator), self._coordinator.session('load_state'):
+            self._coordinator.barrier('load_state')  # before initialize(), as in fit
+            if not self.initialized_:
+                self.initialize()
+            resume(self, path)
+
+    def wait_for_everyone(self, what='wait_for_everyone'):
+        """Wait for every process, failing fast.
+
+        As ``accelerator.wait_for_everyone()``, except that if a process
+        failed in the call this one is part of (a callback of the same
+        ``fit``, say), every process raises a ``DistributedError`` that names
+        it instead of waiting for the timeout. For callbacks that go into
+        collectives of their own (``ResumeTraining`` compares the ranks'
+        files).
+
+        Parameters
+        ----------
+        what : str (default='wait_for_everyone')
+          What the processes wait for, as errors name it.
+
+        """
+        self._coordinator.barrier(what)

@@ -1,0 +1,120 @@
+"""One epoch on every rank: its batches, and its end.
+
+With even batches, accelerate pads the last batches of an epoch so that every
+rank takes the same number of steps. The padding trains (it keeps the ranks
+in step) but is not counted: the history records the loss and size of the
+real samples of each batch, and callbacks see only those, or, for a batch with
+none, the whole batch recorded with size 0.
+
+At the end of an epoch the ranks share their records (``history_sync``), every
+rank runs the callbacks on the same row, and the ranks agree on the row, on
+whether to stop and on any error, before the replica check and the hooks that
+save the finished epoch (``on_epoch_finished``).
+"""
+import torch
+from skorch.dataset import get_len, unpack_data
+
+from accel_mixin.coordination import DistributedError
+from accel_mixin.history_sync import agree_on_row, leading_samples, merge_epoch, real_samples
+from accel_mixin.replicas import check_net_replicas, check_same_steps
+from accel_mixin.skorch_callbacks import main_process_pickles, stopped_early
+
+__all__ = ['end_epoch', 'run_epoch']
+
+
+def run_epoch(net, iterator, training, prefix, step_fn, autocast, **fit_params):
+    """skorch's ``run_single_epoch``, counting the real samples of each batch.
+
+    ``autocast`` is the context manager of the net's precision, for the loss
+    of the real samples of a padded batch.
+    """
+    accelerator = net.accelerator
+    processes, rank = accelerator.num_processes, accelerator.process_index
+    if training and processes > 1:
+        check_same_steps(accelerator, iterator)
+    # without even batches nothing is padded: every sample is real
+    padded = processes > 1 and accelerator.even_batches
+    batch_count = 0
+    for batch in iterator:
+        size = get_len(batch[0]) if isinstance(batch, (tuple, list)) else get_len(batch)
+        real = (real_samples(accelerator.gradient_state, processes, rank, size)
+                if padded else size)
+        view = batch if real in (0, size) else leading_samples(batch, real)
+        net.notify('on_batch_begin', batch=view, training=training)
+        step = step_fn(batch, **fit_params)
+        if view is not batch:
+            step = _real_step(net, step, view, real, training, autocast)
+        net.history.record_batch(prefix + '_loss', step['loss'].item() if real else 0.0)
+        net.history.record_batch(prefix + '_batch_size', real)
+        net.notify('on_batch_end', batch=view, training=training, **step)
+        batch_count += bool(real)  # padding alone is no batch of the data
+    net.history.record(prefix + '_batch_count', batch_count)
+
+
+def _real_step(net, step, view, real, training, autocast):
+    """The step's loss and prediction for the real samples of its batch."""
+    y_pred = leading_samples(step['y_pred'], real)
+    Xi, yi = unpack_data(view)
+    with torch.no_grad(), autocast():
+        loss = net.get_loss(y_pred, yi, X=Xi, training=training)
+    return dict(step, loss=loss, y_pred=y_pred)
+
+
+def end_epoch(net, coordinator, notify_callbacks, **cb_kwargs):
+    """Sync the epoch, run the callbacks, agree on the row and on stopping.
+
+    Callbacks decide on scores of the whole data, the same on every rank.
+    EarlyStopping stops training by raising KeyboardInterrupt; if any rank
+    stops, all do. An error in a callback on any rank makes every rank raise:
+    the rank that failed still joins the final exchange, which carries its
+    error to the others. Then callbacks with an ``on_epoch_finished(net,
+    stopped)`` hook see the finished epoch, ``stopped`` saying whether
+    ``EarlyStopping`` ends training there (a Ctrl-C or another callback's
+    stop does not count: a rerun goes on).
+
+    Parameters
+    ----------
+    net : AccelerateMixin net
+      Training.
+
+    coordinator : coordination.Coordinator
+      The net's coordinator.
+
+    notify_callbacks : callable
+      ``notify_callbacks(method_name, **cb_kwargs)`` runs the callbacks.
+
+    """
+    distributed = net.accelerator.num_processes > 1
+    if distributed:
+        coordinator.barrier('history sync')
+        merge_epoch(net)
+    stop, error = False, None
+    try:
+        with main_process_pickles(net.callbacks_, net.accelerator.is_main_process):
+            notify_callbacks('on_epoch_end', **cb_kwargs)
+    except KeyboardInterrupt:
+        stop = True
+    except Exception as exc:  # pylint: disable=broad-except
+        if not distributed:
+            raise
+        error = exc
+        if not isinstance(exc, DistributedError):
+            # ranks waiting in a save inside a callback learn of it now
+            coordinator.fail('on_epoch_end', exc)
+    if distributed:
+        stop, failure = agree_on_row(net, stop, error)
+        if error is not None:
+            raise error
+        if failure is not None:
+            raise DistributedError(failure)
+        every = net.replica_check_every
+        if every and len(net.history) % every == 0:
+            # before a training state is saved: never save a divergence
+            check_net_replicas(net, f'after epoch {len(net.history)}')
+    stopped = stop and stopped_early(net.callbacks_)
+    for _, cb in net.callbacks_:
+        finished = getattr(cb, 'on_epoch_finished', None)
+        if finished is not None:
+            finished(net, stopped=stopped)
+    if stop:
+        raise KeyboardInterrupt

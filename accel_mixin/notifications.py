@@ -1,0 +1,59 @@
+"""How a net notifies its callbacks when it runs on several processes.
+
+Every notification is a section of the coordinator's protocol: an error in a
+callback on one rank reaches the other ranks at their next barrier, instead
+of leaving them waiting in DDP's collectives for the process group's
+timeout. After ``on_train_begin`` and ``on_epoch_begin`` the ranks go into
+collectives that a failed rank would never join, so a barrier ends those
+notifications; ``on_epoch_end`` has its own exchange (``epochs.end_epoch``).
+Per-batch notifications get no barrier, which would cost one per batch, and
+number no section: ranks may run different numbers of batches
+(``even_batches=False``), and their keys would drift apart. An error there
+is reported to the enclosing section.
+
+Loggers (``skorch_callbacks.main_process_only``) run on the main process
+only, and record once.
+"""
+from accel_mixin.coordination import DistributedError
+from accel_mixin.skorch_callbacks import main_process_only
+
+__all__ = ['notify_callbacks', 'notify_in_section']
+
+_BARRIER_AFTER = frozenset(['on_train_begin', 'on_epoch_begin'])
+_PER_BATCH = frozenset(['on_batch_begin', 'on_batch_end', 'on_grad_computed'])
+
+
+def notify_in_section(coordinator, method_name, notify):
+    """Run ``notify()`` for the notification ``method_name`` as a section."""
+    if not coordinator.distributed:
+        notify()
+    elif method_name in _PER_BATCH:
+        try:
+            notify()
+        except Exception as exc:
+            if not isinstance(exc, DistributedError):
+                coordinator.fail(method_name, exc)
+            raise
+    else:
+        with coordinator.section(method_name):
+            notify()
+            if method_name in _BARRIER_AFTER:
+                coordinator.barrier(method_name)
+
+
+def notify_callbacks(net, coordinator, method_name, **cb_kwargs):
+    """skorch's ``notify`` on several processes, loggers on the main one only.
+
+    A collective call that a logger makes raises at once on every rank,
+    naming the logger (``save_params`` excepted, which the main process then
+    writes alone: ``WandbLogger(save_model=True)``, ``MlflowLogger``).
+    """
+    # skorch's loop, which has no way to leave a callback out
+    getattr(net, method_name)(net, **cb_kwargs)
+    main = net.accelerator.is_main_process
+    for name, cb in net.callbacks_:
+        if not main_process_only(cb):
+            getattr(cb, method_name)(net, **cb_kwargs)
+        elif main:
+            with coordinator.running_alone(f'the callback {name!r}'):
+                getattr(cb, method_name)(net, **cb_kwargs)

@@ -1,0 +1,129 @@
+"""The pieces of a training state that are not weights: random number
+generators, callbacks, the training dataloader's shuffling. Everything is
+turned into tensors and plain Python values, so that a training state loads
+with ``weights_only=True``.
+"""
+import random
+
+import numpy as np
+import torch
+
+__all__ = [
+    'callback_state',
+    'as_plain',
+    'history_state',
+    'restore_callback_state',
+    'restore_rng',
+    'rng_state',
+    'cpu_snapshot',
+]
+
+# Per-epoch caches, objects rebuilt at every fit, and what ResumeTraining and
+# TrainingCheckpoint know of the run being trained: not state to resume.
+_TRANSIENT = {'y_preds_', 'y_trues_', 'lr_scheduler_', 'policy_', 'pbar_', 'checkpoint_',
+              'resumed_from_', 'run_', 'run_folder_'}
+_PLAIN_SCALARS = (bool, int, float, str, type(None))
+
+
+class _NotPlain(Exception):
+    pass
+
+
+def as_plain(value):
+    """``value`` as tensors and plain Python values (NumPy values converted),
+    or raise _NotPlain."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, np.generic):  # before the scalars: np.float64 is a float
+        return value.item()
+    if isinstance(value, _PLAIN_SCALARS):
+        return value
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(as_plain(item) for item in value)
+    if isinstance(value, dict):
+        return {as_plain(key): as_plain(item) for key, item in value.items()}
+    raise _NotPlain(type(value).__name__)
+
+
+def callback_state(callback):
+    """The fitted attributes (ending with ``_``) of a callback that are plain
+    data: EarlyStopping's counters, a scoring callback's best score, ..."""
+    state = {}
+    for key, value in vars(callback).items():
+        if not key.endswith('_') or key in _TRANSIENT:
+            continue
+        try:
+            state[key] = as_plain(value)
+        except _NotPlain:
+            continue
+    return state
+
+
+def restore_callback_state(callback, state):
+    for key, value in state.items():
+        setattr(callback, key, value)
+
+
+def rng_state():
+    """This process's random number generators: Python, NumPy, torch, CUDA."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    version, internal, gauss = random.getstate()
+    state = {
+        'python': {'version': version, 'internal': list(internal), 'gauss': gauss},
+        'numpy': {'kind': kind, 'keys': torch.from_numpy(keys.astype(np.int64)),
+                  'pos': int(pos), 'has_gauss': int(has_gauss), 'cached_gaussian': float(cached)},
+        'torch': torch.get_rng_state(),
+    }
+    # only where this process started CUDA: a CPU run on a GPU machine must
+    # not start it, and an unused generator has nothing to resume
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state['cuda'] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state):
+    python = state['python']
+    random.setstate((python['version'], tuple(python['internal']), python['gauss']))
+    numpy = state['numpy']
+    np.random.set_state((numpy['kind'], numpy['keys'].numpy().astype(np.uint32), numpy['pos'],
+                         numpy['has_gauss'], numpy['cached_gaussian']))
+    torch.set_rng_state(state['torch'])
+    if 'cuda' in state and torch.cuda.is_available():
+        # a machine with fewer GPUs than the one that saved restores those it has
+        for device, cuda_state in enumerate(state['cuda'][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(cuda_state, device)
+
+
+def history_state(history):
+    """A copy of the history as tensors and plain values (``as_plain``)."""
+    try:
+        return as_plain(history.to_list())
+    except _NotPlain as exc:
+        raise TypeError(f"The history holds a {exc}, which a training state cannot keep: "
+                        "record numbers, strings, lists or dicts of them.") from None
+
+
+def cpu_snapshot(state, reuse=None):
+    """A copy of ``state`` whose tensors live on the CPU and share nothing
+    with training, for writing while training goes on.
+
+    Tensors are copied into those of ``reuse``, an earlier snapshot of the
+    same layout, where shapes and dtypes match: filling memory that exists
+    is four times faster than allocating it anew.
+    """
+    if isinstance(state, torch.Tensor):
+        tensor = state.detach()
+        if (isinstance(reuse, torch.Tensor) and reuse.shape == tensor.shape
+                and reuse.dtype == tensor.dtype and reuse.device.type == 'cpu'):
+            return reuse.copy_(tensor)
+        return tensor.to('cpu', copy=True)
+    if isinstance(state, dict):
+        reuse = reuse if isinstance(reuse, dict) else {}
+        return {key: cpu_snapshot(value, reuse.get(key)) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        if not (isinstance(reuse, (list, tuple)) and len(reuse) == len(state)):
+            reuse = [None] * len(state)
+        return type(state)(cpu_snapshot(item, old) for item, old in zip(state, reuse))
+    return state
