@@ -21,7 +21,10 @@ import threading
 import time
 import zipfile
 
+import safetensors
+import safetensors.torch
 import torch
+from skorch.history import History
 
 from accel_mixin.state_dict import CheckpointError
 
@@ -268,9 +271,7 @@ def _write(f, write, *, by_name=False):
 def write_state(state, f, *, use_safetensors=False):
     """Save a state dict to a path (atomically) or a file object."""
     if use_safetensors:
-        from safetensors.torch import save
-
-        _write(f, lambda fh: fh.write(save(state)))
+        _write(f, lambda fh: fh.write(safetensors.torch.save(state)))
     else:
         _write(f, lambda target: torch.save(state, target), by_name=True)
 
@@ -384,15 +385,12 @@ def _safetensors_hint(f):
 
 
 def _read_safetensors(f, map_location):
-    from safetensors import SafetensorError
-    from safetensors.torch import load, load_file
-
     device = str(map_location)
     try:
         if _is_path(f):
-            return load_file(f, device=device)
-        return load(f.read())
-    except (SafetensorError, ValueError, OSError) as exc:
+            return safetensors.torch.load_file(f, device=device)
+        return safetensors.torch.load(f.read())
+    except (safetensors.SafetensorError, ValueError, OSError) as exc:
         raise CheckpointError(
             f"{f} is not a complete safetensors file, it may be truncated, corrupt, or "
             f"saved without use_safetensors=True ({exc})") from exc
@@ -400,8 +398,6 @@ def _read_safetensors(f, map_location):
 
 def read_history(f):
     """Load a skorch History from JSON, with an error that names the file."""
-    from skorch.history import History
-
     _check_readable(f)
     try:
         return History.from_file(f)

@@ -25,6 +25,8 @@ no longer wrapped in DDP). The checks here run where the names are used;
 ``missing`` lists what a given accelerator lacks, for a test on the pinned
 versions.
 """
+import accelerate
+import skorch
 import torch
 from skorch import utils as skorch_utils
 from skorch.callbacks import ProgressBar
@@ -49,9 +51,6 @@ class InternalsChanged(RuntimeError):
 
 
 def _changed(package, name, what):
-    import accelerate  # pylint: disable=import-outside-toplevel
-    import skorch  # pylint: disable=import-outside-toplevel
-
     return InternalsChanged(
         f"{package} no longer has {name}, which accel_mixin uses {what}. This accel_mixin "
         f"was tested with the versions in constraints/pinned.txt; installed are torch "
@@ -61,6 +60,7 @@ def _changed(package, name, what):
 
 
 def _default_store_getter():
+    # imported here, where a release without it gets the clear error
     try:
         from torch.distributed.distributed_c10d import (  # pylint: disable=import-outside-toplevel
             _get_default_store)

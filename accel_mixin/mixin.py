@@ -126,12 +126,6 @@ class AccelerateMixin(CheckpointingMixin):
         self.unwrap_after_train = unwrap_after_train
         self.replica_check_every = replica_check_every
 
-    # --- process-local state ------------------------------------------------
-
-    @property
-    def _stepper(self):
-        return self._process.stepper_for(self.accelerator)
-
     # --- initialization -----------------------------------------------------
 
     def _validate_params(self):
@@ -202,6 +196,10 @@ class AccelerateMixin(CheckpointingMixin):
         return named_parameters(('', module) for _, module in net_modules(self))
 
     # --- training -----------------------------------------------------------
+
+    @property
+    def _stepper(self):
+        return self._process.stepper_for(self.accelerator)
 
     def fit(self, X, y=None, **fit_params):
         """Initialize and fit the module, as skorch does.

@@ -25,11 +25,12 @@ __all__ = ['epochs_to_train', 'resume']
 
 def resume(net, path):
     """Restore the training state at ``path`` into the initialized ``net``."""
-    process, coordinator = process_state(net), net._coordinator  # pylint: disable=protected-access
+    process = process_state(net)
+    coordinator = process.coordinator_for(net.accelerator)
     # a load that fails halfway leaves no earlier load to go on from
     process.forget_loaded_state()
     state = coordinator.run(lambda: _read(net, path), what='load_state')
-    was_wrapped = _load_weights(net, state, path)
+    was_wrapped = _load_weights(net, coordinator, state, path)
     _prepare(net, was_wrapped)
     pending = coordinator.run(lambda: restore_training_state(net, state, path),
                               what='load_state')
@@ -46,14 +47,14 @@ def _read(net, path):
     return state
 
 
-def _load_weights(net, state, path):
+def _load_weights(net, coordinator, state, path):
     """Load the weights into the unwrapped modules; return whether the net
     is to be wrapped afterwards."""
     prepared = process_state(net).prepared
     # a net never prepared ends prepared, as initialize() leaves it
     was_wrapped = prepared.wrapped or not len(prepared)
     net._unwrap_accelerator()  # pylint: disable=protected-access
-    net._coordinator.run(  # pylint: disable=protected-access
+    coordinator.run(
         lambda: restore_weights(net, state, path), what='load_state')
     return was_wrapped
 

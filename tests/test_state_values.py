@@ -5,10 +5,11 @@ import numpy as np
 import pytest
 import torch
 from skorch.callbacks import EarlyStopping
+from skorch.history import History
 
 from accel_mixin.state_values import (
-    _NotPlain, as_plain, callback_state, cpu_snapshot, restore_callback_state, restore_rng,
-    rng_state)
+    _NotPlain, as_plain, callback_state, cpu_snapshot, history_state, restore_callback_state,
+    restore_rng, rng_state)
 
 
 def test_plain_converts_numpy_and_keeps_tensors():
@@ -18,6 +19,31 @@ def test_plain_converts_numpy_and_keeps_tensors():
     assert torch.equal(out['c'], torch.arange(3))
     with pytest.raises(_NotPlain):
         as_plain(object())
+
+
+def test_history_state_is_a_plain_copy_that_loads_with_weights_only(tmp_path):
+    history = History()
+    history.new_epoch()
+    history.record('train_loss', np.float32(0.5))
+    history.record('event', ('lr', 0.1))
+    history.new_batch()
+    history.record_batch('train_batch_size', np.int64(16))
+    state = history_state(history)
+    assert state == [{'train_loss': 0.5, 'event': ('lr', 0.1),
+                      'batches': [{'train_batch_size': 16}]}]
+    assert type(state[0]['train_loss']) is float and type(state[0]['event']) is tuple
+    state[0]['batches'].append({})
+    assert len(history[-1, 'batches']) == 1  # a copy: the live history is untouched
+    torch.save(state, tmp_path / 'h.pt')
+    assert torch.load(tmp_path / 'h.pt', weights_only=True) == state
+
+
+def test_history_state_names_what_it_cannot_keep():
+    history = History()
+    history.new_epoch()
+    history.record('model', object())
+    with pytest.raises(TypeError, match='The history holds a object'):
+        history_state(history)
 
 
 def test_rng_state_round_trip():
