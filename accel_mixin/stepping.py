@@ -4,19 +4,72 @@
 and ``AcceleratedOptimizer.step``/``zero_grad`` walk accelerate's state
 singletons, inspect signatures and look up optional packages on every call:
 about 0.4 ms per training step on this machine, 20% of a small model's step.
-In the plain case (no gradient scaler, no DeepSpeed, Megatron, TPU or LOMO)
-their effect is a few lines, which ``Stepper`` runs directly; everything else
-goes through accelerate.
+Where their effect is a few lines, ``Stepper`` runs those lines itself (its
+``plain`` path); everywhere else it calls accelerate.
+
+The plain path is a whitelist: it is taken only where every condition it was
+verified under holds, so that anything new or unknown goes through
+accelerate. ``tests/test_stepping.py`` compares it bit for bit with
+accelerate's calls in each covered configuration (1 process in fp32, bf16
+and CPU fp16, 2 DDP processes; with and without accumulation) and checks the
+fallback in each uncovered one. The conditions, read once per fit:
+
+- ``distributed_type`` is NO, MULTI_CPU or MULTI_GPU: the tests run the
+  first two, and MULTI_GPU's calls relabelled over the same DDP. DeepSpeed
+  and Megatron-LM run backward themselves, XLA reduces gradients in the
+  optimizer's step, FSDP shards them and FSDP2 stops their syncs its own
+  way. MULTI_XPU, MULTI_NPU, MULTI_MLU, MULTI_SDAA, MULTI_MUSA, MULTI_HPU
+  and MULTI_NEURON go through the same lines as MULTI_GPU in accelerate
+  1.15, but on vendor runtimes (lazy graphs on HPU, XLA under Neuron) that
+  nothing here has run: they wait for a test there, and meanwhile lose only
+  the per-call saving.
+- ``mixed_precision`` is no, bf16 or fp16 (fp16 gets here only without a
+  scaler: on the CPU, which accelerate leaves in fp32). fp8 backends
+  replace modules and optimizers (MS-AMP) with their own.
+- No gradient scaler: accelerate scales the loss, and steps and updates the
+  scaler, in its calls.
+- No LOMO optimizer: its backward steps, and accelerate skips its step.
+- ``backward``, ``accumulate`` and ``autocast`` are ``Accelerator``'s own,
+  neither overridden by a subclass nor replaced on the instance: whoever
+  replaces them means them to run.
+- Per optimizer: an ``AcceleratedOptimizer`` whose ``step`` and ``zero_grad``
+  are its class's own, around an optimizer whose ``zero_grad`` is torch's.
+  accelerate passes ``set_to_none=True`` where the caller gives none, which
+  is torch's default but maybe not another ``zero_grad``'s.
+
+The ``GradientAccumulationPlugin``'s options need no condition: with
+accumulation the plain path enters ``accelerator.accumulate`` itself, which
+applies ``sync_with_dataloader`` and ``sync_each_batch``; without, every
+batch syncs whatever they say. Only ``accelerator.step``, the count of
+batches that decides when to sync, then stays put: every batch syncs anyway.
 """
 import contextlib
 
 import torch
+from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 
 __all__ = ['Stepper', 'takes_closures', 'uses_closure_value']
 
-_SPECIAL = (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA)
+COVERED_TYPES = frozenset(
+    {DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU})
+COVERED_PRECISIONS = frozenset({'no', 'bf16', 'fp16'})
+_OWN_METHODS = ('backward', 'accumulate', 'autocast')
+
+
+def _own(obj, cls, name):
+    """Whether ``obj.name`` is ``cls``'s method, not a subclass's or the instance's."""
+    return (isinstance(obj, cls) and getattr(type(obj), name) is getattr(cls, name)
+            and name not in vars(obj))
+
+
+def _plain_optimizer(optimizer):
+    """Whether ``optimizer``'s step and zero_grad may skip accelerate's."""
+    return (_own(optimizer, AcceleratedOptimizer, 'step')
+            and _own(optimizer, AcceleratedOptimizer, 'zero_grad')
+            and getattr(optimizer.optimizer.zero_grad, '__func__', None)
+            is torch.optim.Optimizer.zero_grad)
 
 
 def takes_closures(accelerator):
@@ -47,6 +100,12 @@ class Stepper:
     accelerator : accelerate.Accelerator
       The prepared accelerator.
 
+    Attributes
+    ----------
+    plain : bool
+      Whether the calls take the plain path: where every condition of the
+      module's docstring holds.
+
     """
     def __init__(self, accelerator):
         self.accelerator = accelerator
@@ -54,11 +113,14 @@ class Stepper:
         self.takes_closures = takes_closures(accelerator)
         self.num_processes = accelerator.num_processes
         self.plain = (
-            accelerator.scaler is None
-            and accelerator.distributed_type not in _SPECIAL
+            accelerator.distributed_type in COVERED_TYPES
+            and accelerator.mixed_precision in COVERED_PRECISIONS
+            and accelerator.scaler is None
             and not getattr(accelerator, 'has_lomo_optimizer', False)
+            and all(_own(accelerator, Accelerator, name) for name in _OWN_METHODS)
         )
-        self._autocast = accelerator.autocast if accelerator.native_amp else contextlib.nullcontext
+        self._autocast = (accelerator.autocast if accelerator.native_amp or not self.plain
+                          else contextlib.nullcontext)
         if self.plain and self.steps == 1:
             # without accumulation every step syncs; accumulate() would only
             # set this again before every batch
@@ -136,14 +198,14 @@ class Stepper:
         if closure is not None and self.num_processes > 1 and uses_closure_value(optimizer):
             closure = _averaged(closure, self.accelerator)
         args = () if closure is None else (closure,)
-        if not (self.plain and isinstance(optimizer, AcceleratedOptimizer)):
+        if not (self.plain and _plain_optimizer(optimizer)):
             optimizer.step(*args)
         elif self.sync_gradients:
             optimizer.optimizer.step(*args)
 
     def zero_grad(self, optimizer, set_to_none=None):
         kwargs = {} if set_to_none is None else {'set_to_none': set_to_none}
-        if isinstance(optimizer, AcceleratedOptimizer):
+        if self.plain and _plain_optimizer(optimizer):
             if not self.sync_gradients:
                 return
             # what AcceleratedOptimizer.zero_grad does, without inspecting

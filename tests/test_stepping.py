@@ -1,11 +1,29 @@
-"""Stepper does what accelerate's calls do, in the plain case and otherwise."""
+"""Stepper does what accelerate's calls do, in the plain case and otherwise.
+
+Every configuration its plain path covers is trained through it and through
+accelerate's calls, which must give the same weights bit for bit (in one
+process here, in two through ``launched/stepping_check.py``); every
+configuration it does not cover must send each call through accelerate.
+"""
+import contextlib
 import copy
+import functools
 
 import pytest
 import torch
 from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.state import PartialState
+from accelerate.utils import DistributedType
 
-from accel_mixin.stepping import Stepper
+from accel_mixin.stepping import COVERED_TYPES, Stepper
+from harness import run_processes
+from stepping_check import CONFIGURATIONS, compare
+
+ACCELERATOR_CALLS = ('accumulate', 'autocast', 'backward')
+OPTIMIZER_CALLS = ('step', 'zero_grad')
+# each call of a training step, in order, where all go through accelerate
+THROUGH_ACCELERATE = [*ACCELERATOR_CALLS, *OPTIMIZER_CALLS]
 
 
 def model_and_optimizer(accelerator):
@@ -13,36 +31,6 @@ def model_and_optimizer(accelerator):
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     return accelerator.prepare(model, optimizer)
-
-
-def train(accelerator, use_stepper, batches):
-    """Train on ``batches`` with the Stepper or with accelerate's own calls."""
-    model, optimizer = model_and_optimizer(accelerator)
-    stepper = Stepper(accelerator)
-    for X in batches:
-        context = (stepper.accumulate(lambda: [model]) if use_stepper
-                   else accelerator.accumulate(model))
-        with context:
-            loss = model(X).pow(2).mean()
-            if use_stepper:
-                stepper.backward(loss)
-                stepper.step(optimizer)
-                stepper.zero_grad(optimizer)
-            else:
-                accelerator.backward(loss)
-                optimizer.step()
-                optimizer.zero_grad()
-    return [p.detach().clone() for p in model.parameters()]
-
-
-@pytest.mark.parametrize('steps', [1, 3])
-def test_training_matches_accelerate(steps):
-    batches = [torch.randn(8, 4, generator=torch.Generator().manual_seed(i)) for i in range(6)]
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=steps)
-    ours = train(accelerator, True, batches)
-    theirs = train(accelerator, False, batches)
-    for a, b in zip(ours, theirs):
-        torch.testing.assert_close(a, b)
 
 
 def test_without_accumulation_every_step_syncs():
@@ -79,20 +67,6 @@ def test_autocast_follows_the_precision():
         assert torch.nn.Linear(2, 2)(torch.ones(1, 2)).dtype == torch.float32
 
 
-def test_a_gradient_scaler_sends_everything_through_accelerate(monkeypatch):
-    accelerator = Accelerator(cpu=True)
-    model, optimizer = model_and_optimizer(accelerator)
-    calls = []
-    monkeypatch.setattr(accelerator, 'scaler', object())  # as with fp16 on a GPU
-    monkeypatch.setattr(accelerator, 'backward', lambda loss: calls.append('backward'))
-    monkeypatch.setattr(optimizer, 'step', lambda: calls.append('step'))
-    stepper = Stepper(accelerator)
-    assert not stepper.plain
-    stepper.backward(model(torch.ones(1, 4)).sum())
-    stepper.step(optimizer)
-    assert calls == ['backward', 'step']
-
-
 def test_zero_grad_passes_set_to_none():
     accelerator = Accelerator(cpu=True)
     model, optimizer = model_and_optimizer(accelerator)
@@ -102,3 +76,151 @@ def test_zero_grad_passes_set_to_none():
     assert torch.equal(model.weight.grad, torch.zeros_like(model.weight))
     stepper.zero_grad(optimizer)
     assert model.weight.grad is None
+
+
+@pytest.mark.parametrize('mixed_precision', ['no', 'bf16', 'fp16'])  # fp16: no scaler on the CPU
+@pytest.mark.parametrize('plugin', [
+    dict(num_steps=1), dict(num_steps=3), dict(num_steps=3, sync_with_dataloader=False),
+], ids=['accum1', 'accum3', 'accum3-no_sync_with_dataloader'])
+def test_one_process_matches_accelerate_bit_for_bit(mixed_precision, plugin):
+    result = compare(mixed_precision=mixed_precision, **plugin)
+    assert result['plain'] and result['moved']
+    assert result['equal'], result['max_difference']
+
+
+@pytest.fixture(scope='module')
+def two_processes():
+    """One launch for every 2-process configuration: each costs seconds to start."""
+    return run_processes('stepping_check.py', timeout=120).check()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize('name', list(CONFIGURATIONS))
+def test_two_processes_match_accelerate_bit_for_bit(two_processes, name):
+    results = [rank['configurations'][name] for rank in two_processes]
+    expected_type = CONFIGURATIONS[name]['relabel'] or DistributedType.MULTI_CPU
+    for result in results:
+        assert result['plain'] and result['moved']
+        assert result['distributed_type'] == expected_type.value
+        assert result['equal'], result['max_difference']
+    assert results[0]['digest'] == results[1]['digest']  # DDP kept the ranks in step
+
+
+@pytest.fixture
+def accelerate_calls(monkeypatch):
+    """accelerate's per-batch methods, replaced on their classes by recorders
+    of their names. On the classes, so that the Stepper still sees them as
+    accelerate's own."""
+    calls = []
+
+    def recorder(name):
+        def record(*args, **kwargs):
+            calls.append(name)
+            return contextlib.nullcontext()
+        return record
+    for name in ACCELERATOR_CALLS:
+        monkeypatch.setattr(Accelerator, name, recorder(name))
+    for name in OPTIMIZER_CALLS:
+        monkeypatch.setattr(AcceleratedOptimizer, name, recorder(name))
+    return calls
+
+
+def one_step(stepper, model, optimizer):
+    """A training step, as the mixin makes it."""
+    with stepper.accumulate(lambda: [model]):
+        with stepper.autocast():
+            loss = model(torch.ones(1, 4)).sum()
+        stepper.backward(loss)
+        stepper.step_all([optimizer])
+        stepper.zero_grad(optimizer)
+
+
+def fallback_calls(accelerator, calls, after_prepare=lambda: None):
+    """The calls one step made through accelerate; fails if the Stepper is plain."""
+    model, optimizer = model_and_optimizer(accelerator)
+    after_prepare()
+    stepper = Stepper(accelerator)
+    assert not stepper.plain
+    one_step(stepper, model, optimizer)
+    return calls
+
+
+def test_the_plain_path_makes_none_of_the_calls(accelerate_calls):
+    accelerator = Accelerator(cpu=True)
+    model, optimizer = model_and_optimizer(accelerator)
+    stepper = Stepper(accelerator)
+    assert stepper.plain
+    one_step(stepper, model, optimizer)
+    assert accelerate_calls == []
+
+
+def test_a_gradient_scaler_sends_everything_through_accelerate(accelerate_calls, monkeypatch):
+    accelerator = Accelerator(cpu=True)
+    monkeypatch.setattr(accelerator, 'scaler', object())  # as with fp16 on a GPU
+    assert fallback_calls(accelerator, accelerate_calls) == THROUGH_ACCELERATE
+
+
+@pytest.mark.parametrize('distributed_type', sorted(set(DistributedType) - COVERED_TYPES))
+def test_an_uncovered_distributed_type_falls_back(accelerate_calls, monkeypatch,
+                                                   distributed_type):
+    accelerator = Accelerator(cpu=True)
+
+    def relabel():  # after prepare, which would prepare for that type
+        for state in (PartialState(), accelerator.state):
+            monkeypatch.setattr(state, 'distributed_type', distributed_type)
+    assert fallback_calls(accelerator, accelerate_calls, relabel) == THROUGH_ACCELERATE
+
+
+def test_fp8_falls_back(accelerate_calls, monkeypatch):
+    accelerator = Accelerator(cpu=True)
+    monkeypatch.setattr(accelerator.state, '_mixed_precision', 'fp8')
+    assert fallback_calls(accelerator, accelerate_calls) == THROUGH_ACCELERATE
+
+
+def test_a_lomo_optimizer_falls_back(accelerate_calls, monkeypatch):
+    accelerator = Accelerator(cpu=True)
+    monkeypatch.setattr(accelerator, 'has_lomo_optimizer', True)  # as prepare sets it
+    assert fallback_calls(accelerator, accelerate_calls) == THROUGH_ACCELERATE
+
+
+@pytest.mark.parametrize('name', ACCELERATOR_CALLS)
+def test_an_accelerator_subclass_overriding_a_call_falls_back(accelerate_calls, name):
+    def override(self, *args, **kwargs):
+        return getattr(Accelerator, name)(self, *args, **kwargs)
+    accelerator = type('CustomAccelerator', (Accelerator,), {name: override})(cpu=True)
+    assert fallback_calls(accelerator, accelerate_calls) == THROUGH_ACCELERATE
+
+
+@pytest.mark.parametrize('name', ACCELERATOR_CALLS)
+def test_a_call_replaced_on_the_accelerator_falls_back(accelerate_calls, monkeypatch, name):
+    accelerator = Accelerator(cpu=True)
+    monkeypatch.setattr(accelerator, name,
+                        functools.partial(getattr(Accelerator, name), accelerator))
+    assert fallback_calls(accelerator, accelerate_calls) == THROUGH_ACCELERATE
+
+
+@pytest.mark.parametrize('name', OPTIMIZER_CALLS)
+def test_an_optimizer_call_replaced_on_the_instance_is_made(accelerate_calls, monkeypatch,
+                                                            name):
+    accelerator = Accelerator(cpu=True)
+    model, optimizer = model_and_optimizer(accelerator)
+    monkeypatch.setattr(optimizer, name,
+                        functools.partial(getattr(AcceleratedOptimizer, name), optimizer))
+    stepper = Stepper(accelerator)
+    assert stepper.plain  # the other optimizers keep the plain path
+    one_step(stepper, model, optimizer)
+    assert accelerate_calls == list(OPTIMIZER_CALLS)
+
+
+def test_a_zero_grad_of_its_own_gets_set_to_none_as_from_accelerate():
+    class KeepsGradients(torch.optim.SGD):
+        def zero_grad(self, set_to_none=False):
+            super().zero_grad(set_to_none=set_to_none)
+
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    model, optimizer = accelerator.prepare(model, KeepsGradients(model.parameters(), lr=0.1))
+    model(torch.ones(1, 4)).sum().backward()
+    Stepper(accelerator).zero_grad(optimizer)
+    assert model.weight.grad is None  # accelerate passes set_to_none=True
