@@ -11,11 +11,14 @@ itself::
 
 """
 import os
+import signal
+from contextlib import contextmanager
 
 from skorch.callbacks import Callback
 
 from accel_mixin.checkpoint_files import (
-    CHECKPOINT_NAME, agreed_checkpoint, checkpoint_epochs, checkpoint_files)
+    agreed_checkpoint, checkpoint_files, checkpoint_name, checkpoint_positions)
+from accel_mixin.preemption import NoticeBoard, Preempted, handling_signals
 from accel_mixin.process_layout import writes_files
 from accel_mixin.runs import (
     describe_differences, read_manifest, run_folders, run_identity, write_manifest)
@@ -50,6 +53,17 @@ class TrainingCheckpoint(Callback):
     are renamed into place when complete, so ``ResumeTraining`` never picks
     a file whose write was interrupted.
 
+    Inside an epoch, ``every_n_batches`` saves a training state every so
+    many training batches (named ``training-state-<epoch>-batch-<batch>.pt``,
+    ``<epoch>`` the epochs finished before), which ``ResumeTraining``
+    resumes exactly where it was saved (see ``accel_mixin.mid_epoch``). On a
+    preemption notice (one of ``signals``, on any rank), every rank stops at
+    the same batch, at most two batches later (under gradient accumulation,
+    at the next optimizer step after those), saves a training state there
+    and raises ``accel_mixin.Preempted``, so that the script exits non-zero
+    and the scheduler requeues it; a notice at an epoch's last training
+    batch stops at the end of that epoch.
+
     Parameters
     ----------
     dirname : str
@@ -57,6 +71,12 @@ class TrainingCheckpoint(Callback):
 
     every_n_epochs : int (default=1)
       Save after every ``every_n_epochs``-th epoch.
+
+    every_n_batches : int or None (default=None)
+      Also save after every ``every_n_batches``-th training batch of an
+      epoch (the epoch's last excepted, whose state the epoch's end saves),
+      at the first optimizer step at or after it under gradient
+      accumulation. None saves at epoch ends only.
 
     keep_last : int or None (default=2)
       How many checkpoint files of the run to keep; older ones are deleted
@@ -69,6 +89,12 @@ class TrainingCheckpoint(Callback):
       the end of training wait for it, and a failed write raises on every
       rank there.
 
+    signals : tuple of int (default=(signal.SIGTERM,))
+      The preemption notices handled while ``fit`` runs, e.g.
+      ``(signal.SIGTERM, signal.SIGUSR1)`` for SLURM's ``--signal``; ``()``
+      handles none. The previous handlers are back once ``fit`` returns or
+      raises. A state saved on a notice is written synchronously.
+
     Attributes
     ----------
     run_ : accel_mixin.runs.RunIdentity
@@ -80,15 +106,25 @@ class TrainingCheckpoint(Callback):
     """
     in_run_identity = False  # it records the run, it does not change it (runs.py)
 
-    def __init__(self, dirname, every_n_epochs=1, keep_last=2, asynchronous=False):
+    def __init__(self, dirname, every_n_epochs=1, every_n_batches=None, keep_last=2,
+                 asynchronous=False, signals=(signal.SIGTERM,)):
         self.dirname = dirname
         self.every_n_epochs = every_n_epochs
+        self.every_n_batches = every_n_batches
         self.keep_last = keep_last
         self.asynchronous = asynchronous
+        self.signals = signals
 
     def initialize(self):
         if self.every_n_epochs < 1:
             raise ValueError(f"every_n_epochs must be at least 1, got {self.every_n_epochs}")
+        if self.every_n_batches is not None and self.every_n_batches < 1:
+            raise ValueError(
+                f"every_n_batches must be at least 1 or None, got {self.every_n_batches}")
+        self.signals = tuple(signal.Signals(signum) for signum in self.signals)
+        # process-local, never part of a training state (no trailing _)
+        self._notices = None
+        self._stop = False
         if self.keep_last is not None and self.keep_last < 1:
             raise ValueError(f"keep_last must be at least 1 or None, got {self.keep_last}")
         self.run_ = None
@@ -107,6 +143,39 @@ class TrainingCheckpoint(Callback):
                 f"Cannot create the run folder {self.run_folder_} ({type(exc).__name__}: {exc}); "
                 "give TrainingCheckpoint a dirname this process can write to.") from exc
 
+    @contextmanager
+    def during_fit(self, net):
+        """``AccelerateMixin`` enters it around every ``fit`` and
+        ``partial_fit``: the preemption notices are handled meanwhile."""
+        self._notices = NoticeBoard(net.accelerator)
+        self._stop = False
+        with handling_signals(self.signals, self._notices.note):
+            yield
+
+    def on_batch_finished(self, net, training=True, batches=0, **kwargs):
+        """Save inside the epoch if it is due, and stop on a notice.
+
+        ``AccelerateMixin`` calls it after every training batch, after every
+        callback's ``on_batch_end``, with the number of training batches done
+        in the epoch.
+        """
+        state = net.accelerator.gradient_state
+        last, stepped = state.end_of_dataloader, state.sync_gradients
+        notice = self._notices is not None and self.signals and self._notices.agreed(drain=last)
+        if notice and last:
+            self._stop = 'epoch end'
+        elif notice or self._stop == 'step':
+            # between optimizer steps the gradients are half accumulated
+            self._stop = 'step' if not stepped else 'now'
+        steps = net.accelerator.gradient_accumulation_steps
+        due = (self.every_n_batches and stepped and not last
+               and batches // self.every_n_batches > (batches - steps) // self.every_n_batches)
+        stop = self._stop == 'now'
+        if due or stop:
+            self._save(net, len(net.history) - 1, batches, asynchronous=self.asynchronous and not stop)
+        if stop:
+            self._preempted(net, f'after training batch {batches} of epoch {len(net.history)}')
+
     def on_epoch_finished(self, net, stopped=False, **kwargs):
         """Save the state of the epoch that just ended, if it is due.
 
@@ -117,11 +186,28 @@ class TrainingCheckpoint(Callback):
         ``EarlyStopping`` ends training there.
         """
         epoch = len(net.history)
-        if epoch % self.every_n_epochs:
-            return
-        path = os.path.join(self.run_folder_, CHECKPOINT_NAME.format(epoch=epoch))
-        net.save_state(path, asynchronous=self.asynchronous, on_written=self._written,
+        stop = self._stop == 'epoch end'
+        if stop or not epoch % self.every_n_epochs:
+            self._save(net, epoch, 0, asynchronous=self.asynchronous and not stop,
                        stopped=stopped)
+        if stop:
+            self._preempted(net, f'at the end of epoch {epoch}')
+
+    def _save(self, net, epoch, batch, asynchronous, stopped=False):
+        path = os.path.join(self.run_folder_, checkpoint_name(epoch, batch))
+        net.save_state(path, asynchronous=asynchronous, on_written=self._written,
+                       stopped=stopped)
+
+    def _preempted(self, net, where):
+        self._notices.close()
+        net.wait_for_saves()
+        if writes_files(net.accelerator):
+            self._write_manifest('preempted')
+        name = (signal.Signals(self._notices.received).name if self._notices.received
+                else 'a signal to another rank')
+        raise Preempted(
+            f"Preempted (notice: {name}): training stopped {where}, and its state is saved in "
+            f"{self.run_folder_}. Run the same script again to resume there (ResumeTraining).")
 
     def _written(self):
         """On the writing process, once a file is complete."""
@@ -134,9 +220,11 @@ class TrainingCheckpoint(Callback):
         self._write_manifest('running')
 
     def _write_manifest(self, status):
-        write_manifest(self.run_folder_, self.run_, checkpoint_epochs(self.run_folder_), status)
+        write_manifest(self.run_folder_, self.run_, checkpoint_positions(self.run_folder_), status)
 
     def on_train_end(self, net, **kwargs):
+        if self._notices is not None:
+            self._notices.close()
         if self.asynchronous:
             net.wait_for_saves()
         if self.run_ is None or not writes_files(net.accelerator):

@@ -1,7 +1,11 @@
 """Which training-state files a folder holds, and which one every rank has.
 
-``TrainingCheckpoint`` names its files ``training-state-<epoch>.pt`` and
-renames each into place once complete, so a file with that name is whole.
+``TrainingCheckpoint`` names its files after the position of training they
+hold: ``training-state-<epoch>.pt`` after ``epoch`` epochs, and
+``training-state-<epoch>-batch-<batch>.pt`` after ``batch`` training batches
+of the next epoch. Positions ``(epoch, batch)`` order the files (an epoch's
+end is ``(epoch, 0)``). Each file is renamed into place once complete, so a
+file with such a name is whole.
 """
 import os
 import re
@@ -11,26 +15,44 @@ from accelerate.utils import gather_object
 
 from accel_mixin.state_dict import CheckpointError
 
-__all__ = ['CHECKPOINT_NAME', 'agreed_checkpoint', 'checkpoint_epochs', 'checkpoint_files']
+__all__ = ['agreed_checkpoint', 'checkpoint_files', 'checkpoint_name', 'checkpoint_positions',
+           'describe_position']
 
-CHECKPOINT_NAME = 'training-state-{epoch:06d}.pt'
-_CHECKPOINT_RE = re.compile(r'^training-state-(\d{6,})\.pt$')
+_CHECKPOINT_RE = re.compile(r'^training-state-(\d{6,})(?:-batch-(\d{6,}))?\.pt$')
 
 
-def checkpoint_epochs(dirname):
-    """The complete training-state files in ``dirname``, by epoch."""
+def checkpoint_name(epoch, batch=0):
+    """The file name of the training state after ``epoch`` epochs and
+    ``batch`` training batches of the next one."""
+    if batch:
+        return f'training-state-{epoch:06d}-batch-{batch:06d}.pt'
+    return f'training-state-{epoch:06d}.pt'
+
+
+def describe_position(position):
+    epoch, batch = position
+    return f'epoch {epoch}' if not batch else f'batch {batch} of epoch {epoch + 1}'
+
+
+def _describe_positions(positions):
+    ends = [epoch for epoch, batch in positions if not batch]
+    return ', '.join([f'epochs {ends}'] + [describe_position(p) for p in positions if p[1]])
+
+
+def checkpoint_positions(dirname):
+    """The complete training-state files in ``dirname``, by ``(epoch, batch)``."""
     try:
         names = os.listdir(dirname)
     except FileNotFoundError:
         return {}
-    return {int(m.group(1)): os.path.join(dirname, n)
+    return {(int(m.group(1)), int(m.group(2) or 0)): os.path.join(dirname, n)
             for n in names for m in [_CHECKPOINT_RE.match(n)] if m}
 
 
 def checkpoint_files(dirname):
     """The complete training-state files in ``dirname``, oldest first."""
-    found = checkpoint_epochs(dirname)
-    return [found[epoch] for epoch in sorted(found)]
+    found = checkpoint_positions(dirname)
+    return [found[position] for position in sorted(found)]
 
 
 def agreed_checkpoint(dirname, accelerator):
@@ -38,7 +60,7 @@ def agreed_checkpoint(dirname, accelerator):
 
     Machines that share no filesystem (``save_on_each_node``) can hold
     different files: one killed during a write, or a new machine with none.
-    Each rank lists its own ``dirname``; all resume from the newest epoch
+    Each rank lists its own ``dirname``; all resume from the newest position
     they all have, so that they train the same epochs from the same state.
     Files are renamed into place when complete, so a write that was killed
     never has the name this looks for.
@@ -51,7 +73,7 @@ def agreed_checkpoint(dirname, accelerator):
 
     """
     try:
-        found, error = checkpoint_epochs(dirname), None
+        found, error = checkpoint_positions(dirname), None
     except OSError as exc:
         found, error = {}, f'{type(exc).__name__}: {exc}'
     everyone = [(sorted(found), error)]
@@ -61,19 +83,21 @@ def agreed_checkpoint(dirname, accelerator):
     if errors:
         raise CheckpointError(
             f"Cannot look for training states in {dirname}: {'; '.join(errors)}.")
-    common = set.intersection(*(set(epochs) for epochs, _ in everyone))
-    newest = {rank: max(epochs) for rank, (epochs, _) in enumerate(everyone) if epochs}
+    common = set.intersection(*(set(map(tuple, positions)) for positions, _ in everyone))
+    newest = {rank: max(map(tuple, positions))
+              for rank, (positions, _) in enumerate(everyone) if positions}
     if common:
-        epoch = max(common)
-        ahead = sorted(rank for rank, last in newest.items() if last > epoch)
+        position = max(common)
+        ahead = sorted(rank for rank, last in newest.items() if last > position)
         if ahead and accelerator.is_main_process:
             warnings.warn(
-                f"Resuming from epoch {epoch}, the newest training state in {dirname} that "
-                f"every rank has; rank(s) {ahead} also have newer ones.", RuntimeWarning)
-        return found[epoch]
+                f"Resuming from {describe_position(position)}, the newest training state in "
+                f"{dirname} that every rank has; rank(s) {ahead} also have newer ones.",
+                RuntimeWarning)
+        return found[position]
     if newest:
-        have = ', '.join(f'rank {rank}: epochs {epochs}'
-                         for rank, (epochs, _) in enumerate(everyone))
+        have = ', '.join(f'rank {rank}: {_describe_positions(positions)}'
+                         for rank, (positions, _) in enumerate(everyone))
         raise CheckpointError(
             f"No training state in {dirname} is on every rank ({have}). Copy the newest "
             f"file to {dirname} on every machine, or remove the files everywhere to "

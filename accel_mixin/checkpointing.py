@@ -8,11 +8,13 @@ files are complete and raises if any process failed. The training state's
 format is ``training_state``'s, its restore ``resuming``'s.
 """
 from accel_mixin.files import replacing_after, write_state
+from accel_mixin.internals import batch_sampler_owner
 from accel_mixin.output import quiet_unless_main
 from accel_mixin.params import SafeParamsMixin
 from accel_mixin.process_layout import writes_files
 from accel_mixin.process_state import process_state
 from accel_mixin.resuming import resume
+from accel_mixin.skorch_callbacks import stopped_early
 from accel_mixin.state_values import cpu_snapshot
 from accel_mixin.training_state import collect_state, train_iterator_state
 
@@ -76,7 +78,7 @@ class CheckpointingMixin(SafeParamsMixin):
             return None
         return super()._check_device(requested_device, map_device)
 
-    def save_state(self, path, asynchronous=False, on_written=None, stopped=False):
+    def save_state(self, path, asynchronous=False, on_written=None, stopped=None):
         """Save the whole training state, to resume training exactly.
 
         The file holds the weights of every module and criterion, every
@@ -102,9 +104,11 @@ class CheckpointingMixin(SafeParamsMixin):
           Called without arguments on the writing process once the file is
           complete (``TrainingCheckpoint`` rotates its files there).
 
-        stopped : bool (default=False)
-          Whether training ends with this state (``EarlyStopping`` stopped
-          it), so that a run resumed from it trains no further.
+        stopped : bool or None (default=None)
+          Whether training ends with this state, so that a run resumed from
+          it trains no further. None: whether an ``EarlyStopping`` among the
+          callbacks has decided to stop (at the epoch that just ended, or,
+          after ``fit``, the last one).
 
         """
         def write(state):
@@ -115,8 +119,15 @@ class CheckpointingMixin(SafeParamsMixin):
         with self._unwrapped(), quiet_unless_main(self.accelerator), \
                 self._coordinator.session('save_state'):
             self.wait_for_saves()
-            iterator = self._process.running_train_iterator()
-            state = collect_state(self, train_iterator_state(iterator), stopped=stopped)
+            process = self._process
+            if process.position is None:
+                shuffling = train_iterator_state(process.running_train_iterator())
+            else:  # inside an epoch: its order is replayed from its start
+                batch_sampler_owner(process.running_train_iterator())
+                shuffling = process.epoch_start_iterator
+            if stopped is None:
+                stopped = process.position is None and stopped_early(self.callbacks_)
+            state = collect_state(self, shuffling, stopped=stopped, position=process.position)
             writes = writes_files(self.accelerator)
             if not asynchronous:
                 self._coordinator.run(lambda: write(state), what='save_state', here=writes,

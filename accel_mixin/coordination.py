@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from accel_mixin.internals import default_store
 
-__all__ = ['Coordinator', 'DistributedError', 'coordinator_for', 'failure_message']
+__all__ = ['Coordinator', 'DistributedError', 'Preempted', 'coordinator_for', 'failure_message']
 
 # polls of a barrier's counter: fast for a while, then slower, so that a long
 # wait costs little CPU; failures, heartbeats and the deadline are looked at
@@ -58,6 +58,17 @@ _HEARTBEAT_SECONDS = 1.0
 
 class DistributedError(RuntimeError):
     """Raised on every rank when a collective section failed on another rank."""
+
+
+class Preempted(Exception):
+    """Training stopped on a preemption notice, on every rank at the same
+    batch, after a training state was saved there.
+
+    It ends ``fit`` with an error, so that a script that does not catch it
+    exits non-zero and the scheduler requeues the job; the next run resumes
+    from the saved state (``ResumeTraining``). Every rank raises it: it is no
+    failure of one rank.
+    """
 
 
 def failure_message(what, rank, exc):
@@ -373,7 +384,7 @@ class _Section:
         coordinator = self.coordinator
         coordinator._open.pop()  # pylint: disable=protected-access
         # a stop every rank takes is no failure
-        if exc_type is None or issubclass(exc_type, (KeyboardInterrupt, GeneratorExit)):
+        if exc_type is None or issubclass(exc_type, (KeyboardInterrupt, GeneratorExit, Preempted)):
             return False
         if issubclass(exc_type, DistributedError):
             # another rank's failure, learned in an inner section: passed on

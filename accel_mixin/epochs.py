@@ -11,13 +11,18 @@ rank runs the callbacks on the same row, and the ranks agree on the row, on
 whether to stop and on any error, before the replica check and the hooks that
 save the finished epoch (``on_epoch_finished``).
 """
+import inspect
+
 import torch
 from skorch.dataset import get_len, unpack_data
 
 from accel_mixin.coordination import DistributedError
 from accel_mixin.history_sync import agree_on_row, leading_samples, merge_epoch, real_samples
+from accel_mixin.mid_epoch import skipping_batches
+from accel_mixin.process_state import process_state
 from accel_mixin.replicas import check_net_replicas, check_same_steps
 from accel_mixin.skorch_callbacks import main_process_pickles, stopped_early
+from accel_mixin.state_values import restore_rng
 
 __all__ = ['end_epoch', 'run_epoch']
 
@@ -26,7 +31,13 @@ def run_epoch(net, iterator, training, prefix, step_fn, autocast, **fit_params):
     """skorch's ``run_single_epoch``, counting the real samples of each batch.
 
     ``autocast`` is the context manager of the net's precision, for the loss
-    of the real samples of a padded batch.
+    of the real samples of a padded batch. While training batches run, the
+    net's process state holds the position a training state saved there
+    records; a resumed epoch skips the batches its state had done
+    (``mid_epoch``). After each training batch, callbacks with an
+    ``on_batch_finished(net, training, batches)`` hook run, after every callback's
+    ``on_batch_end``, with ``batches``, the training batches done in the
+    epoch: ``TrainingCheckpoint`` saves there.
     """
     accelerator = net.accelerator
     processes, rank = accelerator.num_processes, accelerator.process_index
@@ -34,20 +45,45 @@ def run_epoch(net, iterator, training, prefix, step_fn, autocast, **fit_params):
         check_same_steps(accelerator, iterator)
     # without even batches nothing is padded: every sample is real
     padded = processes > 1 and accelerator.even_batches
-    batch_count = 0
-    for batch in iterator:
-        size = get_len(batch[0]) if isinstance(batch, (tuple, list)) else get_len(batch)
-        real = (real_samples(accelerator.gradient_state, processes, rank, size)
-                if padded else size)
-        view = batch if real in (0, size) else leading_samples(batch, real)
-        net.notify('on_batch_begin', batch=view, training=training)
-        step = step_fn(batch, **fit_params)
-        if view is not batch:
-            step = _real_step(net, step, view, real, training, autocast)
-        net.history.record_batch(prefix + '_loss', step['loss'].item() if real else 0.0)
-        net.history.record_batch(prefix + '_batch_size', real)
-        net.notify('on_batch_end', batch=view, training=training, **step)
-        batch_count += bool(real)  # padding alone is no batch of the data
+    process = process_state(net)
+    resume, done, batch_count, finished = None, 0, 0, []
+    if training:
+        resume, process.resume_at = process.resume_at, None
+        if resume is not None:
+            done, batch_count = resume['batches'], resume['batch_count']
+        finished = [cb.on_batch_finished for _, cb in net.callbacks_
+                    if hasattr(cb, 'on_batch_finished')]
+    try:
+        with skipping_batches(iterator, done):
+            for batch in iterator:
+                if resume is not None:
+                    # the generators as they were after the last batch trained
+                    restore_rng(resume['rng'])
+                    resume = None
+                size = get_len(batch[0]) if isinstance(batch, (tuple, list)) else get_len(batch)
+                real = (real_samples(accelerator.gradient_state, processes, rank, size)
+                        if padded else size)
+                view = batch if real in (0, size) else leading_samples(batch, real)
+                net.notify('on_batch_begin', batch=view, training=training)
+                step = step_fn(batch, **fit_params)
+                if view is not batch:
+                    step = _real_step(net, step, view, real, training, autocast)
+                net.history.record_batch(prefix + '_loss', step['loss'].item() if real else 0.0)
+                net.history.record_batch(prefix + '_batch_size', real)
+                batch_count += bool(real)  # padding alone is no batch of the data
+                if training:
+                    done += 1
+                    process.position = (done, batch_count)
+                net.notify('on_batch_end', batch=view, training=training, **step)
+                for hook in finished:
+                    hook(net, training=True, batches=done)
+        if resume is not None:  # every batch was done already
+            restore_rng(resume['rng'])
+            # as accelerate counts a pass that yields batches
+            iterator.iteration = getattr(iterator, 'iteration', 0) + 1
+    finally:
+        if training:
+            process.position = None
     net.history.record(prefix + '_batch_count', batch_count)
 
 
@@ -115,6 +151,12 @@ def end_epoch(net, coordinator, notify_callbacks, **cb_kwargs):
     for _, cb in net.callbacks_:
         finished = getattr(cb, 'on_epoch_finished', None)
         if finished is not None:
-            finished(net, stopped=stopped)
+            # hooks written as on_epoch_finished(net) still work
+            finished(net, **({'stopped': stopped} if _takes(finished, 'stopped') else {}))
     if stop:
         raise KeyboardInterrupt
+
+
+def _takes(function, name):
+    parameters = inspect.signature(function).parameters.values()
+    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in parameters)

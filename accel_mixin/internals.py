@@ -13,7 +13,9 @@ Each is used because no public API does the job:
   returns), which makes ``prepare_model`` return a module untouched, and which
   is removed before a module is prepared again;
 - a prepared dataloader's ``synchronized_generator`` and ``iteration``, which
-  decide the shuffling that a training state saves;
+  decide the shuffling that a training state saves, and the ``batch_sampler``
+  of the DataLoader it wraps (``base_dataloader``), which a resumed epoch
+  swaps for one that skips the batches already trained (``mid_epoch.py``);
 - skorch's ``_check_f_arguments`` and ``NeuralNet._get_module``, which
   ``save_params`` and ``load_params`` share with skorch, and
   ``ProgressBar._get_batches_per_epoch_phase``, whose count of the whole
@@ -34,6 +36,7 @@ from skorch.net import NeuralNet
 
 __all__ = [
     'InternalsChanged',
+    'batch_sampler_owner',
     'check_accelerator',
     'check_dataloader',
     'check_progress_bar',
@@ -106,6 +109,30 @@ def check_dataloader(dataloader):
         if not hasattr(dataloader, name):
             raise _changed('accelerate', f'{type(dataloader).__name__}.{name}',
                            'to save and restore the shuffling of the training data')
+
+
+def batch_sampler_owner(dataloader):
+    """The torch DataLoader whose ``batch_sampler`` a prepared dataloader
+    iterates.
+
+    Raises
+    ------
+    ValueError
+      If the data has no batch sampler (an ``IterableDataset``): batches
+      cannot be skipped without loading them.
+
+    """
+    owner = getattr(dataloader, 'base_dataloader', dataloader)
+    if not hasattr(owner, 'batch_sampler'):
+        raise _changed('accelerate', f'{type(dataloader).__name__}.base_dataloader.batch_sampler',
+                       'to resume an epoch without loading the batches already trained')
+    if owner.batch_sampler is None:
+        raise ValueError(
+            "Training states inside an epoch need map-style training data (a Dataset with "
+            "__getitem__ and __len__): the batches already trained are skipped by their "
+            "indices. With an IterableDataset, save at epoch ends only "
+            "(TrainingCheckpoint(every_n_batches=None)).")
+    return owner
 
 
 def missing(accelerator):

@@ -18,18 +18,17 @@ from accel_mixin.epochs import end_epoch, run_epoch
 from accel_mixin.native_output import native_warnings_dropped
 from accel_mixin.net_objects import (
     check_optimizers, check_params, net_modules, prepare_retrainable_modules, raw, slots)
-from accel_mixin.notifications import notify_callbacks, notify_in_section
+from accel_mixin.notifications import callbacks_during_fit, notify_callbacks, notify_in_section
 from accel_mixin.output import quiet_unless_main, sink_for
 from accel_mixin.portable import PortableAccelerator, settle_unpickled
 from accel_mixin.process_layout import (
     check_process_layout, check_supported, collect_garbage_at_exit)
 from accel_mixin.process_state import ATTRIBUTE as PROCESS_STATE
 from accel_mixin.replicas import check_net_replicas, check_same_data, named_parameters
-from accel_mixin.resuming import epochs_to_train
+from accel_mixin.resuming import begin_epoch, continue_epoch, epochs_to_train
 from accel_mixin.skorch_callbacks import main_process_pickles, progress_of_this_rank
 from accel_mixin.stepping import Stepper
-from accel_mixin.training_state import (
-    apply_epoch_states, apply_prepared_states, apply_train_begin_states)
+from accel_mixin.training_state import apply_prepared_states, apply_train_begin_states
 from accel_mixin.training_step import clear_gradients, step_optimizers, train_step
 from accel_mixin.wrapping import prepare_dataloader
 
@@ -191,9 +190,10 @@ class AccelerateMixin(CheckpointingMixin):
                 self._process.prepared.wrap(self.accelerator)
 
     def get_all_learnable_params(self):
-        # As in skorch, but from the raw modules, so that the names carry no
+        # As in skorch, but from the raw objects, so that the names carry no
         # DDP prefix, and lazily, as callers may consume it.
-        return named_parameters(('', module) for _, module in net_modules(self))
+        objects = (raw(self, name) for name in self._modules + self._criteria)
+        return named_parameters(('', obj) for obj in objects if hasattr(obj, 'named_parameters'))
 
     # --- training -----------------------------------------------------------
 
@@ -221,10 +221,12 @@ class AccelerateMixin(CheckpointingMixin):
             return self
 
     def partial_fit(self, X, y=None, classes=None, **fit_params):
+        if not self.initialized_:  # as skorch does first, for the callbacks' contexts
+            self.initialize()
         others = self.accelerator.num_processes > 1 and not self.accelerator.is_main_process
         with self._coordinator.session('partial_fit'), quiet_unless_main(self.accelerator), \
                 native_warnings_dropped(active=others), \
-                finished_on_error(lambda: self._process.writer):
+                finished_on_error(lambda: self._process.writer), callbacks_during_fit(self):
             return super().partial_fit(X, y, classes=classes, **fit_params)
 
     def fit_loop(self, X, y=None, epochs=None, **fit_params):
@@ -257,8 +259,7 @@ class AccelerateMixin(CheckpointingMixin):
 
     def _train_begins(self, **cb_kwargs):
         # Callbacks set up on the net's own objects (an LR scheduler is built
-        # on the raw optimizer); what they build is prepared next, after a
-        # resumed run's scheduler states are back.
+        # on the raw optimizer); _begin_training prepares what they built.
         self._unwrap_accelerator()
         self._notify_callbacks('on_train_begin', **cb_kwargs)
 
@@ -288,12 +289,10 @@ class AccelerateMixin(CheckpointingMixin):
                         [raw(self, name) for name in self._optimizers])
 
     def _epoch_begins(self, **cb_kwargs):
-        pending = self._process.pending
-        if pending:
-            # a resumed run continues from the random state it saved
-            apply_epoch_states(pending, self._process.running_train_iterator())
-            pending.clear()
+        partial = begin_epoch(self)
         self._notify_callbacks('on_epoch_begin', **cb_kwargs)
+        if partial is not None:
+            continue_epoch(self, partial)
         if self.accelerator.num_processes > 1:
             progress_of_this_rank(self, cb_kwargs.get('dataset_train'),
                                   cb_kwargs.get('dataset_valid'))

@@ -13,11 +13,20 @@ is reported to the enclosing section.
 
 Loggers (``skorch_callbacks.main_process_only``) run on the main process
 only, and record once.
+
+Beside skorch's notifications, callbacks may have hooks that only
+``AccelerateMixin`` calls: ``during_fit(net)``, a context entered around
+every ``fit`` and ``partial_fit``; ``on_batch_finished(net, training,
+batches)`` after every callback's ``on_batch_end`` of a training batch; and
+``on_epoch_finished(net, stopped)`` once the ranks agreed on an epoch's end
+(``epochs``). ``TrainingCheckpoint`` uses all three.
 """
-from accel_mixin.coordination import DistributedError
+from contextlib import ExitStack, contextmanager
+
+from accel_mixin.coordination import DistributedError, Preempted
 from accel_mixin.skorch_callbacks import main_process_only
 
-__all__ = ['notify_callbacks', 'notify_in_section']
+__all__ = ['callbacks_during_fit', 'notify_callbacks', 'notify_in_section']
 
 _BARRIER_AFTER = frozenset(['on_train_begin', 'on_epoch_begin'])
 _PER_BATCH = frozenset(['on_batch_begin', 'on_batch_end', 'on_grad_computed'])
@@ -31,7 +40,7 @@ def notify_in_section(coordinator, method_name, notify):
         try:
             notify()
         except Exception as exc:
-            if not isinstance(exc, DistributedError):
+            if not isinstance(exc, (DistributedError, Preempted)):
                 coordinator.fail(method_name, exc)
             raise
     else:
@@ -57,3 +66,14 @@ def notify_callbacks(net, coordinator, method_name, **cb_kwargs):
         elif main:
             with coordinator.running_alone(f'the callback {name!r}'):
                 getattr(cb, method_name)(net, **cb_kwargs)
+
+
+@contextmanager
+def callbacks_during_fit(net):
+    """Enter the ``during_fit(net)`` context of every callback that has one."""
+    with ExitStack() as stack:
+        for _, cb in net.callbacks_:
+            hook = getattr(cb, 'during_fit', None)
+            if hook is not None:
+                stack.enter_context(hook(net))
+        yield

@@ -35,10 +35,18 @@ class ProcessState:
     pending: dict = field(default_factory=dict)
     # set by load_state: the next fit goes on from the loaded state
     resumed: Optional[dict] = None
+    # while an epoch's training batches run: (batches done, batches with real
+    # samples), what a training state saved there records
+    position: Optional[tuple] = None
+    epoch_start_iterator: Optional[dict] = None  # the shuffling state the epoch began with
+    epoch_start_rng: Optional[dict] = None  # this rank's generators when it began
+    # a training state from inside an epoch, for the resumed epoch's batches
+    resume_at: Optional[dict] = None
 
     def forget_loaded_state(self):
         self.pending = {}
         self.resumed = None
+        self.resume_at = None
 
     def coordinator_for(self, accelerator):
         """The coordinator of ``accelerator``, made once per accelerator."""

@@ -11,16 +11,22 @@ collective section that fails on every rank if it fails on one:
 5. free the state and wait for every rank.
 
 The random number generators and the shuffling of the training data wait in
-the net's process state until the next epoch begins; the next ``fit`` trains
-the epochs that remain (``epochs_to_train``).
+the net's process state until the next epoch begins (``begin_epoch``); the
+next ``fit`` trains the epochs that remain (``epochs_to_train``). A state
+saved inside an epoch resumes that epoch where it was saved
+(``continue_epoch``, ``mid_epoch``).
 """
 import warnings
 
 from accel_mixin.files import read_state
+from accel_mixin.mid_epoch import apply_partial_epoch
 from accel_mixin.process_state import process_state
-from accel_mixin.training_state import restore_training_state, restore_weights, validate_state
+from accel_mixin.state_values import restore_rng, rng_state
+from accel_mixin.training_state import (
+    apply_epoch_states, restore_training_state, restore_weights, train_iterator_state,
+    validate_state)
 
-__all__ = ['epochs_to_train', 'resume']
+__all__ = ['begin_epoch', 'continue_epoch', 'epochs_to_train', 'resume']
 
 
 def resume(net, path):
@@ -62,7 +68,9 @@ def _load_weights(net, coordinator, state, path):
 def _prepare(net, was_wrapped):
     """Prepare what is new and rewrap, or leave the net unwrapped as it was
     (at train begin, where ``ResumeTraining`` loads, the callbacks set up on
-    the unwrapped objects; the net prepares what they build afterwards)."""
+    the unwrapped objects). A scheduler that a callback before
+    ``ResumeTraining`` built is prepared here, before its state is restored
+    into the raw scheduler that the wrapper steps: the same as after."""
     net._initialize_accelerator()  # pylint: disable=protected-access
     if not was_wrapped:
         net._unwrap_accelerator()  # pylint: disable=protected-access
@@ -82,3 +90,37 @@ def epochs_to_train(net, resumed, epochs):
             RuntimeWarning)
         return 0
     return max(net.max_epochs - len(net.history), 0)
+
+
+def begin_epoch(net):
+    """When an epoch begins, before the callbacks: restore the RNGs and the
+    shuffling a resumed run saved (for a state from inside an epoch, those of
+    that epoch's start), and keep the RNGs and the shuffling state this epoch
+    begins with, for training states saved inside it.
+
+    Returns
+    -------
+    partial : dict or None
+      The unfinished epoch that a state from inside it holds.
+
+    """
+    process = process_state(net)
+    iterator = process.running_train_iterator()
+    partial = process.pending.pop('mid_epoch', None)
+    if process.pending:
+        apply_epoch_states(process.pending, iterator)
+        process.pending.clear()
+    if partial is not None:
+        # the generators as the epoch began: a sampler without a generator
+        # of its own, a dataloader's seed, draw from them before any batch
+        restore_rng(partial['epoch_rng'])
+    process.epoch_start_iterator = train_iterator_state(iterator)
+    process.epoch_start_rng = rng_state()
+    return partial
+
+
+def continue_epoch(net, partial):
+    """After the callbacks' ``on_epoch_begin``: the unfinished epoch's row
+    and caches back, and its batches done to be skipped."""
+    apply_partial_epoch(net, partial)
+    process_state(net).resume_at = partial

@@ -269,13 +269,15 @@ def read_manifest(folder):
     return manifest
 
 
-def write_manifest(folder, identity, epochs, status):
-    """Write the manifest of a run folder, atomically."""
+def write_manifest(folder, identity, positions, status):
+    """Write the manifest of a run folder, atomically; ``positions`` are the
+    ``(epoch, batch)`` of its training states (``checkpoint_files``)."""
     manifest = {
         'format': _FORMAT,
         'run': identity.id,
         'status': status,
-        'epochs': sorted(epochs),
+        'epochs': sorted(epoch for epoch, batch in positions if not batch),
+        'inside_epochs': sorted([epoch + 1, batch] for epoch, batch in positions if batch),
         'updated': time.strftime('%Y-%m-%dT%H:%M:%S%z'),
         'identity': identity.described,
     }

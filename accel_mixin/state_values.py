@@ -29,9 +29,11 @@ class _NotPlain(Exception):
     pass
 
 
-def as_plain(value):
+def as_plain(value, arrays=True):
     """``value`` as tensors and plain Python values (NumPy values converted),
-    or raise _NotPlain."""
+    or raise _NotPlain; with ``arrays=False`` tensors and arrays raise too."""
+    if isinstance(value, (torch.Tensor, np.ndarray)) and not arrays:
+        raise _NotPlain(type(value).__name__)
     if isinstance(value, torch.Tensor):
         return value
     if isinstance(value, np.generic):  # before the scalars: np.float64 is a float
@@ -41,9 +43,9 @@ def as_plain(value):
     if isinstance(value, np.ndarray):
         return torch.from_numpy(np.ascontiguousarray(value))
     if isinstance(value, (list, tuple)):
-        return type(value)(as_plain(item) for item in value)
+        return type(value)(as_plain(item, arrays) for item in value)
     if isinstance(value, dict):
-        return {as_plain(key): as_plain(item) for key, item in value.items()}
+        return {as_plain(key, arrays): as_plain(item, arrays) for key, item in value.items()}
     raise _NotPlain(type(value).__name__)
 
 
@@ -96,13 +98,16 @@ def restore_rng(state):
             torch.cuda.set_rng_state(cuda_state, device)
 
 
-def history_state(history):
-    """A copy of the history as tensors and plain values (``as_plain``)."""
+def history_state(rows):
+    """A copy of the history's rows (a ``History`` or a list of its rows) as
+    plain values (``as_plain``): NumPy scalars become Python's, tuples and
+    keys stay as they are; tensors and arrays are refused, which a resumed
+    history would not give back as they were."""
     try:
-        return as_plain(history.to_list())
+        return as_plain(list(rows), arrays=False)
     except _NotPlain as exc:
         raise TypeError(f"The history holds a {exc}, which a training state cannot keep: "
-                        "record numbers, strings, lists or dicts of them.") from None
+                        "record numbers, strings, or lists, tuples and dicts of them.") from None
 
 
 def cpu_snapshot(state, reuse=None):

@@ -12,7 +12,8 @@ verified under holds, so that anything new or unknown goes through
 accelerate. ``tests/test_stepping.py`` compares it bit for bit with
 accelerate's calls in each covered configuration (1 process in fp32, bf16
 and CPU fp16, 2 DDP processes; with and without accumulation) and checks the
-fallback in each uncovered one. The conditions, read once per fit:
+fallback in each uncovered one. The conditions, read once per fit except
+where said:
 
 - ``distributed_type`` is NO, MULTI_CPU or MULTI_GPU: the tests run the
   first two, and MULTI_GPU's calls relabelled over the same DDP. DeepSpeed
@@ -32,10 +33,15 @@ fallback in each uncovered one. The conditions, read once per fit:
 - ``backward``, ``accumulate`` and ``autocast`` are ``Accelerator``'s own,
   neither overridden by a subclass nor replaced on the instance: whoever
   replaces them means them to run.
-- Per optimizer: an ``AcceleratedOptimizer`` whose ``step`` and ``zero_grad``
-  are its class's own, around an optimizer whose ``zero_grad`` is torch's.
-  accelerate passes ``set_to_none=True`` where the caller gives none, which
-  is torch's default but maybe not another ``zero_grad``'s.
+- Per optimizer, checked at every call (a fraction of a microsecond): an
+  ``AcceleratedOptimizer`` whose ``step`` is its class's own.
+
+``zero_grad`` skips accelerate's for every ``AcceleratedOptimizer`` whose
+``zero_grad`` is its class's own, scaler or not: accelerate's has no more
+to it than the check that gradients sync, and the inner optimizer's
+``zero_grad`` then gets the arguments skorch gives it, as in plain skorch
+(accelerate would pass ``set_to_none=True`` to a ``zero_grad`` of the
+optimizer's own whose default differs).
 
 The ``GradientAccumulationPlugin``'s options need no condition: with
 accumulation the plain path enters ``accelerator.accumulate`` itself, which
@@ -65,11 +71,8 @@ def _own(obj, cls, name):
 
 
 def _plain_optimizer(optimizer):
-    """Whether ``optimizer``'s step and zero_grad may skip accelerate's."""
-    return (_own(optimizer, AcceleratedOptimizer, 'step')
-            and _own(optimizer, AcceleratedOptimizer, 'zero_grad')
-            and getattr(optimizer.optimizer.zero_grad, '__func__', None)
-            is torch.optim.Optimizer.zero_grad)
+    """Whether ``optimizer``'s step may skip accelerate's."""
+    return _own(optimizer, AcceleratedOptimizer, 'step')
 
 
 def takes_closures(accelerator):
@@ -205,11 +208,11 @@ class Stepper:
 
     def zero_grad(self, optimizer, set_to_none=None):
         kwargs = {} if set_to_none is None else {'set_to_none': set_to_none}
-        if self.plain and _plain_optimizer(optimizer):
+        if _own(optimizer, AcceleratedOptimizer, 'zero_grad'):
             if not self.sync_gradients:
                 return
             # what AcceleratedOptimizer.zero_grad does, without inspecting
-            # the signature on every call; torch defaults to set_to_none=True
+            # the signature on every call, and with skorch's arguments
             optimizer = optimizer.optimizer
         optimizer.zero_grad(**kwargs)
 

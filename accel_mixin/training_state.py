@@ -24,6 +24,7 @@ from accelerate.utils import gather_object
 from skorch.callbacks import EarlyStopping, LRScheduler
 from skorch.history import History
 
+from accel_mixin.mid_epoch import partial_epoch
 from accel_mixin.net_objects import net_modules, raw, raw_scheduler
 from accel_mixin.params import load_optimizer_state
 from accel_mixin.state_dict import (
@@ -49,7 +50,7 @@ def _schedulers(net):
             yield name, cb
 
 
-def collect_state(net, train_iterator_state, stopped=False):
+def collect_state(net, train_iterator_state, stopped=False, position=None):
     """The training state of ``net``; every rank calls it (for the RNGs).
 
     Parameters
@@ -58,17 +59,26 @@ def collect_state(net, train_iterator_state, stopped=False):
       Initialized.
 
     train_iterator_state : dict
-      What decides the shuffling of the next epoch.
+      What decides the shuffling of the next epoch, or inside an epoch, of
+      that epoch.
 
     stopped : bool (default=False)
       Whether training stops after this epoch (``EarlyStopping``), so that
       a resumed run trains no further.
 
+    position : tuple or None (default=None)
+      Inside an epoch, ``(batches, batch_count)``: the training batches done
+      in the epoch, and how many of them held real samples (``mid_epoch``).
+
     """
     accelerator = net.accelerator
-    rngs = [rng_state()]
+    mine = {'rng': rng_state()}
+    if position is not None:
+        mine['partial'] = partial_epoch(net, position[1])
+    everyone = [mine]
     if accelerator.num_processes > 1:
-        rngs = gather_object(rngs)
+        everyone = gather_object(everyone)
+    rows = net.history if position is None else net.history[:-1]
     schedulers = {}
     for name, cb in _schedulers(net):
         scheduler = raw_scheduler(name, cb, net)
@@ -80,19 +90,23 @@ def collect_state(net, train_iterator_state, stopped=False):
         'format': FORMAT,
         'version': VERSION,
         'num_processes': accelerator.num_processes,
-        'epoch': len(net.history),
+        'epoch': len(rows),
         'modules': {name: clean_state_dict(module) for name, module in net_modules(net)},
         'optimizers': {name: raw(net, name).state_dict()
                        for name in net._optimizers},  # pylint: disable=protected-access
         'schedulers': schedulers,
         'scaler': accelerator.scaler.state_dict() if accelerator.scaler is not None else None,
-        'rng': rngs,
-        'history': history_state(net.history),
+        'rng': [item['rng'] for item in everyone],
+        'history': history_state(rows),
         'callbacks': {name: _callback_state(net, cb) for name, cb in net.callbacks_},
         'loop': {
             'accumulation_step': int(accelerator.step),
             'train_iterator': train_iterator_state,
             'stopped': bool(stopped),
+            # inside an epoch: the batches done, and each rank's part of it
+            'batches': position[0] if position is not None else 0,
+            'partial_epoch': ([item['partial'] for item in everyone]
+                              if position is not None else None),
         },
     }
 
@@ -159,13 +173,19 @@ def restore_training_state(net, state, source):
 
     rngs = state['rng']
     rank = accelerator.process_index
+    if state['loop'].get('batches', 0) and len(rngs) != accelerator.num_processes:
+        raise CheckpointError(
+            f"{source} was saved inside an epoch by {len(rngs)} process(es); each of them "
+            f"holds its own part of that epoch, so it resumes on {len(rngs)} processes only, "
+            f"not on {accelerator.num_processes}. Resume from a training state of an epoch's "
+            "end (training-state-<epoch>.pt) instead.")
     if len(rngs) != accelerator.num_processes and accelerator.is_main_process:
         warnings.warn(
             f"{source} was saved by {len(rngs)} process(es) and resumes on "
             f"{accelerator.num_processes}: weights, optimizers and history continue, but "
             "the random number streams differ from the run that saved it, so the "
             "resumed run will not repeat it exactly.", RuntimeWarning)
-    return {
+    pending = {
         'schedulers': state['schedulers'],
         'optimizer_groups': {name: optimizer['param_groups']
                              for name, optimizer in state['optimizers'].items()},
@@ -174,6 +194,13 @@ def restore_training_state(net, state, source):
         'train_iterator': state['loop']['train_iterator'],
         'stopped': state['loop'].get('stopped', False),
     }
+    batches = state['loop'].get('batches', 0)
+    if batches:
+        # the RNGs are those after batch `batches`, for the first resumed one
+        pending['mid_epoch'] = dict(state['loop']['partial_epoch'][rank], batches=batches,
+                                    rng=pending.pop('rng'))
+        pending['rng'] = None
+    return pending
 
 
 def apply_train_begin_states(net, pending):

@@ -58,7 +58,7 @@ class Launch:
         return self.ranks
 
 
-def run_processes(script, *args, nproc=2, timeout=180, cpu_env=True, env=None):
+def run_processes(script, *args, nproc=2, timeout=180, cpu_env=True, env=None, launcher_args=()):
     """Run ``script`` under ``nproc`` processes with torchrun.
 
     Parameters
@@ -82,13 +82,18 @@ def run_processes(script, *args, nproc=2, timeout=180, cpu_env=True, env=None):
     env : dict or None
       Additional environment variables.
 
+    launcher_args : sequence of str
+      More arguments for torchrun, e.g. ``['--max-restarts=1']``; with a
+      ``--rdzv-*`` argument, no ``--master_addr`` and ``--master_port``.
+
     Returns
     -------
     launch : Launch
 
     """
-    common = [f'--nproc_per_node={nproc}', '--master_addr=127.0.0.1',
-              f'--master_port={free_port()}']
+    common = [f'--nproc_per_node={nproc}', *launcher_args]
+    if not any(arg.startswith('--rdzv') for arg in launcher_args):
+        common += ['--master_addr=127.0.0.1', f'--master_port={free_port()}']
     return _launch([common], script, args, nproc, timeout, cpu_env, env)
 
 

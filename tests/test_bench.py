@@ -40,6 +40,10 @@ def test_benchmarks_run_and_report(tmp_path):
     replicas = json.loads((results / 'raw' / 'replicas_2.json').read_text())
     assert set(replicas['times_s']) == {'training step', 'replica check'}
     assert replicas['tensors'] == 8 and replicas['check_over_epoch'] > 0
+    midepoch = json.loads((results / 'raw' / 'midepoch_2.json').read_text())
+    assert set(midepoch['stall_s']) == {'synchronous', 'asynchronous'}
+    assert all(row['runs_s'] for row in midepoch['stall_s'].values())  # saves were made
+    assert set(midepoch['first_batch_s']) == {'indices 0', 'indices 30', 'loaded 0', 'loaded 30'}
 
     table = (results / 'bench.md').read_text()
     assert 'unwrap + rewrap' in table and '| target |' in table
@@ -47,6 +51,7 @@ def test_benchmarks_run_and_report(tmp_path):
     assert 'asynchronous checkpoint: stall' in table
     assert 'replica check: at most 1% of an epoch' in table
     assert 'save_params, small model' in table
+    assert 'restart to the first batch: flat' in table and '**Inside an epoch**' in table
     assert (results / 'bench.png').read_bytes()[:4] == b'\x89PNG'
     text = readme.read_text()
     assert 'old' not in text and table in text

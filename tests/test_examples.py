@@ -56,5 +56,8 @@ def test_preemption_example(tmp_path):
         [sys.executable, str(EXAMPLES / 'preemption.py'), '--workdir', str(tmp_path)],
         capture_output=True, text=True, timeout=600, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert 'killed; complete checkpoints:' in out.stdout
-    assert 'identical: True' in out.stdout
+    assert 'Preempted (notice: SIGTERM): training stopped after training batch' in out.stdout
+    assert 'of epoch 3' in out.stdout
+    assert 'torchrun restarted both workers' in out.stdout
+    assert 'uninterrupted and the notice run identical: True' in out.stdout
+    assert 'uninterrupted and the elastic run identical: True' in out.stdout

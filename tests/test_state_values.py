@@ -38,11 +38,13 @@ def test_history_state_is_a_plain_copy_that_loads_with_weights_only(tmp_path):
     assert torch.load(tmp_path / 'h.pt', weights_only=True) == state
 
 
-def test_history_state_names_what_it_cannot_keep():
+@pytest.mark.parametrize('value, kind', [
+    (object(), 'object'), (np.zeros(2), 'ndarray'), (torch.zeros(2), 'Tensor')])
+def test_history_state_names_what_it_cannot_keep(value, kind):
     history = History()
     history.new_epoch()
-    history.record('model', object())
-    with pytest.raises(TypeError, match='The history holds a object'):
+    history.record('value', value)
+    with pytest.raises(TypeError, match=f'The history holds a {kind}'):
         history_state(history)
 
 

@@ -22,8 +22,9 @@ from stepping_check import CONFIGURATIONS, compare
 
 ACCELERATOR_CALLS = ('accumulate', 'autocast', 'backward')
 OPTIMIZER_CALLS = ('step', 'zero_grad')
-# each call of a training step, in order, where all go through accelerate
-THROUGH_ACCELERATE = [*ACCELERATOR_CALLS, *OPTIMIZER_CALLS]
+# each call of a training step, in order, where all go through accelerate;
+# zero_grad skips accelerate's in every configuration (stepping.py says why)
+THROUGH_ACCELERATE = [*ACCELERATOR_CALLS, 'step']
 
 
 def model_and_optimizer(accelerator):
@@ -209,10 +210,10 @@ def test_an_optimizer_call_replaced_on_the_instance_is_made(accelerate_calls, mo
     stepper = Stepper(accelerator)
     assert stepper.plain  # the other optimizers keep the plain path
     one_step(stepper, model, optimizer)
-    assert accelerate_calls == list(OPTIMIZER_CALLS)
+    assert accelerate_calls == [name]  # the replaced call, made; the other skipped
 
 
-def test_a_zero_grad_of_its_own_gets_set_to_none_as_from_accelerate():
+def test_a_zero_grad_of_its_own_gets_skorchs_arguments_as_in_plain_skorch():
     class KeepsGradients(torch.optim.SGD):
         def zero_grad(self, set_to_none=False):
             super().zero_grad(set_to_none=set_to_none)
@@ -223,4 +224,6 @@ def test_a_zero_grad_of_its_own_gets_set_to_none_as_from_accelerate():
     model, optimizer = accelerator.prepare(model, KeepsGradients(model.parameters(), lr=0.1))
     model(torch.ones(1, 4)).sum().backward()
     Stepper(accelerator).zero_grad(optimizer)
-    assert model.weight.grad is None  # accelerate passes set_to_none=True
+    # the optimizer's own default, as optimizer.zero_grad() in plain skorch;
+    # accelerate's zero_grad would pass set_to_none=True
+    assert torch.equal(model.weight.grad, torch.zeros_like(model.weight))

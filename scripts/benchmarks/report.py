@@ -96,6 +96,30 @@ def stall_table(result):
          for name, row in stall.items()]
 
 
+def midepoch_table(result):
+    stall, first = result['stall_s'], result['first_batch_s']
+    lines = [
+        f"**Inside an epoch** ({result['processes']} processes, {result['params'] / 1e6:.1f}M "
+        f"parameters; a save every {result['every_n_batches']} batches of one epoch; the time "
+        "each save blocks training on rank 0)",
+        '',
+        '| TrainingCheckpoint(every_n_batches) | median stall (s) | runs (s) |',
+        '|---|---:|---|',
+    ] + [f"| {name} | {row['median_s']:.3f} | {', '.join(f'{x:.3f}' for x in row['runs_s'])} |"
+         for name, row in stall.items()]
+    lines += [
+        '',
+        f"**Restart to the first trained batch** (a shuffled dataloader, {result['load_us']:.0f} "
+        "µs to load a sample, batches of 32; skipping by indices, as a resumed epoch does, "
+        "against loading and dropping the skipped batches)",
+        '',
+        '| batches skipped | by indices (s) | loaded and dropped (s) |',
+        '|---:|---:|---:|',
+    ] + [f"| {skip} | {first[f'indices {skip}']['median_s']:.4f} | "
+         f"{first[f'loaded {skip}']['median_s']:.4f} |" for skip in result['skips']]
+    return lines
+
+
 def replicas_table(result):
     times = result['times_s']
     return [
@@ -131,7 +155,8 @@ def _durable_ratio(checkpoint):
     return save['accel_mixin']['median_s'] / save['torch.save + fsync']['median_s']
 
 
-def targets(fit1, fit2, checkpoint, stall=None, replicas=None, checkpoint_small=None):
+def targets(fit1, fit2, checkpoint, stall=None, replicas=None, checkpoint_small=None,
+            midepoch=None):
     """Fit targets use paired rounds: the machine drifts more between rounds
     than the differences measured."""
     rows = []
@@ -173,6 +198,12 @@ def targets(fit1, fit2, checkpoint, stall=None, replicas=None, checkpoint_small=
         ratio = stall['ratio']
         rows.append(('asynchronous checkpoint: stall at most 1/4 of the synchronous save',
                      f'{ratio:.2f}', ratio <= 0.25))
+    if midepoch:
+        first, skips = midepoch['first_batch_s'], midepoch['skips']
+        ratio = (first[f'indices {max(skips)}']['median_s']
+                 / first[f'indices {min(skips)}']['median_s'])
+        rows.append((f'restart to the first batch: flat in the batches skipped ({max(skips)} '
+                     f'against {min(skips)}: at most 2 x)', f'{ratio:.2f}', ratio <= 2))
     if replicas:
         share = replicas['check_over_epoch']
         rows.append(('replica check: at most 1% of an epoch', f'{100 * share:.3f}%', share <= 0.01))
@@ -244,9 +275,9 @@ def main():
     parser.add_argument('--command', default='scripts/bench')
     args = parser.parse_args()
 
-    fit1, fit2, checkpoint, checkpoint_small, stall, replicas = (
+    fit1, fit2, checkpoint, checkpoint_small, stall, replicas, midepoch = (
         load(args.raw, n) for n in ('fit_1', 'fit_2', 'checkpoint_2', 'checkpoint_small_2',
-                                    'stall_2', 'replicas_2'))
+                                    'stall_2', 'replicas_2', 'midepoch_2'))
     lines = [f'Reproduce with `{args.command}`. Bars are medians, dots single runs.', '']
     for result, title in ((fit1, 'fit, 1 process'), (fit2, 'fit, 2 processes')):
         if result:
@@ -257,9 +288,11 @@ def main():
         lines += small_save_table(checkpoint_small) + ['']
     if stall:
         lines += stall_table(stall) + ['']
+    if midepoch:
+        lines += midepoch_table(midepoch) + ['']
     if replicas:
         lines += replicas_table(replicas) + ['']
-    lines += targets(fit1, fit2, checkpoint, stall, replicas, checkpoint_small)
+    lines += targets(fit1, fit2, checkpoint, stall, replicas, checkpoint_small, midepoch)
     text = '\n'.join(lines) + '\n'
 
     out = Path(args.out)

@@ -19,6 +19,8 @@ QUICK = {
     'checkpoint_small': ['--width', '64', '--depth', '1', '--repeats', '2'],
     'stall': ['--width', '256', '--depth', '2', '--repeats', '2', '--train-seconds', '0.2'],
     'replicas': ['--width', '256', '--depth', '2', '--repeats', '2'],
+    'midepoch': ['--width', '256', '--depth', '2', '--repeats', '2', '--samples', '640',
+                 '--skips', '0', '30'],
 }
 
 
@@ -67,6 +69,7 @@ def main():
            extra.get('checkpoint_small', ['--width', '448', '--depth', '4']), timeout)
     launch('stall.py', raw / 'stall_2.json', 2, extra.get('stall', []), timeout)
     launch('replicas.py', raw / 'replicas_2.json', 2, extra.get('replicas', []), timeout)
+    launch('midepoch.py', raw / 'midepoch_2.json', 2, extra.get('midepoch', []), timeout)
     report = [sys.executable, str(HERE / 'report.py'), '--raw', str(raw), '--out', args.out]
     if args.readme:
         report += ['--readme', args.readme]

@@ -19,6 +19,7 @@ from accel_mixin import AccelerateMixin
 __all__ = [
     'AcceleratedNet',
     'Checks',
+    'DropoutMLP',
     'IncumbentNet',
     'LogitMLP',
     'MLP',
@@ -65,6 +66,19 @@ def make_data(n=600, n_features=20, seed=0, noise=0.0):
     X, y = make_classification(
         n, n_features, n_informative=10, random_state=seed, flip_y=noise)
     return X.astype(np.float32), y.astype(np.int64)
+
+
+class DropoutMLP(torch.nn.Module):
+    """Outputs probabilities; dropout draws from the random number generators."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.Sequential(
+            torch.nn.Linear(20, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3),
+            torch.nn.Linear(32, 2), torch.nn.Softmax(dim=-1))
+
+    def forward(self, X):
+        return self.layers(X)
 
 
 class MLP(torch.nn.Module):

@@ -17,21 +17,10 @@ import torch
 from skorch.callbacks import Callback, EarlyStopping, LRScheduler
 
 from accel_mixin.callbacks import ResumeTraining, TrainingCheckpoint
-from common import AcceleratedNet, make_accelerator, make_data, report
+from common import AcceleratedNet, DropoutMLP, make_accelerator, make_data, report
 
 MODE, DIRNAME = sys.argv[1], sys.argv[2]
 ASYNCHRONOUS = len(sys.argv) > 3 and sys.argv[3] == 'async'
-
-
-class DropoutMLP(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = torch.nn.Sequential(
-            torch.nn.Linear(20, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3),
-            torch.nn.Linear(32, 2), torch.nn.Softmax(dim=-1))
-
-    def forward(self, X):
-        return self.layers(X)
 
 
 class Scripted(Callback):
