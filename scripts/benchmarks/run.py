@@ -20,7 +20,7 @@ QUICK = {
     'stall': ['--width', '256', '--depth', '2', '--repeats', '2', '--train-seconds', '0.2'],
     'replicas': ['--width', '256', '--depth', '2', '--repeats', '2'],
     'midepoch': ['--width', '256', '--depth', '2', '--repeats', '2', '--samples', '640',
-                 '--skips', '0', '30'],
+                 '--every', '3', '--skips', '0', '30'],
 }
 
 
