@@ -19,6 +19,7 @@ from skorch.dataset import get_len, unpack_data
 from accel_mixin.coordination import DistributedError
 from accel_mixin.history_sync import agree_on_row, leading_samples, merge_epoch, real_samples
 from accel_mixin.mid_epoch import skipping_batches
+from accel_mixin.notifications import hook
 from accel_mixin.process_state import process_state
 from accel_mixin.replicas import check_net_replicas, check_same_steps
 from accel_mixin.skorch_callbacks import main_process_pickles, stopped_early
@@ -51,8 +52,7 @@ def run_epoch(net, iterator, training, prefix, step_fn, autocast, **fit_params):
         resume, process.resume_at = process.resume_at, None
         if resume is not None:
             done, batch_count = resume['batches'], resume['batch_count']
-        finished = [cb.on_batch_finished for _, cb in net.callbacks_
-                    if hasattr(cb, 'on_batch_finished')]
+        finished = [h for _, cb in net.callbacks_ for h in [hook(cb, 'on_batch_finished')] if h]
     try:
         with skipping_batches(iterator, done):
             for batch in iterator:
@@ -75,8 +75,8 @@ def run_epoch(net, iterator, training, prefix, step_fn, autocast, **fit_params):
                     done += 1
                     process.position = (done, batch_count)
                 net.notify('on_batch_end', batch=view, training=training, **step)
-                for hook in finished:
-                    hook(net, training=True, batches=done)
+                for finish in finished:
+                    finish(net, training=True, batches=done)
         if resume is not None:  # every batch was done already
             restore_rng(resume['rng'])
             # as accelerate counts a pass that yields batches
@@ -149,7 +149,7 @@ def end_epoch(net, coordinator, notify_callbacks, **cb_kwargs):
             check_net_replicas(net, f'after epoch {len(net.history)}')
     stopped = stop and stopped_early(net.callbacks_)
     for _, cb in net.callbacks_:
-        finished = getattr(cb, 'on_epoch_finished', None)
+        finished = hook(cb, 'on_epoch_finished')
         if finished is not None:
             # hooks written as on_epoch_finished(net) still work
             finished(net, **({'stopped': stopped} if _takes(finished, 'stopped') else {}))

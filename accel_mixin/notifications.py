@@ -26,7 +26,7 @@ from contextlib import ExitStack, contextmanager
 from accel_mixin.coordination import DistributedError, Preempted
 from accel_mixin.skorch_callbacks import main_process_only
 
-__all__ = ['callbacks_during_fit', 'notify_callbacks', 'notify_in_section']
+__all__ = ['callbacks_during_fit', 'hook', 'notify_callbacks', 'notify_in_section']
 
 _BARRIER_AFTER = frozenset(['on_train_begin', 'on_epoch_begin'])
 _PER_BATCH = frozenset(['on_batch_begin', 'on_batch_end', 'on_grad_computed'])
@@ -68,12 +68,19 @@ def notify_callbacks(net, coordinator, method_name, **cb_kwargs):
                 getattr(cb, method_name)(net, **cb_kwargs)
 
 
+def hook(callback, name):
+    """The bound hook ``name`` of ``callback``, or None: looked up on its
+    class, so that an object that answers every attribute (a ``Mock``) has
+    none."""
+    return getattr(callback, name) if callable(getattr(type(callback), name, None)) else None
+
+
 @contextmanager
 def callbacks_during_fit(net):
     """Enter the ``during_fit(net)`` context of every callback that has one."""
     with ExitStack() as stack:
         for _, cb in net.callbacks_:
-            hook = getattr(cb, 'during_fit', None)
-            if hook is not None:
-                stack.enter_context(hook(net))
+            during_fit = hook(cb, 'during_fit')
+            if during_fit is not None:
+                stack.enter_context(during_fit(net))
         yield
