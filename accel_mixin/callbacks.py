@@ -18,6 +18,7 @@ from skorch.callbacks import Callback
 
 from accel_mixin.checkpoint_files import (
     agreed_checkpoint, checkpoint_files, checkpoint_name, checkpoint_positions)
+from accel_mixin.mid_epoch import resumable_inside_epochs
 from accel_mixin.preemption import NoticeBoard, Preempted, handling_signals
 from accel_mixin.process_layout import writes_files
 from accel_mixin.runs import (
@@ -54,15 +55,20 @@ class TrainingCheckpoint(Callback):
     a file whose write was interrupted.
 
     Inside an epoch, ``every_n_batches`` saves a training state every so
-    many training batches (named ``training-state-<epoch>-batch-<batch>.pt``,
-    ``<epoch>`` the epochs finished before), which ``ResumeTraining``
-    resumes exactly where it was saved (see ``accel_mixin.mid_epoch``). On a
-    preemption notice (one of ``signals``, on any rank), every rank stops at
-    the same batch, at most two batches later (under gradient accumulation,
-    at the next optimizer step after those), saves a training state there
-    and raises ``accel_mixin.Preempted``, so that the script exits non-zero
-    and the scheduler requeues it; a notice at an epoch's last training
-    batch stops at the end of that epoch.
+    many training batches (named
+    ``training-state-<epoch>-batch-<batch>-ranks-<n>.pt``, ``<epoch>`` the
+    epochs finished before), which ``ResumeTraining`` resumes exactly where
+    it was saved, on the same number of processes (see
+    ``accel_mixin.mid_epoch``). On a preemption notice (one of ``signals``,
+    on any rank), every rank stops at the same batch, at most two batches
+    later (under gradient accumulation, at the next optimizer step after
+    those), saves a training state there and raises
+    ``accel_mixin.Preempted``, so that the script exits non-zero and the
+    scheduler requeues it. A notice during an epoch's last two training
+    batches, its validation or its end stops at the end of that epoch, as
+    does any notice where the training data cannot resume inside an epoch
+    (an ``IterableDataset``). A notice after the last epoch's end is
+    delivered again once ``fit`` has put the previous handlers back.
 
     Parameters
     ----------
@@ -74,12 +80,15 @@ class TrainingCheckpoint(Callback):
 
     every_n_batches : int or None (default=None)
       Also save after every ``every_n_batches``-th training batch of an
-      epoch (the epoch's last excepted, whose state the epoch's end saves),
-      at the first optimizer step at or after it under gradient
-      accumulation. None saves at epoch ends only.
+      epoch (the epoch's last excepted), at the first optimizer step at or
+      after it under gradient accumulation. None saves at epoch ends only.
+      Needs map-style training data: with an ``IterableDataset`` training
+      raises a ``ValueError`` at its first batch.
 
     keep_last : int or None (default=2)
-      How many checkpoint files of the run to keep; older ones are deleted
+      How many checkpoint files of the run to keep, besides the newest
+      state of an epoch's end, which is always kept (a state inside an
+      epoch resumes on its own number of processes only); older ones are deleted
       once a new one is complete. None keeps all. Other runs' files are
       never deleted.
 
@@ -147,10 +156,14 @@ class TrainingCheckpoint(Callback):
     def during_fit(self, net):
         """``AccelerateMixin`` enters it around every ``fit`` and
         ``partial_fit``: the preemption notices are handled meanwhile."""
-        self._notices = NoticeBoard(net.accelerator)
-        self._stop = False
-        with handling_signals(self.signals, self._notices.note):
+        self._notices = notices = NoticeBoard(net.accelerator)
+        self._stop, self._inside = False, None
+        with handling_signals(self.signals, notices.note):
             yield
+        if notices.received is not None:
+            # a notice that came too late to stop training: the previous
+            # handler (the default ends the process) gets it after all
+            signal.raise_signal(notices.received)
 
     def on_batch_finished(self, net, training=True, batches=0, **kwargs):
         """Save inside the epoch if it is due, and stop on a notice.
@@ -161,8 +174,13 @@ class TrainingCheckpoint(Callback):
         """
         state = net.accelerator.gradient_state
         last, stepped = state.end_of_dataloader, state.sync_gradients
-        notice = self._notices is not None and self.signals and self._notices.agreed(drain=last)
-        if notice and last:
+        if self._inside is None:
+            self._inside = resumable_inside_epochs(net)
+            if self.every_n_batches and not self._inside:
+                resumable_inside_epochs(net, explain=True)
+        # every rank polls, whatever its signals: the all-reduces must match
+        notice = self._notices is not None and self._notices.agreed(drain=last)
+        if notice and (last or not self._inside):
             self._stop = 'epoch end'
         elif notice or self._stop == 'step':
             # between optimizer steps the gradients are half accumulated
@@ -186,6 +204,9 @@ class TrainingCheckpoint(Callback):
         ``EarlyStopping`` ends training there.
         """
         epoch = len(net.history)
+        # notices that came during the last batches, validation or the end
+        if self._notices is not None and self._notices.agreed(drain=True):
+            self._stop = 'epoch end'
         stop = self._stop == 'epoch end'
         if stop or not epoch % self.every_n_epochs:
             self._save(net, epoch, 0, asynchronous=self.asynchronous and not stop,
@@ -194,17 +215,18 @@ class TrainingCheckpoint(Callback):
             self._preempted(net, f'at the end of epoch {epoch}')
 
     def _save(self, net, epoch, batch, asynchronous, stopped=False):
-        path = os.path.join(self.run_folder_, checkpoint_name(epoch, batch))
+        name = checkpoint_name(epoch, batch, net.accelerator.num_processes)
+        path = os.path.join(self.run_folder_, name)
         net.save_state(path, asynchronous=asynchronous, on_written=self._written,
                        stopped=stopped)
 
     def _preempted(self, net, where):
         self._notices.close()
+        received, self._notices.received = self._notices.received, None  # acted on
         net.wait_for_saves()
         if writes_files(net.accelerator):
             self._write_manifest('preempted')
-        name = (signal.Signals(self._notices.received).name if self._notices.received
-                else 'a signal to another rank')
+        name = signal.Signals(received).name if received else 'a signal to another rank'
         raise Preempted(
             f"Preempted (notice: {name}): training stopped {where}, and its state is saved in "
             f"{self.run_folder_}. Run the same script again to resume there (ResumeTraining).")
@@ -212,7 +234,11 @@ class TrainingCheckpoint(Callback):
     def _written(self):
         """On the writing process, once a file is complete."""
         if self.keep_last is not None:
+            ends = [path for (_, batch), path in sorted(
+                checkpoint_positions(self.run_folder_).items()) if not batch]
             for path in checkpoint_files(self.run_folder_)[:-self.keep_last]:
+                if ends and path == ends[-1]:
+                    continue  # the newest epoch's end resumes on any number of processes
                 try:
                     os.unlink(path)
                 except FileNotFoundError:

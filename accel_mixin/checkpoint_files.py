@@ -2,8 +2,9 @@
 
 ``TrainingCheckpoint`` names its files after the position of training they
 hold: ``training-state-<epoch>.pt`` after ``epoch`` epochs, and
-``training-state-<epoch>-batch-<batch>.pt`` after ``batch`` training batches
-of the next epoch. Positions ``(epoch, batch)`` order the files (an epoch's
+``training-state-<epoch>-batch-<batch>-ranks-<n>.pt`` after ``batch``
+training batches of the next epoch on ``n`` processes (such a state resumes
+on ``n`` processes only: each holds its own part of the epoch). Positions ``(epoch, batch)`` order the files (an epoch's
 end is ``(epoch, 0)``). Each file is renamed into place once complete, so a
 file with such a name is whole.
 """
@@ -18,14 +19,14 @@ from accel_mixin.state_dict import CheckpointError
 __all__ = ['agreed_checkpoint', 'checkpoint_files', 'checkpoint_name', 'checkpoint_positions',
            'describe_position']
 
-_CHECKPOINT_RE = re.compile(r'^training-state-(\d{6,})(?:-batch-(\d{6,}))?\.pt$')
+_CHECKPOINT_RE = re.compile(r'^training-state-(\d{6,})(?:-batch-(\d{6,})-ranks-(\d+))?\.pt$')
 
 
-def checkpoint_name(epoch, batch=0):
+def checkpoint_name(epoch, batch=0, processes=1):
     """The file name of the training state after ``epoch`` epochs and
-    ``batch`` training batches of the next one."""
+    ``batch`` training batches of the next one, on ``processes`` processes."""
     if batch:
-        return f'training-state-{epoch:06d}-batch-{batch:06d}.pt'
+        return f'training-state-{epoch:06d}-batch-{batch:06d}-ranks-{processes}.pt'
     return f'training-state-{epoch:06d}.pt'
 
 
@@ -39,14 +40,16 @@ def _describe_positions(positions):
     return ', '.join([f'epochs {ends}'] + [describe_position(p) for p in positions if p[1]])
 
 
-def checkpoint_positions(dirname):
-    """The complete training-state files in ``dirname``, by ``(epoch, batch)``."""
+def checkpoint_positions(dirname, processes=None):
+    """The complete training-state files in ``dirname``, by ``(epoch, batch)``;
+    with ``processes``, only those that resume on that many processes."""
     try:
         names = os.listdir(dirname)
     except FileNotFoundError:
         return {}
     return {(int(m.group(1)), int(m.group(2) or 0)): os.path.join(dirname, n)
-            for n in names for m in [_CHECKPOINT_RE.match(n)] if m}
+            for n in names for m in [_CHECKPOINT_RE.match(n)]
+            if m and (processes is None or not m.group(2) or int(m.group(3)) == processes)}
 
 
 def checkpoint_files(dirname):
@@ -73,7 +76,7 @@ def agreed_checkpoint(dirname, accelerator):
 
     """
     try:
-        found, error = checkpoint_positions(dirname), None
+        found, error = checkpoint_positions(dirname, accelerator.num_processes), None
     except OSError as exc:
         found, error = {}, f'{type(exc).__name__}: {exc}'
     everyone = [(sorted(found), error)]

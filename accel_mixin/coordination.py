@@ -67,7 +67,9 @@ class Preempted(Exception):
     It ends ``fit`` with an error, so that a script that does not catch it
     exits non-zero and the scheduler requeues the job; the next run resumes
     from the saved state (``ResumeTraining``). Every rank raises it: it is no
-    failure of one rank.
+    failure of one rank. The net is left as training stopped (still wrapped,
+    its history ending with the unfinished epoch's row): run the script
+    again rather than training on in the same process.
     """
 
 

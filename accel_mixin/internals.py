@@ -33,6 +33,7 @@ import torch
 from skorch import utils as skorch_utils
 from skorch.callbacks import ProgressBar
 from skorch.net import NeuralNet
+from torch.utils.data import IterableDataset
 
 __all__ = [
     'InternalsChanged',
@@ -104,7 +105,10 @@ def check_prepared_module(prepared, module, accelerator, wrapped):
 
 
 def check_dataloader(dataloader):
-    """Raise unless a prepared training dataloader exposes its shuffling state."""
+    """Raise unless a prepared training dataloader exposes its shuffling state
+    (iterable data has none: it goes through accelerate's dispatcher)."""
+    if isinstance(getattr(dataloader, 'dataset', None), IterableDataset):
+        return
     for name in DATALOADER_ATTRIBUTES:
         if not hasattr(dataloader, name):
             raise _changed('accelerate', f'{type(dataloader).__name__}.{name}',
@@ -126,7 +130,7 @@ def batch_sampler_owner(dataloader):
     if not hasattr(owner, 'batch_sampler'):
         raise _changed('accelerate', f'{type(dataloader).__name__}.base_dataloader.batch_sampler',
                        'to resume an epoch without loading the batches already trained')
-    if owner.batch_sampler is None:
+    if owner.batch_sampler is None or isinstance(getattr(owner, 'dataset', None), IterableDataset):
         raise ValueError(
             "Training states inside an epoch need map-style training data (a Dataset with "
             "__getitem__ and __len__): the batches already trained are skipped by their "

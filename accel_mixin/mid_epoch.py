@@ -17,8 +17,9 @@ generators of the epoch's start are restored when it begins again (a
 sampler without a generator of its own draws its order from them), those
 after batch ``k`` just before the first resumed batch trains. This is
 exact where loading a sample draws no random numbers (tensors, arrays,
-datasets without random augmentation): a dataset that augments at random
-gets other augmentations for the rest of the resumed epoch.
+datasets without random augmentation): with a dataset that augments at
+random, the rest of the resumed epoch draws other numbers, for the
+augmentations and, where the main process loads, for dropout too.
 """
 from contextlib import contextmanager
 
@@ -28,7 +29,20 @@ from accel_mixin.internals import batch_sampler_owner
 from accel_mixin.process_state import process_state
 from accel_mixin.state_values import as_plain, cpu_snapshot, history_state
 
-__all__ = ['apply_partial_epoch', 'partial_epoch', 'skipping_batches']
+__all__ = ['apply_partial_epoch', 'partial_epoch', 'resumable_inside_epochs', 'skipping_batches']
+
+
+def resumable_inside_epochs(net, explain=False):
+    """Whether the running fit's training data can resume inside an epoch:
+    map-style data, whose batches have indices to skip. With ``explain``,
+    raise the ``ValueError`` that says why not instead of returning False."""
+    try:
+        batch_sampler_owner(process_state(net).running_train_iterator())
+    except ValueError:
+        if explain:
+            raise
+        return False
+    return True
 
 
 def _training_caches(net):
@@ -92,10 +106,13 @@ def skipping_batches(dataloader, skip):
         return
     owner = batch_sampler_owner(dataloader)
     original = owner.batch_sampler
+    skipping = _SkipFirst(original, skip)
     # DataLoader refuses a new batch_sampler once built; the object is the
     # same one for the whole fit, so it is swapped for this epoch only
-    object.__setattr__(owner, 'batch_sampler', _SkipFirst(original, skip))
+    object.__setattr__(owner, 'batch_sampler', skipping)
     try:
         yield
     finally:
         object.__setattr__(owner, 'batch_sampler', original)
+        # persistent workers keep the sampler their iterator began with
+        skipping.skip = 0

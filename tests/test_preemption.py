@@ -5,8 +5,14 @@ import os
 import signal
 
 import pytest
+import torch
+from accelerate import Accelerator
+from skorch.callbacks import Callback
 
+from accel_mixin import Preempted
+from accel_mixin.callbacks import TrainingCheckpoint
 from accel_mixin.preemption import NoticeBoard, handling_signals
+from common import AcceleratedNet, MLP, make_data
 from harness import free_port, run_plain, run_processes
 
 
@@ -86,6 +92,49 @@ def test_torchrun_restarts_a_killed_worker_and_the_job_ends_as_if_uninterrupted(
     ranks = run.check()
     for rank in ranks:
         assert rank['attempt'] == 1  # the restarted workers finished the job
-        assert rank['resumed_from'] == 'training-state-000001-batch-000006.pt'
+        assert rank['resumed_from'] .startswith('training-state-000001-batch-000006-ranks-')
         assert rank['history'] == uninterrupted[2]['history']
         assert rank['params'] == uninterrupted[2]['params']
+
+
+class Notify(Callback):
+    """Sends this process ``signum`` at a given notification."""
+
+    def __init__(self, signum, when, batch=None):
+        self.signum, self.when, self.batch = signum, when, batch
+
+    def on_batch_end(self, net, training=False, **kwargs):
+        if self.when == 'batch' and training and len(net.history[-1]['batches']) == self.batch:
+            os.kill(os.getpid(), self.signum)
+
+    def on_train_end(self, net, **kwargs):
+        if self.when == 'train end':
+            os.kill(os.getpid(), self.signum)
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        X, y = make_data(64)
+        return iter(zip(X, y))
+
+
+def fit_in_process(tmp_path, notify, data=None):
+    net = AcceleratedNet(
+        MLP, accelerator=Accelerator(cpu=True), max_epochs=2, batch_size=8, train_split=None,
+        verbose=0, callbacks=[TrainingCheckpoint(tmp_path, signals=(signal.SIGUSR1,)), notify])
+    return net.fit(*(data or make_data(64)))
+
+
+def test_with_iterable_data_a_notice_stops_at_the_end_of_the_epoch(tmp_path):
+    with pytest.raises(Preempted, match='training stopped at the end of epoch 1'):
+        fit_in_process(tmp_path, Notify(signal.SIGUSR1, 'batch', 2), data=(Stream(), None))
+
+
+def test_a_notice_after_the_last_epoch_goes_to_the_previous_handler(tmp_path):
+    received = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: received.append(signum))
+    try:
+        fit_in_process(tmp_path, Notify(signal.SIGUSR1, 'train end'))
+        assert received == [signal.SIGUSR1]  # delivered again once fit put it back
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
