@@ -78,14 +78,15 @@ def test_a_notice_stops_every_rank_at_one_batch_and_the_rerun_resumes_exactly(
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize('nproc', [1, 2])
 def test_torchrun_restarts_a_killed_worker_and_the_job_ends_as_if_uninterrupted(
-        uninterrupted, tmp_path):
+        uninterrupted, tmp_path, nproc):
     # torch's c10d rendezvous, with a store of the workers' own: sharing the
     # launcher's store, restarted workers can read the addresses of the
     # workers they replace and fail to connect (pytorch/pytorch#135712;
     # measured here in 4 of 8 restarts)
     run = run_processes(
-        'midepoch_run.py', 'elastic', tmp_path, timeout=300,
+        'midepoch_run.py', 'elastic', tmp_path, nproc=nproc, timeout=300,
         env={'TORCH_DISABLE_SHARE_RDZV_TCP_STORE': '1'},
         launcher_args=['--max-restarts=1', '--rdzv-backend=c10d',
                        f'--rdzv-endpoint=127.0.0.1:{free_port()}'])
@@ -93,8 +94,8 @@ def test_torchrun_restarts_a_killed_worker_and_the_job_ends_as_if_uninterrupted(
     for rank in ranks:
         assert rank['attempt'] == 1  # the restarted workers finished the job
         assert rank['resumed_from'] .startswith('training-state-000001-batch-000006-ranks-')
-        assert rank['history'] == uninterrupted[2]['history']
-        assert rank['params'] == uninterrupted[2]['params']
+        assert rank['history'] == uninterrupted[nproc]['history']
+        assert rank['params'] == uninterrupted[nproc]['params']
 
 
 class Notify(Callback):
