@@ -1,16 +1,17 @@
 """skorch nets trained with HuggingFace accelerate: DDP, mixed precision,
 gradient accumulation, and checkpoints that are right in every process layout."""
+
 from accel_mixin.coordination import DistributedError, Preempted
 from accel_mixin.mixin import AccelerateMixin
 from accel_mixin.params import SafeParamsMixin
 from accel_mixin.state_dict import CheckpointError, strip_wrapper_prefixes
 
 __all__ = [
-    'AccelerateMixin',
-    'CheckpointError',
-    'DistributedError',
-    'Preempted',
-    'SafeParamsMixin',
-    'strip_wrapper_prefixes',
+    "AccelerateMixin",
+    "CheckpointError",
+    "DistributedError",
+    "Preempted",
+    "SafeParamsMixin",
+    "strip_wrapper_prefixes",
 ]
-__version__ = '0.1.0'
+__version__ = "0.1.0"

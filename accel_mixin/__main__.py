@@ -1,4 +1,5 @@
 """``python -m accel_mixin env``: what a bug report needs (``diagnostics``)."""
+
 import argparse
 
 import torch.distributed as dist
@@ -7,9 +8,10 @@ from accel_mixin.diagnostics import environment_report
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog='python -m accel_mixin')
-    parser.add_argument('command', choices=['env'],
-                        help='env: versions, what accelerate sees, every rank\'s layout')
+    parser = argparse.ArgumentParser(prog="python -m accel_mixin")
+    parser.add_argument(
+        "command", choices=["env"], help="env: versions, what accelerate sees, every rank's layout"
+    )
     parser.parse_args(argv)
     report = environment_report()
     if report is not None:
@@ -19,5 +21,5 @@ def main(argv=None):
         dist.destroy_process_group()
 
 
-if __name__ == '__main__':
+if __name__ == "__main__":
     main()

@@ -1,9 +1,10 @@
 """One write at a time, in a background thread."""
+
 import threading
 import warnings
 from contextlib import contextmanager
 
-__all__ = ['BackgroundWriter', 'finished_on_error']
+__all__ = ["BackgroundWriter", "finished_on_error"]
 
 
 class BackgroundWriter:
@@ -22,8 +23,9 @@ class BackgroundWriter:
 
     def submit(self, job):
         self.wait()
-        self._thread = threading.Thread(target=self._run, args=(job,), daemon=False,
-                                        name='accel_mixin-writer')
+        self._thread = threading.Thread(
+            target=self._run, args=(job,), daemon=False, name="accel_mixin-writer"
+        )
         self._thread.start()
 
     def _run(self, job):
@@ -54,6 +56,8 @@ def finished_on_error(get_writer):
             try:
                 writer.wait()
             except Exception as exc:  # pylint: disable=broad-except
-                warnings.warn(f"An asynchronous save_state failed too: "
-                              f"{type(exc).__name__}: {exc}", RuntimeWarning)
+                warnings.warn(
+                    f"An asynchronous save_state failed too: {type(exc).__name__}: {exc}",
+                    RuntimeWarning,
+                )
         raise

@@ -10,6 +10,7 @@ itself::
     net.fit(X, y)  # after a crash: trains only the epochs that remain
 
 """
+
 import os
 import signal
 from contextlib import contextmanager
@@ -17,26 +18,36 @@ from contextlib import contextmanager
 from skorch.callbacks import Callback
 
 from accel_mixin.checkpoint_files import (
-    agreed_checkpoint, checkpoint_files, checkpoint_name, checkpoint_positions)
+    agreed_checkpoint,
+    checkpoint_files,
+    checkpoint_name,
+    checkpoint_positions,
+)
 from accel_mixin.mid_epoch import resumable_inside_epochs
 from accel_mixin.preemption import NoticeBoard, Preempted, handling_signals
 from accel_mixin.process_layout import writes_files
 from accel_mixin.runs import (
-    describe_differences, read_manifest, run_folders, run_identity, write_manifest)
+    describe_differences,
+    read_manifest,
+    run_folders,
+    run_identity,
+    write_manifest,
+)
 from accel_mixin.skorch_callbacks import stopped_early
 from accel_mixin.state_dict import CheckpointError
 
-__all__ = ['ResumeTraining', 'TrainingCheckpoint']
+__all__ = ["ResumeTraining", "TrainingCheckpoint"]
 
 
 def _check_net(net, callback):
     """Training states are AccelerateMixin's: say so on any other net."""
-    if not all(hasattr(net, name) for name in ('save_state', 'load_state', 'wait_for_everyone')):
+    if not all(hasattr(net, name) for name in ("save_state", "load_state", "wait_for_everyone")):
         raise TypeError(
             f"{type(callback).__name__} saves and loads training states with "
             f"AccelerateMixin.save_state and load_state, which {type(net).__name__} does not "
             "have: use it on a net with AccelerateMixin in front (in one process, "
-            "Accelerator(cpu=True) will do), or use skorch's Checkpoint and LoadInitState.")
+            "Accelerator(cpu=True) will do), or use skorch's Checkpoint and LoadInitState."
+        )
 
 
 class TrainingCheckpoint(Callback):
@@ -113,10 +124,18 @@ class TrainingCheckpoint(Callback):
       Where its files go.
 
     """
+
     in_run_identity = False  # it records the run, it does not change it (runs.py)
 
-    def __init__(self, dirname, every_n_epochs=1, every_n_batches=None, keep_last=2,
-                 asynchronous=False, signals=(signal.SIGTERM,)):
+    def __init__(
+        self,
+        dirname,
+        every_n_epochs=1,
+        every_n_batches=None,
+        keep_last=2,
+        asynchronous=False,
+        signals=(signal.SIGTERM,),
+    ):
         self.dirname = dirname
         self.every_n_epochs = every_n_epochs
         self.every_n_batches = every_n_batches
@@ -129,7 +148,8 @@ class TrainingCheckpoint(Callback):
             raise ValueError(f"every_n_epochs must be at least 1, got {self.every_n_epochs}")
         if self.every_n_batches is not None and self.every_n_batches < 1:
             raise ValueError(
-                f"every_n_batches must be at least 1 or None, got {self.every_n_batches}")
+                f"every_n_batches must be at least 1 or None, got {self.every_n_batches}"
+            )
         self.signals = tuple(signal.Signals(signum) for signum in self.signals)
         # process-local, never part of a training state (no trailing _)
         self._notices = None
@@ -150,7 +170,8 @@ class TrainingCheckpoint(Callback):
         except OSError as exc:
             raise CheckpointError(
                 f"Cannot create the run folder {self.run_folder_} ({type(exc).__name__}: {exc}); "
-                "give TrainingCheckpoint a dirname this process can write to.") from exc
+                "give TrainingCheckpoint a dirname this process can write to."
+            ) from exc
 
     @contextmanager
     def during_fit(self, net):
@@ -181,18 +202,24 @@ class TrainingCheckpoint(Callback):
         # every rank polls, whatever its signals: the all-reduces must match
         notice = self._notices is not None and self._notices.agreed(drain=last)
         if notice and (last or not self._inside):
-            self._stop = 'epoch end'
-        elif notice or self._stop == 'step':
+            self._stop = "epoch end"
+        elif notice or self._stop == "step":
             # between optimizer steps the gradients are half accumulated
-            self._stop = 'step' if not stepped else 'now'
+            self._stop = "step" if not stepped else "now"
         steps = net.accelerator.gradient_accumulation_steps
-        due = (self.every_n_batches and stepped and not last
-               and batches // self.every_n_batches > (batches - steps) // self.every_n_batches)
-        stop = self._stop == 'now'
+        due = (
+            self.every_n_batches
+            and stepped
+            and not last
+            and batches // self.every_n_batches > (batches - steps) // self.every_n_batches
+        )
+        stop = self._stop == "now"
         if due or stop:
-            self._save(net, len(net.history) - 1, batches, asynchronous=self.asynchronous and not stop)
+            self._save(
+                net, len(net.history) - 1, batches, asynchronous=self.asynchronous and not stop
+            )
         if stop:
-            self._preempted(net, f'after training batch {batches} of epoch {len(net.history)}')
+            self._preempted(net, f"after training batch {batches} of epoch {len(net.history)}")
 
     def on_epoch_finished(self, net, stopped=False, **kwargs):
         """Save the state of the epoch that just ended, if it is due.
@@ -206,44 +233,46 @@ class TrainingCheckpoint(Callback):
         epoch = len(net.history)
         # notices that came during the last batches, validation or the end
         if self._notices is not None and self._notices.agreed(drain=True):
-            self._stop = 'epoch end'
-        stop = self._stop == 'epoch end'
+            self._stop = "epoch end"
+        stop = self._stop == "epoch end"
         if stop or not epoch % self.every_n_epochs:
-            self._save(net, epoch, 0, asynchronous=self.asynchronous and not stop,
-                       stopped=stopped)
+            self._save(net, epoch, 0, asynchronous=self.asynchronous and not stop, stopped=stopped)
         if stop:
-            self._preempted(net, f'at the end of epoch {epoch}')
+            self._preempted(net, f"at the end of epoch {epoch}")
 
     def _save(self, net, epoch, batch, asynchronous, stopped=False):
         name = checkpoint_name(epoch, batch, net.accelerator.num_processes)
         path = os.path.join(self.run_folder_, name)
-        net.save_state(path, asynchronous=asynchronous, on_written=self._written,
-                       stopped=stopped)
+        net.save_state(path, asynchronous=asynchronous, on_written=self._written, stopped=stopped)
 
     def _preempted(self, net, where):
         self._notices.close()
         received, self._notices.received = self._notices.received, None  # acted on
         net.wait_for_saves()
         if writes_files(net.accelerator):
-            self._write_manifest('preempted')
-        name = signal.Signals(received).name if received else 'a signal to another rank'
+            self._write_manifest("preempted")
+        name = signal.Signals(received).name if received else "a signal to another rank"
         raise Preempted(
             f"Preempted (notice: {name}): training stopped {where}, and its state is saved in "
-            f"{self.run_folder_}. Run the same script again to resume there (ResumeTraining).")
+            f"{self.run_folder_}. Run the same script again to resume there (ResumeTraining)."
+        )
 
     def _written(self):
         """On the writing process, once a file is complete."""
         if self.keep_last is not None:
-            ends = [path for (_, batch), path in sorted(
-                checkpoint_positions(self.run_folder_).items()) if not batch]
-            for path in checkpoint_files(self.run_folder_)[:-self.keep_last]:
+            ends = [
+                path
+                for (_, batch), path in sorted(checkpoint_positions(self.run_folder_).items())
+                if not batch
+            ]
+            for path in checkpoint_files(self.run_folder_)[: -self.keep_last]:
                 if ends and path == ends[-1]:
                     continue  # the newest epoch's end resumes on any number of processes
                 try:
                     os.unlink(path)
                 except FileNotFoundError:
                     pass
-        self._write_manifest('running')
+        self._write_manifest("running")
 
     def _write_manifest(self, status):
         write_manifest(self.run_folder_, self.run_, checkpoint_positions(self.run_folder_), status)
@@ -256,11 +285,11 @@ class TrainingCheckpoint(Callback):
         if self.run_ is None or not writes_files(net.accelerator):
             return
         if stopped_early(net.callbacks_):
-            status = 'stopped early'
+            status = "stopped early"
         elif len(net.history) >= net.max_epochs:
-            status = 'finished'
+            status = "finished"
         else:
-            status = 'interrupted'
+            status = "interrupted"
         self._write_manifest(status)
 
 
@@ -301,6 +330,7 @@ class ResumeTraining(Callback):
       The training state training resumed from, if any.
 
     """
+
     in_run_identity = False  # it records the run, it does not change it (runs.py)
 
     def __init__(self, dirname, run=None, sink=print):
@@ -324,11 +354,12 @@ class ResumeTraining(Callback):
                 raise CheckpointError(
                     f"ResumeTraining(run={self.run!r}): {self.dirname} holds no run {self.run} "
                     f"(it holds {sorted(runs) or 'none'}); pass the id of one of them, the "
-                    "name of its folder without 'run-'.")
+                    "name of its folder without 'run-'."
+                )
             read_manifest(runs[self.run])
         # every rank gets here before the ranks compare their files, or
         # raises if a callback before this one failed on some rank
-        net.wait_for_everyone('ResumeTraining')
+        net.wait_for_everyone("ResumeTraining")
         path = agreed_checkpoint(own, net.accelerator)
         if path is None and self.run is not None:
             path = agreed_checkpoint(runs[self.run], net.accelerator)
@@ -346,7 +377,12 @@ class ResumeTraining(Callback):
             manifest = read_manifest(runs[newest])
         except CheckpointError:
             manifest = None
-        differs = ('an unreadable manifest' if manifest is None else
-                   describe_differences(identity.described, manifest.get('identity', {})))
-        return (f"ResumeTraining: run {identity.id} starts afresh in {self.dirname}, next to "
-                f"{len(others)} other run(s); it differs from the newest, {newest}, in: {differs}")
+        differs = (
+            "an unreadable manifest"
+            if manifest is None
+            else describe_differences(identity.described, manifest.get("identity", {}))
+        )
+        return (
+            f"ResumeTraining: run {identity.id} starts afresh in {self.dirname}, next to "
+            f"{len(others)} other run(s); it differs from the newest, {newest}, in: {differs}"
+        )

@@ -4,10 +4,11 @@
 hold: ``training-state-<epoch>.pt`` after ``epoch`` epochs, and
 ``training-state-<epoch>-batch-<batch>-ranks-<n>.pt`` after ``batch``
 training batches of the next epoch on ``n`` processes (such a state resumes
-on ``n`` processes only: each holds its own part of the epoch). Positions ``(epoch, batch)`` order the files (an epoch's
-end is ``(epoch, 0)``). Each file is renamed into place once complete, so a
-file with such a name is whole.
+on ``n`` processes only: each holds its own part of the epoch). Positions
+``(epoch, batch)`` order the files (an epoch's end is ``(epoch, 0)``). Each
+file is renamed into place once complete, so a file with such a name is whole.
 """
+
 import os
 import re
 import warnings
@@ -16,28 +17,33 @@ from accelerate.utils import gather_object
 
 from accel_mixin.state_dict import CheckpointError
 
-__all__ = ['agreed_checkpoint', 'checkpoint_files', 'checkpoint_name', 'checkpoint_positions',
-           'describe_position']
+__all__ = [
+    "agreed_checkpoint",
+    "checkpoint_files",
+    "checkpoint_name",
+    "checkpoint_positions",
+    "describe_position",
+]
 
-_CHECKPOINT_RE = re.compile(r'^training-state-(\d{6,})(?:-batch-(\d{6,})-ranks-(\d+))?\.pt$')
+_CHECKPOINT_RE = re.compile(r"^training-state-(\d{6,})(?:-batch-(\d{6,})-ranks-(\d+))?\.pt$")
 
 
 def checkpoint_name(epoch, batch=0, processes=1):
     """The file name of the training state after ``epoch`` epochs and
     ``batch`` training batches of the next one, on ``processes`` processes."""
     if batch:
-        return f'training-state-{epoch:06d}-batch-{batch:06d}-ranks-{processes}.pt'
-    return f'training-state-{epoch:06d}.pt'
+        return f"training-state-{epoch:06d}-batch-{batch:06d}-ranks-{processes}.pt"
+    return f"training-state-{epoch:06d}.pt"
 
 
 def describe_position(position):
     epoch, batch = position
-    return f'epoch {epoch}' if not batch else f'batch {batch} of epoch {epoch + 1}'
+    return f"epoch {epoch}" if not batch else f"batch {batch} of epoch {epoch + 1}"
 
 
 def _describe_positions(positions):
     ends = [epoch for epoch, batch in positions if not batch]
-    return ', '.join([f'epochs {ends}'] + [describe_position(p) for p in positions if p[1]])
+    return ", ".join([f"epochs {ends}"] + [describe_position(p) for p in positions if p[1]])
 
 
 def checkpoint_positions(dirname, processes=None):
@@ -47,9 +53,12 @@ def checkpoint_positions(dirname, processes=None):
         names = os.listdir(dirname)
     except FileNotFoundError:
         return {}
-    return {(int(m.group(1)), int(m.group(2) or 0)): os.path.join(dirname, n)
-            for n in names for m in [_CHECKPOINT_RE.match(n)]
-            if m and (processes is None or not m.group(2) or int(m.group(3)) == processes)}
+    return {
+        (int(m.group(1)), int(m.group(2) or 0)): os.path.join(dirname, n)
+        for n in names
+        for m in [_CHECKPOINT_RE.match(n)]
+        if m and (processes is None or not m.group(2) or int(m.group(3)) == processes)
+    }
 
 
 def checkpoint_files(dirname):
@@ -78,17 +87,19 @@ def agreed_checkpoint(dirname, accelerator):
     try:
         found, error = checkpoint_positions(dirname, accelerator.num_processes), None
     except OSError as exc:
-        found, error = {}, f'{type(exc).__name__}: {exc}'
+        found, error = {}, f"{type(exc).__name__}: {exc}"
     everyone = [(sorted(found), error)]
     if accelerator.num_processes > 1:
         everyone = gather_object(everyone)
-    errors = [f'rank {rank}: {err}' for rank, (_, err) in enumerate(everyone) if err]
+    errors = [f"rank {rank}: {err}" for rank, (_, err) in enumerate(everyone) if err]
     if errors:
-        raise CheckpointError(
-            f"Cannot look for training states in {dirname}: {'; '.join(errors)}.")
+        raise CheckpointError(f"Cannot look for training states in {dirname}: {'; '.join(errors)}.")
     common = set.intersection(*(set(map(tuple, positions)) for positions, _ in everyone))
-    newest = {rank: max(map(tuple, positions))
-              for rank, (positions, _) in enumerate(everyone) if positions}
+    newest = {
+        rank: max(map(tuple, positions))
+        for rank, (positions, _) in enumerate(everyone)
+        if positions
+    }
     if common:
         position = max(common)
         ahead = sorted(rank for rank, last in newest.items() if last > position)
@@ -96,13 +107,17 @@ def agreed_checkpoint(dirname, accelerator):
             warnings.warn(
                 f"Resuming from {describe_position(position)}, the newest training state in "
                 f"{dirname} that every rank has; rank(s) {ahead} also have newer ones.",
-                RuntimeWarning)
+                RuntimeWarning,
+            )
         return found[position]
     if newest:
-        have = ', '.join(f'rank {rank}: {_describe_positions(positions)}'
-                         for rank, (positions, _) in enumerate(everyone))
+        have = ", ".join(
+            f"rank {rank}: {_describe_positions(positions)}"
+            for rank, (positions, _) in enumerate(everyone)
+        )
         raise CheckpointError(
             f"No training state in {dirname} is on every rank ({have}). Copy the newest "
             f"file to {dirname} on every machine, or remove the files everywhere to "
-            "start afresh.")
+            "start afresh."
+        )
     return None

@@ -7,6 +7,7 @@ main process of every machine), atomically; every process returns once the
 files are complete and raises if any process failed. The training state's
 format is ``training_state``'s, its restore ``resuming``'s.
 """
+
 from accel_mixin.files import replacing_after, write_state
 from accel_mixin.internals import batch_sampler_owner
 from accel_mixin.output import quiet_unless_main
@@ -18,7 +19,7 @@ from accel_mixin.skorch_callbacks import stopped_early
 from accel_mixin.state_values import cpu_snapshot
 from accel_mixin.training_state import collect_state, train_iterator_state
 
-__all__ = ['CheckpointingMixin']
+__all__ = ["CheckpointingMixin"]
 
 
 class CheckpointingMixin(SafeParamsMixin):
@@ -26,6 +27,7 @@ class CheckpointingMixin(SafeParamsMixin):
 
     Relies on the net's ``_unwrapped()``, which ``AccelerateMixin`` provides.
     """
+
     @property
     def _process(self):
         return process_state(self)
@@ -33,7 +35,6 @@ class CheckpointingMixin(SafeParamsMixin):
     @property
     def _coordinator(self):
         return self._process.coordinator_for(self.accelerator)
-
 
     def save_params(self, *args, **kwargs):
         """Save the parameters of the net's modules, optimizers and history.
@@ -52,8 +53,9 @@ class CheckpointingMixin(SafeParamsMixin):
                 # MlflowLogger's artifacts): the main process writes anyway
                 save()
                 return
-            self._coordinator.run(save, what='save_params',
-                                  here=writes_files(self.accelerator), gate=replacing_after)
+            self._coordinator.run(
+                save, what="save_params", here=writes_files(self.accelerator), gate=replacing_after
+            )
 
     def load_params(self, *args, **kwargs):
         """Load the parameters of the net's modules, optimizers and history.
@@ -65,11 +67,11 @@ class CheckpointingMixin(SafeParamsMixin):
         charge. If loading fails on any process, every process raises.
 
         """
-        if kwargs.get('checkpoint') is not None and not self.initialized_:
+        if kwargs.get("checkpoint") is not None and not self.initialized_:
             self.initialize()
         load = lambda: super(CheckpointingMixin, self).load_params(*args, **kwargs)  # noqa: E731
         with self._unwrapped(), quiet_unless_main(self.accelerator):
-            self._coordinator.run(load, what='load_params')
+            self._coordinator.run(load, what="load_params")
 
     def _check_device(self, requested_device, map_device):
         if requested_device is None:
@@ -111,13 +113,17 @@ class CheckpointingMixin(SafeParamsMixin):
           after ``fit``, the last one).
 
         """
+
         def write(state):
             write_state(state, path)
             if on_written is not None:
                 on_written()
 
-        with self._unwrapped(), quiet_unless_main(self.accelerator), \
-                self._coordinator.session('save_state'):
+        with (
+            self._unwrapped(),
+            quiet_unless_main(self.accelerator),
+            self._coordinator.session("save_state"),
+        ):
             self.wait_for_saves()
             process = self._process
             if process.position is None:
@@ -130,8 +136,9 @@ class CheckpointingMixin(SafeParamsMixin):
             state = collect_state(self, shuffling, stopped=stopped, position=process.position)
             writes = writes_files(self.accelerator)
             if not asynchronous:
-                self._coordinator.run(lambda: write(state), what='save_state', here=writes,
-                                      gate=replacing_after)
+                self._coordinator.run(
+                    lambda: write(state), what="save_state", here=writes, gate=replacing_after
+                )
             elif writes:
                 # the previous write is done: its snapshot's memory is free
                 copy = self._process.snapshot = cpu_snapshot(state, reuse=self._process.snapshot)
@@ -142,7 +149,9 @@ class CheckpointingMixin(SafeParamsMixin):
 
         Raises on every rank if the write failed.
         """
-        self._coordinator.run(self._process.background_writer().wait, what='asynchronous save_state')
+        self._coordinator.run(
+            self._process.background_writer().wait, what="asynchronous save_state"
+        )
 
     def load_state(self, path):
         """Restore a training state that ``save_state`` wrote.
@@ -167,13 +176,13 @@ class CheckpointingMixin(SafeParamsMixin):
           every rank.
 
         """
-        with quiet_unless_main(self.accelerator), self._coordinator.session('load_state'):
-            self._coordinator.barrier('load_state')  # before initialize(), as in fit
+        with quiet_unless_main(self.accelerator), self._coordinator.session("load_state"):
+            self._coordinator.barrier("load_state")  # before initialize(), as in fit
             if not self.initialized_:
                 self.initialize()
             resume(self, path)
 
-    def wait_for_everyone(self, what='wait_for_everyone'):
+    def wait_for_everyone(self, what="wait_for_everyone"):
         """Wait for every process, failing fast.
 
         As ``accelerator.wait_for_everyone()``, except that if a process

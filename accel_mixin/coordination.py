@@ -33,6 +33,7 @@ save), that rank shows a heartbeat, and the others keep waiting as long as it
 beats. The process group's timeout, which users shorten so that errors inside
 training steps surface fast, thus never cuts a slow save short.
 """
+
 import contextlib
 import threading
 import time
@@ -42,15 +43,17 @@ import torch.distributed as dist
 
 from accel_mixin.internals import default_store
 
-__all__ = ['Coordinator', 'DistributedError', 'Preempted', 'coordinator_for', 'failure_message']
+__all__ = ["Coordinator", "DistributedError", "Preempted", "coordinator_for", "failure_message"]
 
 # polls of a barrier's counter: fast for a while, then slower, so that a long
 # wait costs little CPU; failures, heartbeats and the deadline are looked at
 # less often
 _POLL_FIRST, _POLL_FAST_FOR, _POLL_MAX, _LOOK_EVERY = 0.0001, 0.02, 0.002, 0.02
 # what every rank must call alike (the README lists the same)
-COLLECTIVE = ('fit, partial_fit, predict, predict_proba, forward, score, save_params, '
-              'load_params, save_state, load_state, wait_for_saves, wait_for_everyone')
+COLLECTIVE = (
+    "fit, partial_fit, predict, predict_proba, forward, score, save_params, "
+    "load_params, save_state, load_state, wait_for_saves, wait_for_everyone"
+)
 
 # how often a rank running a long function beats
 _HEARTBEAT_SECONDS = 1.0
@@ -75,7 +78,7 @@ class Preempted(Exception):
 
 def failure_message(what, rank, exc):
     """How the other ranks learn of ``exc``: the operation, the rank, the error."""
-    return f'{what} failed on rank {rank}: {type(exc).__name__}: {exc}'
+    return f"{what} failed on rank {rank}: {type(exc).__name__}: {exc}"
 
 
 class Coordinator:
@@ -94,11 +97,12 @@ class Coordinator:
       process), barriers return at once and failures just raise.
 
     """
+
     def __init__(self, num_processes, process_index, timeout=1800.0, store=None):
         self.num_processes = num_processes
         self.process_index = process_index
         self.timeout = timeout
-        self.store = None if store is None else dist.PrefixStore('accel_mixin', store)
+        self.store = None if store is None else dist.PrefixStore("accel_mixin", store)
         self._generation = 0
         self._alone = None  # what runs on this rank only, if anything
         self._agreed = 0  # the last generation whose call the ranks compared
@@ -130,9 +134,10 @@ class Coordinator:
     def _refuse_alone(self, what):
         if self._alone is not None:
             raise DistributedError(
-                f'{what} is a collective call, which every rank must make, but '
-                f'{self._alone} runs on the main process only; give it '
-                'main_process_only=False to run it on every rank')
+                f"{what} is a collective call, which every rank must make, but "
+                f"{self._alone} runs on the main process only; give it "
+                "main_process_only=False to run it on every rank"
+            )
 
     def session(self, what):
         """A top-level section; a new generation of keys unless nested."""
@@ -140,18 +145,18 @@ class Coordinator:
         if self._open:
             return self.section(what)
         self._generation += 1
-        return _Section(self, f'g{self._generation}', what)
+        return _Section(self, f"g{self._generation}", what)
 
     def section(self, what):
         """Run a block on every rank; an error leaving it reaches every rank."""
         if not self._open:  # outside any session: a session of its own
             return self.session(what)
-        return _Section(self, self._child('s'), what)
+        return _Section(self, self._child("s"), what)
 
     def _child(self, kind):
         parent = self._open[-1]
         parent[1] += 1
-        return f'{parent[0]}/{kind}{parent[1]}'
+        return f"{parent[0]}/{kind}{parent[1]}"
 
     def fail(self, what, exc):
         """Tell the other ranks that this one failed in the current section.
@@ -167,14 +172,14 @@ class Coordinator:
             return
         try:
             # the first failure wins; later ones are usually its echoes
-            self.store.compare_set(key + '/failed', '', message)
+            self.store.compare_set(key + "/failed", "", message)
         except Exception:  # pylint: disable=broad-except
             pass  # the store is gone: the launcher is tearing the group down
 
     def failure(self):
         """The failure of a section this rank is in, innermost first, or None."""
         for key, *_ in reversed(self._open):
-            key += '/failed'
+            key += "/failed"
             if self.store.check([key]):
                 return self.store.get(key).decode()
         return None
@@ -182,7 +187,7 @@ class Coordinator:
     def _heartbeats(self):
         """The beats of the sections this rank is in: they grow while some
         rank works in one of them."""
-        return sum(self.store.add(key + '/alive', 0) for key, *_ in self._open)
+        return sum(self.store.add(key + "/alive", 0) for key, *_ in self._open)
 
     def barrier(self, what):
         """Wait for every rank, or raise as soon as one failed.
@@ -210,7 +215,7 @@ class Coordinator:
         """
         if self._agreed != self._generation:
             self._agree_on_the_call()
-        key = self._child('b')
+        key = self._child("b")
         if self.store.add(key, 1) >= self.num_processes:
             return _passed
         waited = []
@@ -219,6 +224,7 @@ class Coordinator:
             if not waited:
                 self._wait(key, what)
                 waited.append(True)
+
         return wait
 
     def _agree_on_the_call(self):
@@ -228,12 +234,13 @@ class Coordinator:
         collective of the other call."""
         self._agreed = self._generation
         session, _, call = self._open[0]
-        first = self.store.compare_set(session + '/call', '', call).decode()
+        first = self.store.compare_set(session + "/call", "", call).decode()
         if first != call:
             message = (
-                f'{call} on rank {self.process_index} met {first} on another rank: every '
-                f'rank must make the same collective calls, in the same order ({COLLECTIVE}); '
-                'a call under "if accelerator.is_main_process:" leaves the other ranks behind')
+                f"{call} on rank {self.process_index} met {first} on another rank: every "
+                f"rank must make the same collective calls, in the same order ({COLLECTIVE}); "
+                'a call under "if accelerator.is_main_process:" leaves the other ranks behind'
+            )
             self._publish(session, message)
             raise DistributedError(message)
 
@@ -265,9 +272,11 @@ class Coordinator:
             # everyone had arrived after all: put the arrival back, pass
             self.store.add(key, 1)
             return
-        message = (f'{what}: rank {self.process_index} waited {self.timeout:.0f} s for the '
-                   'other ranks, which neither arrived nor reported a failure. Every rank must '
-                   f'make the same collective calls ({COLLECTIVE})')
+        message = (
+            f"{what}: rank {self.process_index} waited {self.timeout:.0f} s for the "
+            "other ranks, which neither arrived nor reported a failure. Every rank must "
+            f"make the same collective calls ({COLLECTIVE})"
+        )
         self._publish(self._open[-1][0], message)
         raise DistributedError(message)
 
@@ -297,7 +306,7 @@ class Coordinator:
             else:
                 self.barrier(what)
             if here and self.distributed:
-                with self._heartbeat.beating(self._open[-1][0] + '/alive'):
+                with self._heartbeat.beating(self._open[-1][0] + "/alive"):
                     if early:
                         # no heartbeat while waiting at the gate: this rank
                         # would see its own beats and wait forever
@@ -346,19 +355,22 @@ class _Heartbeat:
 
     def paused(self, wait):
         """``wait``, wrapped to run without beats."""
+
         def paused_wait():
             self.working.clear()
             try:
                 wait()
             finally:
                 self.working.set()
+
         return paused_wait
 
     @contextlib.contextmanager
     def beating(self, key):
         if self.thread is None:
-            self.thread = threading.Thread(target=self._beat, daemon=True,
-                                           name='accel_mixin-heartbeat')
+            self.thread = threading.Thread(
+                target=self._beat, daemon=True, name="accel_mixin-heartbeat"
+            )
             self.thread.start()
         self.key = key
         self.working.set()
@@ -371,7 +383,8 @@ class _Heartbeat:
 
 class _Section:
     """The context of a section: entered on every batch, so a plain class."""
-    __slots__ = ('coordinator', 'key', 'what')
+
+    __slots__ = ("coordinator", "key", "what")
 
     def __init__(self, coordinator, key, what):
         self.coordinator = coordinator
@@ -413,10 +426,13 @@ def coordinator_for(accelerator):
     store = default_store() if accelerator.num_processes > 1 else None
     key = (accelerator.num_processes, accelerator.process_index, id(store))
     if key not in _COORDINATORS:
-        handler = getattr(accelerator, 'init_handler', None)
-        timeout = getattr(handler, 'timeout', None) or timedelta(minutes=30)
+        handler = getattr(accelerator, "init_handler", None)
+        timeout = getattr(handler, "timeout", None) or timedelta(minutes=30)
         _COORDINATORS.clear()  # an older process group is gone
         _COORDINATORS[key] = Coordinator(
-            accelerator.num_processes, accelerator.process_index,
-            timeout=timeout.total_seconds(), store=store)
+            accelerator.num_processes,
+            accelerator.process_index,
+            timeout=timeout.total_seconds(),
+            store=store,
+        )
     return _COORDINATORS[key]

@@ -4,6 +4,7 @@
 (``torchrun``, ``accelerate launch``), the main process prints one line per
 rank: what each rank sees and whether the launch layout check passes there.
 """
+
 import os
 import platform
 import sys
@@ -17,21 +18,30 @@ from accelerate.utils import gather_object
 import accel_mixin
 from accel_mixin.process_layout import check_process_layout
 
-__all__ = ['environment_report', 'rank_line']
+__all__ = ["environment_report", "rank_line"]
 
-_LAUNCH_VARIABLES = ('WORLD_SIZE', 'RANK', 'LOCAL_RANK', 'ACCELERATE_USE_CPU',
-                     'ACCELERATE_MIXED_PRECISION', 'CUDA_VISIBLE_DEVICES')
+_LAUNCH_VARIABLES = (
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "ACCELERATE_USE_CPU",
+    "ACCELERATE_MIXED_PRECISION",
+    "CUDA_VISIBLE_DEVICES",
+)
 
 
 def _versions():
-    cuda = (f'CUDA {torch.version.cuda}, {torch.cuda.device_count()} device(s)'
-            if torch.cuda.is_available() else 'no CUDA device')
+    cuda = (
+        f"CUDA {torch.version.cuda}, {torch.cuda.device_count()} device(s)"
+        if torch.cuda.is_available()
+        else "no CUDA device"
+    )
     return [
-        f'accel_mixin {accel_mixin.__version__}',
-        f'python {platform.python_version()} ({sys.executable}) on {platform.platform()}',
-        f'torch {torch.__version__} ({cuda})',
-        f'accelerate {accelerate.__version__}',
-        f'skorch {skorch.__version__}',
+        f"accel_mixin {accel_mixin.__version__}",
+        f"python {platform.python_version()} ({sys.executable}) on {platform.platform()}",
+        f"torch {torch.__version__} ({cuda})",
+        f"accelerate {accelerate.__version__}",
+        f"skorch {skorch.__version__}",
     ]
 
 
@@ -39,15 +49,19 @@ def rank_line(accelerator):
     """What this rank sees, and what the launch layout check says here."""
     try:
         check_process_layout(accelerator)
-        layout = 'layout check: ok'
+        layout = "layout check: ok"
     except RuntimeError as exc:
-        layout = f'layout check: FAILS: {exc}'
-    launch = ', '.join(f'{name}={os.environ[name]}' for name in _LAUNCH_VARIABLES
-                       if name in os.environ) or 'no launcher variables'
-    return (f'rank {accelerator.process_index} of {accelerator.num_processes}: '
-            f'distributed_type={accelerator.distributed_type.value}, '
-            f'mixed_precision={accelerator.mixed_precision}, device={accelerator.device}; '
-            f'{launch}; {layout}')
+        layout = f"layout check: FAILS: {exc}"
+    launch = (
+        ", ".join(f"{name}={os.environ[name]}" for name in _LAUNCH_VARIABLES if name in os.environ)
+        or "no launcher variables"
+    )
+    return (
+        f"rank {accelerator.process_index} of {accelerator.num_processes}: "
+        f"distributed_type={accelerator.distributed_type.value}, "
+        f"mixed_precision={accelerator.mixed_precision}, device={accelerator.device}; "
+        f"{launch}; {layout}"
+    )
 
 
 def environment_report(accelerator=None):
@@ -67,4 +81,4 @@ def environment_report(accelerator=None):
         lines = gather_object(lines)
     if not accelerator.is_main_process:
         return None
-    return '\n'.join(_versions() + lines)
+    return "\n".join(_versions() + lines)

@@ -11,6 +11,7 @@ rank runs the callbacks on the same row, and the ranks agree on the row, on
 whether to stop and on any error, before the replica check and the hooks that
 save the finished epoch (``on_epoch_finished``).
 """
+
 import inspect
 
 import torch
@@ -25,7 +26,7 @@ from accel_mixin.replicas import check_net_replicas, check_same_steps
 from accel_mixin.skorch_callbacks import main_process_pickles, stopped_early
 from accel_mixin.state_values import restore_rng
 
-__all__ = ['end_epoch', 'run_epoch']
+__all__ = ["end_epoch", "run_epoch"]
 
 
 def run_epoch(net, iterator, training, prefix, step_fn, autocast, **fit_params):
@@ -51,45 +52,48 @@ def run_epoch(net, iterator, training, prefix, step_fn, autocast, **fit_params):
     if training:
         resume, process.resume_at = process.resume_at, None
         if resume is not None:
-            done, batch_count = resume['batches'], resume['batch_count']
-        finished = [h for _, cb in net.callbacks_ for h in [hook(cb, 'on_batch_finished')] if h]
+            done, batch_count = resume["batches"], resume["batch_count"]
+        finished = [h for _, cb in net.callbacks_ for h in [hook(cb, "on_batch_finished")] if h]
     try:
         with skipping_batches(iterator, done):
             for batch in iterator:
                 if resume is not None:
                     # the generators as they were after the last batch trained
-                    restore_rng(resume['rng'])
+                    restore_rng(resume["rng"])
                     resume = None
                 size = get_len(batch[0]) if isinstance(batch, (tuple, list)) else get_len(batch)
-                real = (real_samples(accelerator.gradient_state, processes, rank, size)
-                        if padded else size)
+                real = (
+                    real_samples(accelerator.gradient_state, processes, rank, size)
+                    if padded
+                    else size
+                )
                 view = batch if real in (0, size) else leading_samples(batch, real)
-                net.notify('on_batch_begin', batch=view, training=training)
+                net.notify("on_batch_begin", batch=view, training=training)
                 step = step_fn(batch, **fit_params)
                 if view is not batch:
                     step = _real_step(net, step, view, real, training, autocast)
-                net.history.record_batch(prefix + '_loss', step['loss'].item() if real else 0.0)
-                net.history.record_batch(prefix + '_batch_size', real)
+                net.history.record_batch(prefix + "_loss", step["loss"].item() if real else 0.0)
+                net.history.record_batch(prefix + "_batch_size", real)
                 batch_count += bool(real)  # padding alone is no batch of the data
                 if training:
                     done += 1
                     process.position = (done, batch_count)
-                net.notify('on_batch_end', batch=view, training=training, **step)
+                net.notify("on_batch_end", batch=view, training=training, **step)
                 for finish in finished:
                     finish(net, training=True, batches=done)
         if resume is not None:  # every batch was done already
-            restore_rng(resume['rng'])
+            restore_rng(resume["rng"])
             # as accelerate counts a pass that yields batches
-            iterator.iteration = getattr(iterator, 'iteration', 0) + 1
+            iterator.iteration = getattr(iterator, "iteration", 0) + 1
     finally:
         if training:
             process.position = None
-    net.history.record(prefix + '_batch_count', batch_count)
+    net.history.record(prefix + "_batch_count", batch_count)
 
 
 def _real_step(net, step, view, real, training, autocast):
     """The step's loss and prediction for the real samples of its batch."""
-    y_pred = leading_samples(step['y_pred'], real)
+    y_pred = leading_samples(step["y_pred"], real)
     Xi, yi = unpack_data(view)
     with torch.no_grad(), autocast():
         loss = net.get_loss(y_pred, yi, X=Xi, training=training)
@@ -122,12 +126,12 @@ def end_epoch(net, coordinator, notify_callbacks, **cb_kwargs):
     """
     distributed = net.accelerator.num_processes > 1
     if distributed:
-        coordinator.barrier('history sync')
+        coordinator.barrier("history sync")
         merge_epoch(net)
     stop, error = False, None
     try:
         with main_process_pickles(net.callbacks_, net.accelerator.is_main_process):
-            notify_callbacks('on_epoch_end', **cb_kwargs)
+            notify_callbacks("on_epoch_end", **cb_kwargs)
     except KeyboardInterrupt:
         stop = True
     except Exception as exc:  # pylint: disable=broad-except
@@ -136,7 +140,7 @@ def end_epoch(net, coordinator, notify_callbacks, **cb_kwargs):
         error = exc
         if not isinstance(exc, DistributedError):
             # ranks waiting in a save inside a callback learn of it now
-            coordinator.fail('on_epoch_end', exc)
+            coordinator.fail("on_epoch_end", exc)
     if distributed:
         stop, failure = agree_on_row(net, stop, error)
         if error is not None:
@@ -146,13 +150,13 @@ def end_epoch(net, coordinator, notify_callbacks, **cb_kwargs):
         every = net.replica_check_every
         if every and len(net.history) % every == 0:
             # before a training state is saved: never save a divergence
-            check_net_replicas(net, f'after epoch {len(net.history)}')
+            check_net_replicas(net, f"after epoch {len(net.history)}")
     stopped = stop and stopped_early(net.callbacks_)
     for _, cb in net.callbacks_:
-        finished = hook(cb, 'on_epoch_finished')
+        finished = hook(cb, "on_epoch_finished")
         if finished is not None:
             # hooks written as on_epoch_finished(net) still work
-            finished(net, **({'stopped': stopped} if _takes(finished, 'stopped') else {}))
+            finished(net, **({"stopped": stopped} if _takes(finished, "stopped") else {}))
     if stop:
         raise KeyboardInterrupt
 

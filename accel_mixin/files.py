@@ -10,6 +10,7 @@ would run code, maps torch files into memory instead of copying them, and
 turns the errors of torch, safetensors and json into messages that say which
 file is wrong and what to do.
 """
+
 import contextlib
 import json
 import os
@@ -29,18 +30,18 @@ from skorch.history import History
 from accel_mixin.state_dict import CheckpointError
 
 __all__ = [
-    'atomic_write',
-    'replacing_after',
-    'read_history',
-    'read_state',
-    'write_history',
-    'write_state',
+    "atomic_write",
+    "read_history",
+    "read_state",
+    "replacing_after",
+    "write_history",
+    "write_state",
 ]
 
-_TMP = '.accel_mixin-tmp-'
+_TMP = ".accel_mixin-tmp-"
 # In temporary names: a process id means something on its own machine only,
 # and a shared filesystem may hold the writes of several machines.
-_HOST = socket.gethostname().replace('-', '_').replace('.', '_').replace(os.sep, '_') or 'host'
+_HOST = socket.gethostname().replace("-", "_").replace(".", "_").replace(os.sep, "_") or "host"
 
 
 def _is_path(f):
@@ -74,15 +75,15 @@ def _sweep(path):
     being modified.
     """
     directory = os.path.dirname(os.path.abspath(path))
-    mine = f'{_TMP}{_HOST}-'
+    mine = f"{_TMP}{_HOST}-"
     now = time.time()
     with contextlib.suppress(OSError):
         for entry in os.listdir(directory):
-            if not entry.startswith('.') or _TMP not in entry:
+            if not entry.startswith(".") or _TMP not in entry:
                 continue
             full = os.path.join(directory, entry)
-            owner = entry.split(mine, 1)[1] if mine in entry else ''
-            pid = owner.split('-', 1)[0]
+            owner = entry.split(mine, 1)[1] if mine in entry else ""
+            pid = owner.split("-", 1)[0]
             if pid.isdigit():
                 abandoned = not _pid_alive(int(pid))
             else:
@@ -104,7 +105,7 @@ FREE_IN_BACKGROUND_FROM = 16 * 2**20
 
 def _second_name(path, tmp):
     """Link the file at ``path`` under a temporary name, or return None."""
-    previous = tmp + '-previous'
+    previous = tmp + "-previous"
     try:
         os.link(path, previous)
     except OSError:  # no previous file, or no hard links on this filesystem
@@ -130,7 +131,7 @@ def replacing_after(wait):
     before they replace their target: a write prepared while other processes
     arrive becomes visible only once they all have. If ``wait`` raises, the
     target is left as it was."""
-    previous = getattr(_GATE, 'wait', None)
+    previous = getattr(_GATE, "wait", None)
     _GATE.wait = wait
     try:
         yield
@@ -166,12 +167,13 @@ def atomic_write(path, write, *, by_name=False):
     if target is not None and stat.S_ISDIR(target.st_mode):
         raise IsADirectoryError(
             f"Cannot save to {path}: it is a directory; pass a file name such as "
-            f"{os.path.join(path, 'params.pt')}")
+            f"{os.path.join(path, 'params.pt')}"
+        )
     directory = os.path.dirname(os.path.abspath(path))
     _sweep(path)
     fd, tmp = _create_temporary(path)
     try:
-        with os.fdopen(fd, 'wb') as f:  # closes the descriptor, whatever happens next
+        with os.fdopen(fd, "wb") as f:  # closes the descriptor, whatever happens next
             mode = _Mode(fd, target)
             if by_name:
                 write(tmp)
@@ -180,7 +182,7 @@ def atomic_write(path, write, *, by_name=False):
                 f.flush()
             mode.finish()
             os.fsync(f.fileno())  # the same file, however it was written
-        wait = getattr(_GATE, 'wait', None)
+        wait = getattr(_GATE, "wait", None)
         if wait is not None:
             wait()
         large = target is not None and target.st_size >= FREE_IN_BACKGROUND_FROM
@@ -217,8 +219,8 @@ def _create_temporary(path):
     directory, name = os.path.split(os.path.abspath(path))
     # the name has a dot after ``name``: torch.save refuses a file whose
     # name, up to its last dot, is empty
-    prefix = os.path.join(directory, f'.{name}{_TMP}{_HOST}-{os.getpid()}-')
-    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, 'O_CLOEXEC', 0)
+    prefix = os.path.join(directory, f".{name}{_TMP}{_HOST}-{os.getpid()}-")
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
     while True:
         tmp = prefix + secrets.token_hex(4)
         try:
@@ -229,7 +231,8 @@ def _create_temporary(path):
             if not os.path.isdir(directory):
                 raise FileNotFoundError(
                     f"Cannot save to {path}: the directory {directory} does not exist; "
-                    "create it first") from None
+                    "create it first"
+                ) from None
             raise
 
 
@@ -280,7 +283,7 @@ def write_history(history, f):
     """Save a skorch History as JSON to a path (atomically) or a file object."""
     content = json.dumps(history.to_list())
     if _is_path(f):
-        atomic_write(f, lambda fh: fh.write(content.encode('utf-8')))
+        atomic_write(f, lambda fh: fh.write(content.encode("utf-8")))
     else:
         f.write(content)
 
@@ -291,16 +294,17 @@ def _check_readable(f):
     if os.path.isdir(f):
         raise IsADirectoryError(
             f"Cannot load {f}: it is a directory; pass the path of a file that "
-            "save_params wrote, e.g. " + os.path.join(os.fspath(f), 'params.pt'))
+            "save_params wrote, e.g. " + os.path.join(os.fspath(f), "params.pt")
+        )
     if not os.path.exists(f):
         raise FileNotFoundError(
             f"No checkpoint at {f}: check the path; on several machines, the file "
             "must be where each process runs (a shared filesystem, or "
-            "ProjectConfiguration(save_on_each_node=True))")
+            "ProjectConfiguration(save_on_each_node=True))"
+        )
 
 
-def read_state(f, *, use_safetensors=False, torch_load_kwargs=None, map_location='cpu',
-               mmap=True):
+def read_state(f, *, use_safetensors=False, torch_load_kwargs=None, map_location="cpu", mmap=True):
     """Load a state dict, refusing pickles that would run code.
 
     Parameters
@@ -334,16 +338,18 @@ def read_state(f, *, use_safetensors=False, torch_load_kwargs=None, map_location
     _check_readable(f)
     if use_safetensors:
         return _read_safetensors(f, map_location)
-    kwargs = {'weights_only': True} if torch_load_kwargs is None else dict(torch_load_kwargs)
-    kwargs.setdefault('map_location', map_location)
-    if mmap and _is_path(f) and 'mmap' not in kwargs and zipfile.is_zipfile(f):
-        kwargs['mmap'] = True
+    kwargs = {"weights_only": True} if torch_load_kwargs is None else dict(torch_load_kwargs)
+    kwargs.setdefault("map_location", map_location)
+    if mmap and _is_path(f) and "mmap" not in kwargs and zipfile.is_zipfile(f):
+        kwargs["mmap"] = True
     try:
         return torch.load(f, **kwargs)
     except pickle.UnpicklingError as exc:
         # the refusal of a global, as torch words it across releases
-        if kwargs.get('weights_only') and any(hint in str(exc) for hint in (
-                'allowed global', 'Unsupported global', 'Unsupported class')):
+        if kwargs.get("weights_only") and any(
+            hint in str(exc)
+            for hint in ("allowed global", "Unsupported global", "Unsupported class")
+        ):
             raise CheckpointError(
                 f"Refused to load {f}: it holds objects whose unpickling would run code, "
                 "and files are loaded with weights_only=True. If you trust the file and "
@@ -366,22 +372,23 @@ def read_state(f, *, use_safetensors=False, torch_load_kwargs=None, map_location
 def _unreadable(f, exc):
     return CheckpointError(
         f"{f} is not a readable torch file (corrupt?{_safetensors_hint(f)}): "
-        f"{type(exc).__name__}: {exc}")
+        f"{type(exc).__name__}: {exc}"
+    )
 
 
 def _safetensors_hint(f):
     """A pointer to use_safetensors=True where ``f`` looks like a safetensors file."""
     if not _is_path(f):
-        return ''
+        return ""
     try:
-        with open(f, 'rb') as file:
+        with open(f, "rb") as file:
             head = file.read(9)
     except OSError:
-        return ''
+        return ""
     # a safetensors file starts with the length of its JSON header, then '{'
-    if len(head) == 9 and head[8:9] == b'{' and int.from_bytes(head[:8], 'little') < 2**27:
-        return '; it looks like a safetensors file: load it with use_safetensors=True'
-    return ''
+    if len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < 2**27:
+        return "; it looks like a safetensors file: load it with use_safetensors=True"
+    return ""
 
 
 def _read_safetensors(f, map_location):
@@ -393,7 +400,8 @@ def _read_safetensors(f, map_location):
     except (safetensors.SafetensorError, ValueError, OSError) as exc:
         raise CheckpointError(
             f"{f} is not a complete safetensors file, it may be truncated, corrupt, or "
-            f"saved without use_safetensors=True ({exc})") from exc
+            f"saved without use_safetensors=True ({exc})"
+        ) from exc
 
 
 def read_history(f):

@@ -9,6 +9,7 @@ every rank then holds the records and caches of the whole epoch, in dataset
 order. Epoch scores computed from them are the scores of one process on the
 whole data; rank 0's row is then taken as the row of every rank.
 """
+
 import numpy as np
 import torch
 from accelerate.utils import gather_object, recursively_apply
@@ -17,11 +18,11 @@ from skorch.callbacks import EpochScoring
 from accel_mixin.coordination import DistributedError, failure_message
 
 __all__ = [
-    'agree_on_row',
-    'leading_samples',
-    'interleave',
-    'merge_epoch',
-    'real_samples',
+    "agree_on_row",
+    "interleave",
+    "leading_samples",
+    "merge_epoch",
+    "real_samples",
 ]
 
 
@@ -84,7 +85,7 @@ def _cached_scorers(net):
     for name, cb in net.callbacks_:
         if not isinstance(cb, EpochScoring):
             continue
-        use_caching = cb.use_caching if net.use_caching == 'auto' else net.use_caching
+        use_caching = cb.use_caching if net.use_caching == "auto" else net.use_caching
         if use_caching and cb.use_caching:
             yield name, cb
 
@@ -92,7 +93,7 @@ def _cached_scorers(net):
 def _local_caches(net, batches):
     caches = {}
     for name, cb in _cached_scorers(net):
-        key = ('train' if cb.on_train else 'valid') + '_batch_size'
+        key = ("train" if cb.on_train else "valid") + "_batch_size"
         sizes = [batch[key] for batch in batches if key in batch]
         # batches with no real sample were cached whole; drop them
         keep = [i for i, size in enumerate(sizes) if size > 0]
@@ -103,7 +104,7 @@ def _local_caches(net, batches):
 
 
 def _padding_only(batch):
-    return any(key.endswith('_batch_size') and size == 0 for key, size in batch.items())
+    return any(key.endswith("_batch_size") and size == 0 for key, size in batch.items())
 
 
 def merge_epoch(net):
@@ -117,24 +118,25 @@ def merge_epoch(net):
 
     """
     row = net.history[-1]
-    batches = row.get('batches', [])
+    batches = row.get("batches", [])
     payload = {
-        'batches': batches,
-        'counts': {k: v for k, v in row.items() if k.endswith('_batch_count')},
-        'caches': _local_caches(net, batches),
+        "batches": batches,
+        "counts": {k: v for k, v in row.items() if k.endswith("_batch_count")},
+        "caches": _local_caches(net, batches),
     }
     payloads = gather_object([payload])
 
     # padding-only batches are the last of their rank: dropping them after
     # interleaving keeps the dataset order
-    row['batches'] = [batch for batch in interleave([p['batches'] for p in payloads])
-                      if not _padding_only(batch)]
-    for key in payload['counts']:
-        row[key] = sum(p['counts'][key] for p in payloads)
+    row["batches"] = [
+        batch for batch in interleave([p["batches"] for p in payloads]) if not _padding_only(batch)
+    ]
+    for key in payload["counts"]:
+        row[key] = sum(p["counts"][key] for p in payloads)
     callbacks = dict(net.callbacks_)
-    for name in payload['caches']:
-        for attr, index in (('y_preds_', 0), ('y_trues_', 1)):
-            merged = interleave([p['caches'][name][index] for p in payloads])
+    for name in payload["caches"]:
+        for attr, index in (("y_preds_", 0), ("y_trues_", 1)):
+            merged = interleave([p["caches"][name][index] for p in payloads])
             setattr(callbacks[name], attr, [_to_tensor(item) for item in merged])
 
 
@@ -156,11 +158,14 @@ def agree_on_row(net, stop, error=None):
     """
     accelerator = net.accelerator
     row = net.history[-1]
-    mine = {k: v for k, v in row.items() if k != 'batches'} if accelerator.is_main_process else None
+    mine = {k: v for k, v in row.items() if k != "batches"} if accelerator.is_main_process else None
     message = None
     if error is not None:
-        message = (str(error) if isinstance(error, DistributedError) else
-                   failure_message('on_epoch_end', accelerator.process_index, error))
+        message = (
+            str(error)
+            if isinstance(error, DistributedError)
+            else failure_message("on_epoch_end", accelerator.process_index, error)
+        )
     answers = gather_object([(mine, bool(stop), message)])
     row.update(answers[0][0])
     failures = [message for _, _, message in answers if message]

@@ -27,6 +27,7 @@ no longer wrapped in DDP). The checks here run where the names are used;
 ``missing`` lists what a given accelerator lacks, for a test on the pinned
 versions.
 """
+
 import accelerate
 import skorch
 import torch
@@ -36,18 +37,18 @@ from skorch.net import NeuralNet
 from torch.utils.data import IterableDataset
 
 __all__ = [
-    'InternalsChanged',
-    'batch_sampler_owner',
-    'check_accelerator',
-    'check_dataloader',
-    'check_progress_bar',
-    'check_prepared_module',
-    'default_store',
-    'missing',
+    "InternalsChanged",
+    "batch_sampler_owner",
+    "check_accelerator",
+    "check_dataloader",
+    "check_prepared_module",
+    "check_progress_bar",
+    "default_store",
+    "missing",
 ]
 
-ACCELERATOR_LISTS = ('_models', '_optimizers', '_schedulers', '_dataloaders')
-DATALOADER_ATTRIBUTES = ('synchronized_generator', 'iteration')
+ACCELERATOR_LISTS = ("_models", "_optimizers", "_schedulers", "_dataloaders")
+DATALOADER_ATTRIBUTES = ("synchronized_generator", "iteration")
 
 
 class InternalsChanged(RuntimeError):
@@ -60,17 +61,20 @@ def _changed(package, name, what):
         f"was tested with the versions in constraints/pinned.txt; installed are torch "
         f"{torch.__version__}, accelerate {accelerate.__version__}, skorch "
         f"{skorch.__version__}. Install the pinned versions, or an accel_mixin that "
-        "supports these.")
+        "supports these."
+    )
 
 
 def _default_store_getter():
     # imported here, where a release without it gets the clear error
     try:
-        from torch.distributed.distributed_c10d import (  # pylint: disable=import-outside-toplevel
-            _get_default_store)
+        from torch.distributed.distributed_c10d import _get_default_store  # pylint: disable=import-outside-toplevel
     except ImportError as exc:
-        raise _changed('torch', 'torch.distributed.distributed_c10d._get_default_store',
-                       'for the barriers of several processes') from exc
+        raise _changed(
+            "torch",
+            "torch.distributed.distributed_c10d._get_default_store",
+            "for the barriers of several processes",
+        ) from exc
     return _get_default_store
 
 
@@ -83,8 +87,11 @@ def check_accelerator(accelerator):
     """Raise unless the accelerator keeps the lists that wrapping maintains."""
     for name in ACCELERATOR_LISTS:
         if not isinstance(getattr(accelerator, name, None), list):
-            raise _changed('accelerate', f'Accelerator.{name}',
-                           'to keep the prepared objects exact when unwrapping and rewrapping')
+            raise _changed(
+                "accelerate",
+                f"Accelerator.{name}",
+                "to keep the prepared objects exact when unwrapping and rewrapping",
+            )
 
 
 def check_prepared_module(prepared, module, accelerator, wrapped):
@@ -95,24 +102,34 @@ def check_prepared_module(prepared, module, accelerator, wrapped):
     ``prepare_model`` skip it: one that accel_mixin did not know to remove.
     """
     if wrapped and prepared is module:
-        raise _changed('accelerate', 'the mark _is_accelerate_prepared on prepared modules '
-                       '(prepare_model returned a module unwrapped, by a mark accel_mixin '
-                       'does not know)', 'to prepare a module again after unwrapping')
+        raise _changed(
+            "accelerate",
+            "the mark _is_accelerate_prepared on prepared modules "
+            "(prepare_model returned a module unwrapped, by a mark accel_mixin "
+            "does not know)",
+            "to prepare a module again after unwrapping",
+        )
     # getattr: a compiled module keeps the patch on the module it compiled
-    if accelerator.native_amp and getattr(module, '_original_forward', None) is None:
-        raise _changed('accelerate', 'the mark _original_forward on prepared modules',
-                       'to keep mixed precision when unwrapping and rewrapping')
+    if accelerator.native_amp and getattr(module, "_original_forward", None) is None:
+        raise _changed(
+            "accelerate",
+            "the mark _original_forward on prepared modules",
+            "to keep mixed precision when unwrapping and rewrapping",
+        )
 
 
 def check_dataloader(dataloader):
     """Raise unless a prepared training dataloader exposes its shuffling state
     (iterable data has none: it goes through accelerate's dispatcher)."""
-    if isinstance(getattr(dataloader, 'dataset', None), IterableDataset):
+    if isinstance(getattr(dataloader, "dataset", None), IterableDataset):
         return
     for name in DATALOADER_ATTRIBUTES:
         if not hasattr(dataloader, name):
-            raise _changed('accelerate', f'{type(dataloader).__name__}.{name}',
-                           'to save and restore the shuffling of the training data')
+            raise _changed(
+                "accelerate",
+                f"{type(dataloader).__name__}.{name}",
+                "to save and restore the shuffling of the training data",
+            )
 
 
 def batch_sampler_owner(dataloader):
@@ -126,16 +143,20 @@ def batch_sampler_owner(dataloader):
       cannot be skipped without loading them.
 
     """
-    owner = getattr(dataloader, 'base_dataloader', dataloader)
-    if not hasattr(owner, 'batch_sampler'):
-        raise _changed('accelerate', f'{type(dataloader).__name__}.base_dataloader.batch_sampler',
-                       'to resume an epoch without loading the batches already trained')
-    if owner.batch_sampler is None or isinstance(getattr(owner, 'dataset', None), IterableDataset):
+    owner = getattr(dataloader, "base_dataloader", dataloader)
+    if not hasattr(owner, "batch_sampler"):
+        raise _changed(
+            "accelerate",
+            f"{type(dataloader).__name__}.base_dataloader.batch_sampler",
+            "to resume an epoch without loading the batches already trained",
+        )
+    if owner.batch_sampler is None or isinstance(getattr(owner, "dataset", None), IterableDataset):
         raise ValueError(
             "Training states inside an epoch need map-style training data (a Dataset with "
             "__getitem__ and __len__): the batches already trained are skipped by their "
             "indices. With an IterableDataset, save at epoch ends only "
-            "(TrainingCheckpoint(every_n_batches=None)).")
+            "(TrainingCheckpoint(every_n_batches=None))."
+        )
     return owner
 
 
@@ -145,10 +166,12 @@ def missing(accelerator):
     Prepares a small module and dataloader on ``accelerator`` to look.
     """
     found = []
-    for check in (_default_store_getter,
-                  lambda: check_accelerator(accelerator),
-                  lambda: _check_prepare(accelerator),
-                  _check_skorch):
+    for check in (
+        _default_store_getter,
+        lambda: check_accelerator(accelerator),
+        lambda: _check_prepare(accelerator),
+        _check_skorch,
+    ):
         try:
             check()
         except InternalsChanged as exc:
@@ -163,25 +186,35 @@ def _check_prepare(accelerator):
         check_prepared_module(prepared, module, accelerator, wrapped=False)
     finally:
         accelerator._models[:] = [m for m in accelerator._models if m is not module]  # pylint: disable=protected-access
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(4, 2)),
-                                       batch_size=2, shuffle=True)
+    data = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.zeros(4, 2)), batch_size=2, shuffle=True
+    )
     prepared = accelerator.prepare_data_loader(data)
     accelerator._dataloaders[:] = [d for d in accelerator._dataloaders if d is not prepared]  # pylint: disable=protected-access
     check_dataloader(prepared)
 
 
 def _check_skorch():
-    if not callable(getattr(skorch_utils, '_check_f_arguments', None)):
-        raise _changed('skorch', 'skorch.utils._check_f_arguments',
-                       'to read the file arguments of save_params and load_params')
-    if not callable(getattr(NeuralNet, '_get_module', None)):
-        raise _changed('skorch', 'NeuralNet._get_module',
-                       'to find the modules that save_params and load_params name')
+    if not callable(getattr(skorch_utils, "_check_f_arguments", None)):
+        raise _changed(
+            "skorch",
+            "skorch.utils._check_f_arguments",
+            "to read the file arguments of save_params and load_params",
+        )
+    if not callable(getattr(NeuralNet, "_get_module", None)):
+        raise _changed(
+            "skorch",
+            "NeuralNet._get_module",
+            "to find the modules that save_params and load_params name",
+        )
     check_progress_bar()
 
 
 def check_progress_bar():
     """Raise unless skorch's ProgressBar counts the batches of a phase."""
-    if not callable(getattr(ProgressBar, '_get_batches_per_epoch_phase', None)):
-        raise _changed('skorch', 'ProgressBar._get_batches_per_epoch_phase',
-                       "to make each rank's progress bar count the batches it runs")
+    if not callable(getattr(ProgressBar, "_get_batches_per_epoch_phase", None)):
+        raise _changed(
+            "skorch",
+            "ProgressBar._get_batches_per_epoch_phase",
+            "to make each rank's progress bar count the batches it runs",
+        )

@@ -21,6 +21,7 @@ datasets without random augmentation): with a dataset that augments at
 random, the rest of the resumed epoch draws other numbers, for the
 augmentations and, where the main process loads, for dropout too.
 """
+
 from contextlib import contextmanager
 
 from skorch.callbacks import EpochScoring
@@ -29,7 +30,7 @@ from accel_mixin.internals import batch_sampler_owner
 from accel_mixin.process_state import process_state
 from accel_mixin.state_values import as_plain, cpu_snapshot, history_state
 
-__all__ = ['apply_partial_epoch', 'partial_epoch', 'resumable_inside_epochs', 'skipping_batches']
+__all__ = ["apply_partial_epoch", "partial_epoch", "resumable_inside_epochs", "skipping_batches"]
 
 
 def resumable_inside_epochs(net, explain=False):
@@ -47,29 +48,31 @@ def resumable_inside_epochs(net, explain=False):
 
 def _training_caches(net):
     for name, cb in net.callbacks_:
-        if isinstance(cb, EpochScoring) and cb.on_train and hasattr(cb, 'y_preds_'):
+        if isinstance(cb, EpochScoring) and cb.on_train and hasattr(cb, "y_preds_"):
             yield name, cb
 
 
 def partial_epoch(net, batch_count):
     """This rank's part of the unfinished epoch, as plain CPU values."""
     return {
-        'row': history_state([net.history[-1]])[0],
-        'batch_count': batch_count,
-        'epoch_rng': process_state(net).epoch_start_rng,
-        'caches': {name: cpu_snapshot(as_plain([list(cb.y_preds_), list(cb.y_trues_)]))
-                   for name, cb in _training_caches(net)},
+        "row": history_state([net.history[-1]])[0],
+        "batch_count": batch_count,
+        "epoch_rng": process_state(net).epoch_start_rng,
+        "caches": {
+            name: cpu_snapshot(as_plain([list(cb.y_preds_), list(cb.y_trues_)]))
+            for name, cb in _training_caches(net)
+        },
     }
 
 
 def apply_partial_epoch(net, partial):
     """Put back this rank's part of the unfinished epoch, after the
     callbacks' ``on_epoch_begin`` (which starts a row and empties caches)."""
-    net.history[-1] = partial['row']
+    net.history[-1] = partial["row"]
     device = net.accelerator.device
     callbacks = dict(net.callbacks_)
-    for name, (preds, trues) in partial['caches'].items():
-        callbacks[name].y_preds_ = [p.to(device) if hasattr(p, 'to') else p for p in preds]
+    for name, (preds, trues) in partial["caches"].items():
+        callbacks[name].y_preds_ = [p.to(device) if hasattr(p, "to") else p for p in preds]
         callbacks[name].y_trues_ = list(trues)
 
 
@@ -92,7 +95,7 @@ class _SkipFirst:
         return len(self.batch_sampler)
 
     def __getattr__(self, name):
-        if name == 'batch_sampler':
+        if name == "batch_sampler":
             raise AttributeError(name)
         return getattr(self.batch_sampler, name)
 
@@ -109,10 +112,10 @@ def skipping_batches(dataloader, skip):
     skipping = _SkipFirst(original, skip)
     # DataLoader refuses a new batch_sampler once built; the object is the
     # same one for the whole fit, so it is swapped for this epoch only
-    object.__setattr__(owner, 'batch_sampler', skipping)
+    object.__setattr__(owner, "batch_sampler", skipping)
     try:
         yield
     finally:
-        object.__setattr__(owner, 'batch_sampler', original)
+        object.__setattr__(owner, "batch_sampler", original)
         # persistent workers keep the sampler their iterator began with
         skipping.skip = 0

@@ -4,9 +4,11 @@ One short method per step of skorch's lifecycle: each calls skorch's own step
 and leaves what accelerate adds to a module of its own (the README's
 development section maps them).
 """
+
 import inspect
 import weakref
 from contextlib import contextmanager
+from typing import ClassVar
 
 from accelerate.utils import DistributedType, convert_to_fp32
 from skorch.dataset import unpack_data
@@ -17,12 +19,21 @@ from accel_mixin.checkpointing import CheckpointingMixin
 from accel_mixin.epochs import end_epoch, run_epoch
 from accel_mixin.native_output import native_warnings_dropped
 from accel_mixin.net_objects import (
-    check_optimizers, check_params, net_modules, prepare_retrainable_modules, raw, slots)
+    check_optimizers,
+    check_params,
+    net_modules,
+    prepare_retrainable_modules,
+    raw,
+    slots,
+)
 from accel_mixin.notifications import callbacks_during_fit, notify_callbacks, notify_in_section
 from accel_mixin.output import quiet_unless_main, sink_for
 from accel_mixin.portable import PortableAccelerator, settle_unpickled
 from accel_mixin.process_layout import (
-    check_process_layout, check_supported, collect_garbage_at_exit)
+    check_process_layout,
+    check_supported,
+    collect_garbage_at_exit,
+)
 from accel_mixin.process_state import ATTRIBUTE as PROCESS_STATE
 from accel_mixin.replicas import check_net_replicas, check_same_data, named_parameters
 from accel_mixin.resuming import begin_epoch, continue_epoch, epochs_to_train
@@ -32,11 +43,14 @@ from accel_mixin.training_state import apply_prepared_states, apply_train_begin_
 from accel_mixin.training_step import clear_gradients, step_optimizers, train_step
 from accel_mixin.wrapping import prepare_dataloader
 
-__all__ = ['AccelerateMixin']
+__all__ = ["AccelerateMixin"]
 
 # skorch >= 1.4 tells partial_fit that fit called it, for metadata routing
-_FIT_ROUTING = ({'_routing_method': 'fit'}
-                if '_routing_method' in inspect.signature(NeuralNet.fit_loop).parameters else {})
+_FIT_ROUTING = (
+    {"_routing_method": "fit"}
+    if "_routing_method" in inspect.signature(NeuralNet.fit_loop).parameters
+    else {}
+)
 
 
 class AccelerateMixin(CheckpointingMixin):
@@ -105,21 +119,19 @@ class AccelerateMixin(CheckpointingMixin):
       parameters (see the benchmarks).
 
     """
+
     def __init__(
-            self,
-            *args,
-            accelerator,
-            device=None,
-            unwrap_after_train=True,
-            callbacks__print_log__sink='auto',
-            replica_check_every=1,
-            **kwargs
+        self,
+        *args,
+        accelerator,
+        device=None,
+        unwrap_after_train=True,
+        callbacks__print_log__sink="auto",
+        replica_check_every=1,
+        **kwargs,
     ):
         super().__init__(
-            *args,
-            device=device,
-            callbacks__print_log__sink=callbacks__print_log__sink,
-            **kwargs
+            *args, device=device, callbacks__print_log__sink=callbacks__print_log__sink, **kwargs
         )
         self.accelerator = accelerator
         self.unwrap_after_train = unwrap_after_train
@@ -145,7 +157,7 @@ class AccelerateMixin(CheckpointingMixin):
         return self
 
     def _initialize_callbacks(self):
-        if self.callbacks__print_log__sink != 'auto':
+        if self.callbacks__print_log__sink != "auto":
             return super()._initialize_callbacks()
         # resolve 'auto' for the callbacks only: the parameter stays 'auto'
         # so that clone and get_params see what the user passed
@@ -153,7 +165,7 @@ class AccelerateMixin(CheckpointingMixin):
         try:
             return super()._initialize_callbacks()
         finally:
-            self.callbacks__print_log__sink = 'auto'
+            self.callbacks__print_log__sink = "auto"
 
     # --- what accelerate prepares -------------------------------------------
 
@@ -193,7 +205,7 @@ class AccelerateMixin(CheckpointingMixin):
         # As in skorch, but from the raw objects, so that the names carry no
         # DDP prefix, and lazily, as callers may consume it.
         objects = (raw(self, name) for name in self._modules + self._criteria)
-        return named_parameters(('', obj) for obj in objects if hasattr(obj, 'named_parameters'))
+        return named_parameters(("", obj) for obj in objects if hasattr(obj, "named_parameters"))
 
     # --- training -----------------------------------------------------------
 
@@ -209,11 +221,14 @@ class AccelerateMixin(CheckpointingMixin):
         ``max_epochs``.
 
         """
-        with self._coordinator.session('fit'), quiet_unless_main(self.accelerator), \
-                finished_on_error(lambda: self._process.writer):
+        with (
+            self._coordinator.session("fit"),
+            quiet_unless_main(self.accelerator),
+            finished_on_error(lambda: self._process.writer),
+        ):
             # before initialize(), whose preparation runs DDP's collectives:
             # a rank in another call learns it here, naming both calls
-            self._coordinator.barrier('fit')
+            self._coordinator.barrier("fit")
             if not (self.initialized_ and self._process.resumed):
                 return super().fit(X, y, **fit_params)
             # skorch's fit, without its initialize()
@@ -224,9 +239,13 @@ class AccelerateMixin(CheckpointingMixin):
         if not self.initialized_:  # as skorch does first, for the callbacks' contexts
             self.initialize()
         others = self.accelerator.num_processes > 1 and not self.accelerator.is_main_process
-        with self._coordinator.session('partial_fit'), quiet_unless_main(self.accelerator), \
-                native_warnings_dropped(active=others), \
-                finished_on_error(lambda: self._process.writer), callbacks_during_fit(self):
+        with (
+            self._coordinator.session("partial_fit"),
+            quiet_unless_main(self.accelerator),
+            native_warnings_dropped(active=others),
+            finished_on_error(lambda: self._process.writer),
+            callbacks_during_fit(self),
+        ):
             return super().partial_fit(X, y, classes=classes, **fit_params)
 
     def fit_loop(self, X, y=None, epochs=None, **fit_params):
@@ -234,21 +253,30 @@ class AccelerateMixin(CheckpointingMixin):
         epochs = epochs_to_train(self, resumed, epochs)
         return super().fit_loop(X, y, epochs=epochs, **fit_params)
 
-    _NOTIFIED = {'on_train_begin': '_train_begins', 'on_epoch_begin': '_epoch_begins',
-                 'on_epoch_end': '_end_epoch', 'on_train_end': '_train_ends'}
+    _NOTIFIED: ClassVar[dict] = {
+        "on_train_begin": "_train_begins",
+        "on_epoch_begin": "_epoch_begins",
+        "on_epoch_end": "_end_epoch",
+        "on_train_end": "_train_ends",
+    }
 
     def notify(self, method_name, **cb_kwargs):
         # Every notification is a section (see notifications.py); what goes
         # into collectives follows once every rank's callbacks succeeded.
         step = self._NOTIFIED.get(method_name)
         notify_in_section(
-            self._coordinator, method_name,
-            lambda: (getattr(self, step)(**cb_kwargs) if step
-                     else self._notify_callbacks(method_name, **cb_kwargs)))
-        if method_name == 'on_train_begin':
-            with self._coordinator.section('on_train_begin'):
-                self._begin_training(cb_kwargs.get('X'), cb_kwargs.get('y'))
-        elif method_name == 'on_epoch_begin':
+            self._coordinator,
+            method_name,
+            lambda: (
+                getattr(self, step)(**cb_kwargs)
+                if step
+                else self._notify_callbacks(method_name, **cb_kwargs)
+            ),
+        )
+        if method_name == "on_train_begin":
+            with self._coordinator.section("on_train_begin"):
+                self._begin_training(cb_kwargs.get("X"), cb_kwargs.get("y"))
+        elif method_name == "on_epoch_begin":
             prepare_retrainable_modules(self)  # after Freezer, Unfreezer and the like
 
     def _notify_callbacks(self, method_name, **cb_kwargs):
@@ -261,7 +289,7 @@ class AccelerateMixin(CheckpointingMixin):
         # Callbacks set up on the net's own objects (an LR scheduler is built
         # on the raw optimizer); _begin_training prepares what they built.
         self._unwrap_accelerator()
-        self._notify_callbacks('on_train_begin', **cb_kwargs)
+        self._notify_callbacks("on_train_begin", **cb_kwargs)
 
     def _begin_training(self, X, y):
         """After the callbacks' on_train_begin: check the data, restore what
@@ -278,31 +306,35 @@ class AccelerateMixin(CheckpointingMixin):
         if distributed and self.replica_check_every:
             # a load that worked on some ranks only (LoadInitState ignores
             # errors) shows here
-            check_net_replicas(self, 'when training begins')
+            check_net_replicas(self, "when training begins")
         self._process.stepper = Stepper(self.accelerator)
 
     def on_train_begin(self, net, X=None, y=None, **kwargs):
         super().on_train_begin(net, X=X, y=y, **kwargs)
         # an interrupted fit may have left half-accumulated gradients
         self.accelerator.step = 0
-        clear_gradients([module for _, module in net_modules(self)],
-                        [raw(self, name) for name in self._optimizers])
+        clear_gradients(
+            [module for _, module in net_modules(self)],
+            [raw(self, name) for name in self._optimizers],
+        )
 
     def _epoch_begins(self, **cb_kwargs):
         partial = begin_epoch(self)
-        self._notify_callbacks('on_epoch_begin', **cb_kwargs)
+        self._notify_callbacks("on_epoch_begin", **cb_kwargs)
         if partial is not None:
             continue_epoch(self, partial)
         if self.accelerator.num_processes > 1:
-            progress_of_this_rank(self, cb_kwargs.get('dataset_train'),
-                                  cb_kwargs.get('dataset_valid'))
+            progress_of_this_rank(
+                self, cb_kwargs.get("dataset_train"), cb_kwargs.get("dataset_valid")
+            )
 
     def run_single_epoch(self, iterator, training, prefix, step_fn, **fit_params):
         """Run one epoch of training or validation, as skorch does; the
         padding of even batches trains but is not counted (see ``epochs``)."""
         if iterator is not None:
-            run_epoch(self, iterator, training, prefix, step_fn, self._stepper.autocast,
-                      **fit_params)
+            run_epoch(
+                self, iterator, training, prefix, step_fn, self._stepper.autocast, **fit_params
+            )
 
     def train_step_single(self, batch, **fit_params):
         self._set_training(True)
@@ -312,8 +344,8 @@ class AccelerateMixin(CheckpointingMixin):
             loss = self.get_loss(y_pred, yi, X=Xi, training=True)
         self._stepper.backward(loss)
         return {
-            'loss': loss,
-            'y_pred': y_pred,
+            "loss": loss,
+            "y_pred": y_pred,
         }
 
     def train_step(self, batch, **fit_params):
@@ -324,14 +356,14 @@ class AccelerateMixin(CheckpointingMixin):
         return train_step(self, self._stepper, batch, **fit_params)
 
     def _step_optimizer(self, step_fn, closures=None):
-        optimizers = [getattr(self, name + '_') for name in self._optimizers]
+        optimizers = [getattr(self, name + "_") for name in self._optimizers]
         if closures is None:
             closures = self._stepper.closures_for(optimizers)
         step_optimizers(self._stepper, optimizers, step_fn, closures)
 
     def _zero_grad_optimizer(self, set_to_none=None):
         for name in self._optimizers:
-            self._stepper.zero_grad(getattr(self, name + '_'), set_to_none=set_to_none)
+            self._stepper.zero_grad(getattr(self, name + "_"), set_to_none=set_to_none)
 
     def validation_step(self, batch, **fit_params):
         with self._stepper.autocast():
@@ -342,8 +374,8 @@ class AccelerateMixin(CheckpointingMixin):
 
     def _train_ends(self, **cb_kwargs):
         with main_process_pickles(self.callbacks_, self.accelerator.is_main_process):
-            self._notify_callbacks('on_train_end', **cb_kwargs)
-        self._coordinator.barrier('on_train_end')
+            self._notify_callbacks("on_train_end", **cb_kwargs)
+        self._coordinator.barrier("on_train_end")
         # Unwrap only after the callbacks: EarlyStopping(load_best=True)
         # restores weights it took from the wrapped module.
         if self.unwrap_after_train:
@@ -354,14 +386,15 @@ class AccelerateMixin(CheckpointingMixin):
 
     def get_iterator(self, dataset, training=False):
         iterator = prepare_dataloader(
-            self.accelerator, super().get_iterator(dataset, training=training), training)
+            self.accelerator, super().get_iterator(dataset, training=training), training
+        )
         if training:
             self._process.train_iterator = weakref.ref(iterator)  # for save_state
         return iterator
 
     # --- inference ----------------------------------------------------------
 
-    def forward_iter(self, X, training=False, device='cpu'):
+    def forward_iter(self, X, training=False, device="cpu"):
         """skorch's ``forward_iter``, after every rank arrived.
 
         Inference gathers every batch from every rank: a rank that calls
@@ -371,7 +404,7 @@ class AccelerateMixin(CheckpointingMixin):
         others make no collective call, one after the timeout.
         """
         if self.accelerator.num_processes > 1:
-            self._coordinator.barrier('inference (predict, predict_proba, forward, score)')
+            self._coordinator.barrier("inference (predict, predict_proba, forward, score)")
         yield from super().forward_iter(X, training=training, device=device)
 
     def evaluation_step(self, batch, training=False):
@@ -387,7 +420,7 @@ class AccelerateMixin(CheckpointingMixin):
         with self._unwrapped():
             state = super().__getstate__()
         state.pop(PROCESS_STATE, None)
-        state['accelerator'] = PortableAccelerator(self.accelerator)
+        state["accelerator"] = PortableAccelerator(self.accelerator)
         return state
 
     def __setstate__(self, state):

@@ -12,6 +12,7 @@ The filter is a small process of its own, not a thread: when the rank dies
 (an abort, a segfault, ``os._exit``), the filter still reads to the end of
 its input, so the rank's last words are not lost with it.
 """
+
 import contextlib
 import os
 import re
@@ -19,18 +20,18 @@ import subprocess
 import sys
 import threading
 
-__all__ = ['is_native_warning', 'native_warnings_dropped']
+__all__ = ["is_native_warning", "native_warnings_dropped"]
 
 # c10's log lines: "[W1130 15:27:58.469831308 reducer.cpp:1529] Warning: ...",
 # "[W reducer.cpp:1360] Warning: ..." in older releases, each prefixed with
 # "[rank1]:" once torch.distributed knows the rank
-_PATTERN = rb'^(?:\[rank\d+\]:)?\[W(?:\d{4} | \S+:\d+\])'
+_PATTERN = rb"^(?:\[rank\d+\]:)?\[W(?:\d{4} | \S+:\d+\])"
 _WARNING = re.compile(_PATTERN)
 
 # the filter: stdin to stderr, line by line, warning lines left out
-_FILTER = '''
+_FILTER = f"""
 import os, re
-warning = re.compile(%r)
+warning = re.compile({_PATTERN!r})
 def write(data):
     view = memoryview(data)
     while view:
@@ -47,7 +48,7 @@ while True:
         write(b''.join(kept))
 if pending and not warning.match(pending):
     write(pending)
-''' % _PATTERN
+"""
 
 # how long the end of a block waits for the filter to pass on the last
 # lines: a child process that inherited descriptor 2 (a DataLoader worker)
@@ -105,11 +106,14 @@ def _filtered_stderr():
     try:
         try:
             filter_process = subprocess.Popen(  # pylint: disable=consider-using-with
-                [sys.executable, '-S', '-c', _FILTER], stdin=subprocess.PIPE,
-                stdout=subprocess.DEVNULL, close_fds=True,
+                [sys.executable, "-S", "-c", _FILTER],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                close_fds=True,
                 # out of the rank's process group: a signal that ends the
                 # rank must leave the filter to pass on its last words
-                start_new_session=True)
+                start_new_session=True,
+            )
             os.dup2(filter_process.stdin.fileno(), 2)
             filter_process.stdin.close()  # descriptor 2 holds the pipe now
         except OSError:  # no process to spare: leave the output as it is

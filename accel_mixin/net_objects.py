@@ -9,6 +9,7 @@ order accelerate must prepare them, finds the raw objects behind them, and
 decides which modules must be prepared again because their trainable
 parameters changed.
 """
+
 import torch
 from accelerate.utils import DistributedType
 from skorch.callbacks import LRScheduler
@@ -19,32 +20,37 @@ from accel_mixin.stepping import takes_closures
 from accel_mixin.wrapping import Slot, requires_closure
 
 __all__ = [
-    'check_optimizers',
-    'check_params',
-    'net_modules',
-    'prepare_retrainable_modules',
-    'raw',
-    'raw_scheduler',
-    'slots',
+    "check_optimizers",
+    "check_params",
+    "net_modules",
+    "prepare_retrainable_modules",
+    "raw",
+    "raw_scheduler",
+    "slots",
 ]
 
 
 def _scheduler_slot(cb_name, cb):
     # a scheduler stepped per epoch steps once whatever the number of processes
-    return Slot(f'callbacks__{cb_name}__lr_scheduler_', cb, 'lr_scheduler_', 'scheduler',
-                step_once=cb.step_every != 'batch')
+    return Slot(
+        f"callbacks__{cb_name}__lr_scheduler_",
+        cb,
+        "lr_scheduler_",
+        "scheduler",
+        step_once=cb.step_every != "batch",
+    )
 
 
 def slots(net):
     """Every slot accelerate prepares, in the order it must prepare them."""
     for kind, names in (
-            ('module', net._modules),  # pylint: disable=protected-access
-            ('criterion', net._criteria),  # pylint: disable=protected-access
-            ('optimizer', net._optimizers),  # pylint: disable=protected-access
+        ("module", net._modules),  # pylint: disable=protected-access
+        ("criterion", net._criteria),  # pylint: disable=protected-access
+        ("optimizer", net._optimizers),  # pylint: disable=protected-access
     ):
         for name in names:
-            yield Slot(name + '_', net, name + '_', kind)
-    for cb_name, cb in getattr(net, 'callbacks_', []):
+            yield Slot(name + "_", net, name + "_", kind)
+    for cb_name, cb in getattr(net, "callbacks_", []):
         if isinstance(cb, LRScheduler):
             yield _scheduler_slot(cb_name, cb)
 
@@ -52,7 +58,7 @@ def slots(net):
 def raw(net, name):
     """The object the net built for ``name`` (``'module'``, ``'optimizer2'``),
     whether it is wrapped now or not."""
-    return process_state(net).prepared.raw_or_current(name + '_', net, name + '_')
+    return process_state(net).prepared.raw_or_current(name + "_", net, name + "_")
 
 
 def raw_scheduler(cb_name, cb, net):
@@ -66,7 +72,7 @@ def net_modules(net, unwrapped=True):
     ``torch.nn.Module``: the objects the net built, or with
     ``unwrapped=False`` what is in place now (DDP wrappers while wrapped)."""
     for name in net._modules + net._criteria:  # pylint: disable=protected-access
-        module = raw(net, name) if unwrapped else getattr(net, name + '_', None)
+        module = raw(net, name) if unwrapped else getattr(net, name + "_", None)
         if isinstance(module, torch.nn.Module):
             yield name, module
 
@@ -74,18 +80,19 @@ def net_modules(net, unwrapped=True):
 def check_params(net):
     """Refuse parameters that contradict the accelerator or the mixin."""
     if net.accelerator.device_placement and (net.device is not None):
-        raise ValueError(
-            "When device placement is performed by the accelerator, set device=None")
+        raise ValueError("When device placement is performed by the accelerator, set device=None")
     if isinstance(net.history_, DistributedHistory):
         raise ValueError(
             "AccelerateMixin shares the history between the processes itself: remove "
             "history=DistributedHistory(...) (and the TCPStore made for it), or every "
-            "batch would be recorded twice. See 'Migrating from skorch.hf' in the README.")
+            "batch would be recorded twice. See 'Migrating from skorch.hf' in the README."
+        )
     every = net.replica_check_every
     if every is not None and (not isinstance(every, int) or every < 0):
         raise ValueError(
             f"replica_check_every must be a whole number of epochs (0 turns the check "
-            f"off), got {every!r}")
+            f"off), got {every!r}"
+        )
 
 
 def check_optimizers(net):
@@ -100,7 +107,8 @@ def check_optimizers(net):
                 "closure to step, which accelerate's gradient scaling and "
                 "accumulation do not support; with mixed precision fp16 or "
                 "gradient_accumulation_steps > 1, choose an optimizer whose step() "
-                "works without arguments (e.g. torch.optim.Adam).")
+                "works without arguments (e.g. torch.optim.Adam)."
+            )
 
 
 def prepare_retrainable_modules(net):
@@ -119,9 +127,10 @@ def prepare_retrainable_modules(net):
     if not keys:
         return
     changed = prepared.trainability_changed()
-    flags = torch.tensor([key in changed for key in keys], dtype=torch.int64,
-                         device=accelerator.device)
-    flags = accelerator.reduce(flags, reduction='sum')
+    flags = torch.tensor(
+        [key in changed for key in keys], dtype=torch.int64, device=accelerator.device
+    )
+    flags = accelerator.reduce(flags, reduction="sum")
     refresh = {key for key, flag in zip(keys, flags.tolist()) if flag}
     if refresh:
         prepared.prepare(accelerator, slots(net), refresh=refresh)

@@ -21,15 +21,16 @@ batches)`` after every callback's ``on_batch_end`` of a training batch; and
 ``on_epoch_finished(net, stopped)`` once the ranks agreed on an epoch's end
 (``epochs``). ``TrainingCheckpoint`` uses all three.
 """
+
 from contextlib import ExitStack, contextmanager
 
 from accel_mixin.coordination import DistributedError, Preempted
 from accel_mixin.skorch_callbacks import main_process_only
 
-__all__ = ['callbacks_during_fit', 'hook', 'notify_callbacks', 'notify_in_section']
+__all__ = ["callbacks_during_fit", "hook", "notify_callbacks", "notify_in_section"]
 
-_BARRIER_AFTER = frozenset(['on_train_begin', 'on_epoch_begin'])
-_PER_BATCH = frozenset(['on_batch_begin', 'on_batch_end', 'on_grad_computed'])
+_BARRIER_AFTER = frozenset(["on_train_begin", "on_epoch_begin"])
+_PER_BATCH = frozenset(["on_batch_begin", "on_batch_end", "on_grad_computed"])
 
 
 def notify_in_section(coordinator, method_name, notify):
@@ -64,7 +65,7 @@ def notify_callbacks(net, coordinator, method_name, **cb_kwargs):
         if not main_process_only(cb):
             getattr(cb, method_name)(net, **cb_kwargs)
         elif main:
-            with coordinator.running_alone(f'the callback {name!r}'):
+            with coordinator.running_alone(f"the callback {name!r}"):
                 getattr(cb, method_name)(net, **cb_kwargs)
 
 
@@ -80,7 +81,7 @@ def callbacks_during_fit(net):
     """Enter the ``during_fit(net)`` context of every callback that has one."""
     with ExitStack() as stack:
         for _, cb in net.callbacks_:
-            during_fit = hook(cb, 'during_fit')
+            during_fit = hook(cb, "during_fit")
             if during_fit is not None:
                 stack.enter_context(during_fit(net))
         yield

@@ -4,11 +4,12 @@ Callbacks print epoch tables and progress bars, and code warns, on every
 process; the same line from every rank is noise. C++ warnings, which bypass
 Python's streams, are ``native_output``'s concern.
 """
+
 import contextlib
 import os
 import warnings
 
-__all__ = ['quiet_unless_main', 'silent', 'sink_for']
+__all__ = ["quiet_unless_main", "silent", "sink_for"]
 
 
 def silent(*args, **kwargs):  # pylint: disable=unused-argument
@@ -36,9 +37,12 @@ def quiet_unless_main(accelerator):
     if accelerator.is_main_process:
         yield
         return
-    with contextlib.redirect_stdout(_devnull()), contextlib.redirect_stderr(_devnull()), \
-            warnings.catch_warnings():
-        warnings.simplefilter('ignore')
+    with (
+        contextlib.redirect_stdout(_devnull()),
+        contextlib.redirect_stderr(_devnull()),
+        warnings.catch_warnings(),
+    ):
+        warnings.simplefilter("ignore")
         yield
 
 
@@ -48,5 +52,5 @@ _DEVNULL = []
 def _devnull():
     # One file, never closed: a progress bar made while quiet keeps it.
     if not _DEVNULL:
-        _DEVNULL.append(open(os.devnull, 'w', encoding='utf-8'))  # noqa: SIM115
+        _DEVNULL.append(open(os.devnull, "w", encoding="utf-8"))  # noqa: SIM115
     return _DEVNULL[0]

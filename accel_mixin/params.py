@@ -1,19 +1,22 @@
 """save_params and load_params whose files users can trust."""
+
 import torch
 from skorch.utils import _check_f_arguments, get_map_location
 
 from accel_mixin.files import read_history, read_state, write_history, write_state
 from accel_mixin.state_dict import CheckpointError, clean_state_dict, load_module_state
 
-__all__ = ['SafeParamsMixin', 'load_optimizer_state']
+__all__ = ["SafeParamsMixin", "load_optimizer_state"]
 
 _NOT_INITIALIZED = (
     "Cannot {} state of an un-initialized model. Please initialize first by calling "
-    ".initialize() or by fitting the model with .fit(...).")
+    ".initialize() or by fitting the model with .fit(...)."
+)
 _NO_ATTRIBUTE = (
     "You are trying to {} 'f_{{name}}' but for that to work, the net needs to have an "
     "attribute called 'net.{{name}}_' that is a PyTorch Module or Optimizer; make sure "
-    "that it exists and check for typos.")
+    "that it exists and check for typos."
+)
 
 
 class SafeParamsMixin:
@@ -40,9 +43,16 @@ class SafeParamsMixin:
     ``skorch.net.NeuralNet.save_params`` and ``load_params``.
 
     """
+
     def save_params(
-            self, f_params=None, f_optimizer=None, f_criterion=None, f_history=None,
-            use_safetensors=False, **kwargs):
+        self,
+        f_params=None,
+        f_optimizer=None,
+        f_criterion=None,
+        f_history=None,
+        use_safetensors=False,
+        **kwargs,
+    ):
         """Save the state of the net's modules, optimizers and history.
 
         See ``skorch.net.NeuralNet.save_params``; files are written
@@ -50,8 +60,13 @@ class SafeParamsMixin:
 
         """
         kwargs_module, kwargs_other = _check_f_arguments(
-            'save_params', f_params=f_params, f_optimizer=f_optimizer,
-            f_criterion=f_criterion, f_history=f_history, **kwargs)
+            "save_params",
+            f_params=f_params,
+            f_optimizer=f_optimizer,
+            f_criterion=f_criterion,
+            f_history=f_history,
+            **kwargs,
+        )
         if not kwargs_module and not kwargs_other:
             if self.verbose:
                 print("Nothing to save")
@@ -59,23 +74,32 @@ class SafeParamsMixin:
 
         states = {}
         for attr, f in kwargs_module.items():
-            obj = self._checked_attribute(attr, 'save')
+            obj = self._checked_attribute(attr, "save")
             if use_safetensors and not isinstance(obj, torch.nn.Module):
                 raise ValueError(
                     f"Cannot save f_{attr[:-1]} to {f} with use_safetensors=True: "
                     "safetensors stores tensors only, and the state of an optimizer "
-                    "holds other objects; save it without safetensors.")
-            states[attr] = (clean_state_dict(obj) if isinstance(obj, torch.nn.Module)
-                            else obj.state_dict())
+                    "holds other objects; save it without safetensors."
+                )
+            states[attr] = (
+                clean_state_dict(obj) if isinstance(obj, torch.nn.Module) else obj.state_dict()
+            )
         # everything is checked before the first file is written
         for attr, f in kwargs_module.items():
             write_state(states[attr], f, use_safetensors=use_safetensors)
-        if kwargs_other.get('f_history') is not None:
-            write_history(self.history, kwargs_other['f_history'])
+        if kwargs_other.get("f_history") is not None:
+            write_history(self.history, kwargs_other["f_history"])
 
     def load_params(
-            self, f_params=None, f_optimizer=None, f_criterion=None, f_history=None,
-            checkpoint=None, use_safetensors=False, **kwargs):
+        self,
+        f_params=None,
+        f_optimizer=None,
+        f_criterion=None,
+        f_history=None,
+        checkpoint=None,
+        use_safetensors=False,
+        **kwargs,
+    ):
         """Load the state of the net's modules, optimizers and history.
 
         See ``skorch.net.NeuralNet.load_params``; loading is safe, lean and
@@ -90,32 +114,40 @@ class SafeParamsMixin:
                 self.history = read_history(checkpoint.f_history_)
             kwargs_full.update(**checkpoint.get_formatted_files(self))
         kwargs_full.update(**kwargs)
-        for key, val in (('f_params', f_params), ('f_optimizer', f_optimizer),
-                         ('f_criterion', f_criterion), ('f_history', f_history)):
+        for key, val in (
+            ("f_params", f_params),
+            ("f_optimizer", f_optimizer),
+            ("f_criterion", f_criterion),
+            ("f_history", f_history),
+        ):
             if val:
                 kwargs_full[key] = val
-        kwargs_module, kwargs_other = _check_f_arguments('load_params', **kwargs_full)
+        kwargs_module, kwargs_other = _check_f_arguments("load_params", **kwargs_full)
         if not kwargs_module and not kwargs_other:
             if self.verbose:
                 print("Nothing to load")
             return
 
-        if kwargs_other.get('f_history') is not None:
-            self.history = read_history(kwargs_other['f_history'])
+        if kwargs_other.get("f_history") is not None:
+            self.history = read_history(kwargs_other["f_history"])
         map_location = get_map_location(self.device)
         self.device = self._check_device(self.device, map_location)
         for attr, f in kwargs_module.items():
-            obj = self._checked_attribute(attr, 'load')
+            obj = self._checked_attribute(attr, "load")
             is_module = isinstance(obj, torch.nn.Module)
             if use_safetensors and not is_module:
                 raise ValueError(
                     f"Cannot load f_{attr[:-1]} from {f} with use_safetensors=True: "
-                    "optimizers are not saved with safetensors.")
+                    "optimizers are not saved with safetensors."
+                )
             state = read_state(
-                f, use_safetensors=use_safetensors, torch_load_kwargs=self.torch_load_kwargs,
+                f,
+                use_safetensors=use_safetensors,
+                torch_load_kwargs=self.torch_load_kwargs,
                 map_location=map_location,
                 # an optimizer keeps the loaded tensors: copy them, do not map
-                mmap=is_module)
+                mmap=is_module,
+            )
             if is_module:
                 load_module_state(obj, state, source=f, name=attr)
             else:
@@ -123,7 +155,7 @@ class SafeParamsMixin:
             del state
 
     def _checked_attribute(self, attr, action):
-        if attr.endswith('_') and not self.initialized_:
+        if attr.endswith("_") and not self.initialized_:
             self.check_is_fitted([attr], msg=_NOT_INITIALIZED.format(action))
         return self._get_module(attr, msg=_NO_ATTRIBUTE.format(action))
 
@@ -137,4 +169,5 @@ def load_optimizer_state(optimizer, state, *, source, name):
         raise CheckpointError(
             f"{source} does not fit {name}: {exc}. The optimizer was saved for other "
             "parameters or parameter groups: initialize the net as it was when the "
-            "file was saved.") from exc
+            "file was saved."
+        ) from exc

@@ -7,6 +7,7 @@ ever prepared. A pickled net therefore carries the accelerator's settings, and
 unpickling builds an Accelerator from them that uses the live state of the
 process. A deep copy keeps the same Accelerator, as accelerate itself does.
 """
+
 import warnings
 
 from accelerate import Accelerator
@@ -17,25 +18,26 @@ from accel_mixin.net_objects import net_modules
 from accel_mixin.output import sink_for
 from accel_mixin.process_layout import check_not_a_child_of_a_rank
 
-__all__ = ['PortableAccelerator', 'accelerator_settings', 'build_accelerator',
-           'settle_unpickled']
+__all__ = ["PortableAccelerator", "accelerator_settings", "build_accelerator", "settle_unpickled"]
 
-_HANDLERS = ('ddp_handler', 'scaler_handler', 'init_handler', 'autocast_handler')
+_HANDLERS = ("ddp_handler", "scaler_handler", "init_handler", "autocast_handler")
 
 
 def accelerator_settings(accelerator):
     """The keyword arguments that rebuild ``accelerator`` in another process."""
     return {
-        'device_placement': accelerator.device_placement,
-        'mixed_precision': str(accelerator.mixed_precision),
-        'cpu': accelerator.device.type == 'cpu',
-        'dataloader_config': accelerator.dataloader_config,
-        'gradient_accumulation_plugin': GradientAccumulationPlugin(
-            **accelerator.gradient_state.plugin_kwargs),
-        'step_scheduler_with_optimizer': accelerator.step_scheduler_with_optimizer,
-        'rng_types': list(accelerator.rng_types),
-        'kwargs_handlers': [
-            handler for handler in (getattr(accelerator, name, None) for name in _HANDLERS)
+        "device_placement": accelerator.device_placement,
+        "mixed_precision": str(accelerator.mixed_precision),
+        "cpu": accelerator.device.type == "cpu",
+        "dataloader_config": accelerator.dataloader_config,
+        "gradient_accumulation_plugin": GradientAccumulationPlugin(
+            **accelerator.gradient_state.plugin_kwargs
+        ),
+        "step_scheduler_with_optimizer": accelerator.step_scheduler_with_optimizer,
+        "rng_types": list(accelerator.rng_types),
+        "kwargs_handlers": [
+            handler
+            for handler in (getattr(accelerator, name, None) for name in _HANDLERS)
             if handler is not None
         ],
     }
@@ -60,8 +62,7 @@ def build_accelerator(settings):
             "state this process already has.",
             RuntimeWarning,
         )
-        return Accelerator(
-            gradient_accumulation_plugin=settings['gradient_accumulation_plugin'])
+        return Accelerator(gradient_accumulation_plugin=settings["gradient_accumulation_plugin"])
 
 
 class PortableAccelerator:
@@ -81,8 +82,8 @@ def settle_unpickled(net):
     """Make an unpickled net this process's: its print sink, if 'auto' (the
     rank that pickled resolved it for itself), and its modules on the
     accelerator's device."""
-    if net.callbacks__print_log__sink == 'auto':
-        for _, cb in getattr(net, 'callbacks_', []):
+    if net.callbacks__print_log__sink == "auto":
+        for _, cb in getattr(net, "callbacks_", []):
             if isinstance(cb, PrintLog):
                 cb.sink = sink_for(net.accelerator)
     if net.accelerator.device_placement:

@@ -9,6 +9,7 @@ in one small all-reduce, started without waiting and read one batch later,
 so every rank learns of a notice at the same batch, at most two batches
 after it arrived on any rank, whether one rank got the signal or all did.
 """
+
 import signal
 import threading
 from contextlib import contextmanager
@@ -18,7 +19,7 @@ import torch.distributed as dist
 
 from accel_mixin.coordination import Preempted
 
-__all__ = ['NoticeBoard', 'Preempted', 'handling_signals']
+__all__ = ["NoticeBoard", "Preempted", "handling_signals"]
 
 
 class NoticeBoard:
@@ -30,6 +31,7 @@ class NoticeBoard:
       The net's accelerator.
 
     """
+
     def __init__(self, accelerator):
         self.accelerator = accelerator
         self.received = None  # the number of the signal, once one came
@@ -52,8 +54,9 @@ class NoticeBoard:
             work, flag = self._pending
             work.wait()
             agreed = bool(flag.item())
-        flag = torch.tensor([int(self.received is not None)], dtype=torch.int32,
-                            device=self.accelerator.device)
+        flag = torch.tensor(
+            [int(self.received is not None)], dtype=torch.int32, device=self.accelerator.device
+        )
         self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
         if drain:
             self.close()

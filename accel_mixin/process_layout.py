@@ -1,5 +1,6 @@
 """The layout of the processes: refuse the launches and backends that would
 train wrong models or hang, and say which processes write files."""
+
 import atexit
 import gc
 import os
@@ -7,11 +8,11 @@ import os
 from accelerate.utils import DistributedType
 
 __all__ = [
-    'check_not_a_child_of_a_rank',
-    'collect_garbage_at_exit',
-    'check_process_layout',
-    'check_supported',
-    'writes_files',
+    "check_not_a_child_of_a_rank",
+    "check_process_layout",
+    "check_supported",
+    "collect_garbage_at_exit",
+    "writes_files",
 ]
 
 
@@ -36,7 +37,7 @@ def check_process_layout(accelerator):
       the accelerator sees a single one.
 
     """
-    world_size = _env_int('WORLD_SIZE')
+    world_size = _env_int("WORLD_SIZE")
     if world_size <= 1 or accelerator.num_processes > 1:
         return
     raise RuntimeError(
@@ -55,9 +56,9 @@ def check_process_layout(accelerator):
 # together, FSDP replaces the parameters the optimizer holds, and XLA's
 # collectives of several processes are not the ones used here
 _UNSUPPORTED = {
-    DistributedType.DEEPSPEED: 'DeepSpeed',
-    DistributedType.FSDP: 'FSDP',
-    DistributedType.MEGATRON_LM: 'Megatron-LM',
+    DistributedType.DEEPSPEED: "DeepSpeed",
+    DistributedType.FSDP: "FSDP",
+    DistributedType.MEGATRON_LM: "Megatron-LM",
 }
 
 
@@ -65,8 +66,8 @@ _UNSUPPORTED = {
 # processes it starts in turn (joblib's workers): they also inherit RANK and
 # WORLD_SIZE, and an Accelerator built there waits for a rendezvous that never
 # comes.
-_LAUNCHED_PID = 'ACCEL_MIXIN_LAUNCHED_PID'
-if _env_int('WORLD_SIZE') > 1:
+_LAUNCHED_PID = "ACCEL_MIXIN_LAUNCHED_PID"
+if _env_int("WORLD_SIZE") > 1:
     os.environ.setdefault(_LAUNCHED_PID, str(os.getpid()))
 
 
@@ -89,7 +90,8 @@ def check_not_a_child_of_a_rank():
         "as a worker of GridSearchCV(n_jobs=...) or cross_validate(n_jobs=...): it inherits "
         "the job's RANK and WORLD_SIZE, and an Accelerator built here would wait forever for "
         "a process group it cannot join. Use n_jobs=1 in a job of several processes: its "
-        "processes already share every fit.")
+        "processes already share every fit."
+    )
 
 
 def check_supported(accelerator):
@@ -104,14 +106,15 @@ def check_supported(accelerator):
     kind = accelerator.distributed_type
     name = _UNSUPPORTED.get(kind)
     if name is None and kind == DistributedType.XLA and accelerator.num_processes > 1:
-        name = 'XLA (TPU) with several processes'
+        name = "XLA (TPU) with several processes"
     if name is not None:
         raise ValueError(
             f"AccelerateMixin does not support {name} (distributed_type={kind}): it prepares "
             "modules, optimizers and schedulers each on its own. Supported: one process or "
             "DDP across processes and machines (CPU, CUDA, MPS; one XLA device), with mixed "
             "precision and gradient accumulation. Configure accelerate without it "
-            "(`accelerate config`), or train with accelerate directly.")
+            "(`accelerate config`), or train with accelerate directly."
+        )
 
 
 _EXIT_HOOK = []
@@ -135,7 +138,7 @@ def writes_files(accelerator):
     """Whether this process writes checkpoint files: the main process; with
     accelerate's ``ProjectConfiguration(save_on_each_node=True)``, the main
     process of every machine, for machines that share no filesystem."""
-    config = getattr(accelerator, 'project_configuration', None)
-    if getattr(config, 'save_on_each_node', False):
+    config = getattr(accelerator, "project_configuration", None)
+    if getattr(config, "save_on_each_node", False):
         return accelerator.is_local_main_process
     return accelerator.is_main_process

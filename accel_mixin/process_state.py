@@ -8,6 +8,7 @@ give the next fit. All of it belongs to one process: pickles, copies,
 ``accelerate_process_``, whose name ends with "_" so that skorch's
 ``get_params`` skips it, and which ``AccelerateMixin.__getstate__`` drops.
 """
+
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -16,14 +17,15 @@ from accel_mixin.coordination import coordinator_for
 from accel_mixin.stepping import Stepper
 from accel_mixin.wrapping import PreparedObjects
 
-__all__ = ['ATTRIBUTE', 'ProcessState', 'process_state']
+__all__ = ["ATTRIBUTE", "ProcessState", "process_state"]
 
-ATTRIBUTE = 'accelerate_process_'
+ATTRIBUTE = "accelerate_process_"
 
 
 @dataclass
 class ProcessState:
     """The process-local fields of a net; see the module's docstring."""
+
     prepared: PreparedObjects = field(default_factory=PreparedObjects)
     # the accelerator the coordinator and the stepper were made for
     coordinator: Optional[tuple] = None

@@ -21,6 +21,7 @@ on the main process. Two cheap checks turn that into an error on every rank:
 Both are one small collective that every rank joins; every rank receives the
 same values and so raises the same error.
 """
+
 import torch
 from accelerate.utils import gather
 from skorch.dataset import get_len
@@ -28,8 +29,14 @@ from skorch.dataset import get_len
 from accel_mixin.coordination import DistributedError
 from accel_mixin.net_objects import net_modules
 
-__all__ = ['check_net_replicas', 'check_replicas', 'check_same_data', 'check_same_steps',
-           'fingerprints', 'named_parameters']
+__all__ = [
+    "check_net_replicas",
+    "check_replicas",
+    "check_same_data",
+    "check_same_steps",
+    "fingerprints",
+    "named_parameters",
+]
 
 # integer views of the same width as each floating point type
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -66,13 +73,15 @@ def check_same_data(accelerator, X, y=None):
     everyone = gather(mine).cpu().tolist()
     if all(lengths == everyone[0] for lengths in everyone):
         return
-    described = ', '.join(
-        f'rank {rank}: {x} samples' + (f' and {n} targets' if n != x and n >= 0 else '')
-        for rank, (x, n) in enumerate(everyone))
+    described = ", ".join(
+        f"rank {rank}: {x} samples" + (f" and {n} targets" if n != x and n >= 0 else "")
+        for rank, (x, n) in enumerate(everyone)
+    )
     raise DistributedError(
         f"The ranks fit on data of different lengths ({described}). Every process must "
         "pass the whole data set to fit, the same on every rank: accelerate shards it "
-        "between the processes. Load the same X and y on every rank.")
+        "between the processes. Load the same X and y on every rank."
+    )
 
 
 def check_same_steps(accelerator, iterator):
@@ -98,12 +107,13 @@ def check_same_steps(accelerator, iterator):
         return
     everyone = gather(torch.tensor([mine], device=accelerator.device)).cpu().tolist()
     if len(set(everyone)) > 1:
-        counts = ', '.join(f'rank {rank}: {n}' for rank, n in enumerate(everyone))
+        counts = ", ".join(f"rank {rank}: {n}" for rank, n in enumerate(everyone))
         raise DistributedError(
             f"With even_batches=False the ranks have different numbers of training batches "
             f"({counts}), and DDP needs every rank to take the same number of steps. Use "
             "DataLoaderConfiguration(even_batches=True), accelerate's default, or a training "
-            "set whose size is a multiple of the batch size times the number of processes.")
+            "set whose size is a multiple of the batch size times the number of processes."
+        )
 
 
 def named_parameters(modules):
@@ -114,7 +124,7 @@ def named_parameters(modules):
         for name, param in module.named_parameters():
             if param not in seen:
                 seen.add(param)
-                yield (f'{prefix}.{name}' if prefix else name), param
+                yield (f"{prefix}.{name}" if prefix else name), param
 
 
 def fingerprints(params):
@@ -180,10 +190,11 @@ def check_replicas(accelerator, named_params, when):
     if (everyone == everyone[0]).all():
         return
     if (everyone[:, 0] != everyone[0, 0]).any():
-        counts = ', '.join(f'rank {r}: {int(n)}' for r, n in enumerate(everyone[:, 0]))
+        counts = ", ".join(f"rank {r}: {int(n)}" for r, n in enumerate(everyone[:, 0]))
         raise DistributedError(
             f"Replica check {when}: the ranks hold different numbers of "
-            f"parameters ({counts}); every rank must build the same model.")
+            f"parameters ({counts}); every rank must build the same model."
+        )
     differs = (everyone[:, 1:] != everyone[0, 1:]).any(dim=0)
     first = int(differs.nonzero()[0])
     ranks = [r for r in range(1, len(everyone)) if everyone[r, 1 + first] != everyone[0, 1 + first]]
@@ -195,10 +206,11 @@ def check_replicas(accelerator, named_params, when):
         "failed on some ranks), a custom train_step that bypasses the accelerator, a module "
         "without trainable parameters initialized differently on each rank (seed it), or "
         "data that differ between ranks. Set replica_check_every=0 to train without this "
-        "check.")
+        "check."
+    )
 
 
 def check_net_replicas(net, when):
     """``check_replicas`` on every parameter of the net's modules and criteria."""
-    modules = ((name + '_', module) for name, module in net_modules(net))
+    modules = ((name + "_", module) for name, module in net_modules(net))
     check_replicas(net.accelerator, list(named_parameters(modules)), when)

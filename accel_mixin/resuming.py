@@ -16,17 +16,23 @@ next ``fit`` trains the epochs that remain (``epochs_to_train``). A state
 saved inside an epoch resumes that epoch where it was saved
 (``continue_epoch``, ``mid_epoch``).
 """
+
 import warnings
+from functools import partial
 
 from accel_mixin.files import read_state
 from accel_mixin.mid_epoch import apply_partial_epoch
 from accel_mixin.process_state import process_state
 from accel_mixin.state_values import restore_rng, rng_state
 from accel_mixin.training_state import (
-    apply_epoch_states, restore_training_state, restore_weights, train_iterator_state,
-    validate_state)
+    apply_epoch_states,
+    restore_training_state,
+    restore_weights,
+    train_iterator_state,
+    validate_state,
+)
 
-__all__ = ['begin_epoch', 'continue_epoch', 'epochs_to_train', 'resume']
+__all__ = ["begin_epoch", "continue_epoch", "epochs_to_train", "resume"]
 
 
 def resume(net, path):
@@ -35,15 +41,14 @@ def resume(net, path):
     coordinator = process.coordinator_for(net.accelerator)
     # a load that fails halfway leaves no earlier load to go on from
     process.forget_loaded_state()
-    state = coordinator.run(lambda: _read(net, path), what='load_state')
+    state = coordinator.run(lambda: _read(net, path), what="load_state")
     was_wrapped = _load_weights(net, coordinator, state, path)
     _prepare(net, was_wrapped)
-    pending = coordinator.run(lambda: restore_training_state(net, state, path),
-                              what='load_state')
+    pending = coordinator.run(partial(restore_training_state, net, state, path), what="load_state")
     del state  # before the wait: the largest object of the load
     process.pending = pending
-    process.resumed = {'stopped': pending.pop('stopped', False)}
-    coordinator.barrier('load_state')
+    process.resumed = {"stopped": pending.pop("stopped", False)}
+    coordinator.barrier("load_state")
 
 
 def _read(net, path):
@@ -60,8 +65,7 @@ def _load_weights(net, coordinator, state, path):
     # a net never prepared ends prepared, as initialize() leaves it
     was_wrapped = prepared.wrapped or not len(prepared)
     net._unwrap_accelerator()  # pylint: disable=protected-access
-    coordinator.run(
-        lambda: restore_weights(net, state, path), what='load_state')
+    coordinator.run(lambda: restore_weights(net, state, path), what="load_state")
     return was_wrapped
 
 
@@ -82,12 +86,13 @@ def epochs_to_train(net, resumed, epochs):
     resumes was stopped early; otherwise ``epochs`` as given."""
     if resumed is None or epochs is not None:
         return epochs
-    if resumed['stopped']:
+    if resumed["stopped"]:
         warnings.warn(
             f"The training state resumed from ends where EarlyStopping stopped "
             f"training, after epoch {len(net.history)}: no epochs are trained. "
             "To train on regardless, call partial_fit(X, y, epochs=n).",
-            RuntimeWarning)
+            RuntimeWarning,
+        )
         return 0
     return max(net.max_epochs - len(net.history), 0)
 
@@ -106,14 +111,14 @@ def begin_epoch(net):
     """
     process = process_state(net)
     iterator = process.running_train_iterator()
-    partial = process.pending.pop('mid_epoch', None)
+    partial = process.pending.pop("mid_epoch", None)
     if process.pending:
         apply_epoch_states(process.pending, iterator)
         process.pending.clear()
     if partial is not None:
         # the generators as the epoch began: a sampler without a generator
         # of its own, a dataloader's seed, draw from them before any batch
-        restore_rng(partial['epoch_rng'])
+        restore_rng(partial["epoch_rng"])
     process.epoch_start_iterator = train_iterator_state(iterator)
     process.epoch_start_rng = rng_state()
     return partial

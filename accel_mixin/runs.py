@@ -37,6 +37,7 @@ Layout::
 
 Rotation and numbering only ever look at the run's own folder.
 """
+
 import functools
 import hashlib
 import json
@@ -54,36 +55,45 @@ from accel_mixin.files import atomic_write
 from accel_mixin.state_dict import CheckpointError
 
 __all__ = [
-    'MANIFEST',
-    'RunIdentity',
-    'describe_differences',
-    'read_manifest',
-    'run_folders',
-    'run_identity',
-    'write_manifest',
+    "MANIFEST",
+    "RunIdentity",
+    "describe_differences",
+    "read_manifest",
+    "run_folders",
+    "run_identity",
+    "write_manifest",
 ]
 
-MANIFEST = 'manifest.json'
-RUN_PREFIX = 'run-'
-_FORMAT = 'accel_mixin.run'
+MANIFEST = "manifest.json"
+RUN_PREFIX = "run-"
+_FORMAT = "accel_mixin.run"
 _SAMPLE_ROWS = 64
 
 # hyperparameters that say how long or how loudly to train, or where
-_CONTINUING = frozenset([
-    'max_epochs', 'verbose', 'warm_start', 'device', 'accelerator',
-    'unwrap_after_train', 'replica_check_every',
-])
+_CONTINUING = frozenset(
+    [
+        "max_epochs",
+        "verbose",
+        "warm_start",
+        "device",
+        "accelerator",
+        "unwrap_after_train",
+        "replica_check_every",
+    ]
+)
 
 
 def _is_bookkeeping(callback):
     """Callbacks that log or checkpoint but do not change what is trained
     (``TrainingCheckpoint`` and ``ResumeTraining`` say so themselves)."""
-    return (type(callback).__module__ == skorch_logging.__name__
-            or getattr(callback, 'in_run_identity', True) is False)
+    return (
+        type(callback).__module__ == skorch_logging.__name__
+        or getattr(callback, "in_run_identity", True) is False
+    )
 
 
 def _name_of(obj):
-    return f'{getattr(obj, "__module__", "")}.{getattr(obj, "__qualname__", type(obj).__name__)}'
+    return f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', type(obj).__name__)}"
 
 
 def describe(value):
@@ -99,20 +109,23 @@ def describe(value):
     if isinstance(value, dict):
         return {str(key): describe(item) for key, item in sorted(value.items(), key=str)}
     if isinstance(value, functools.partial):  # skorch's Freezer keeps `at` so
-        return {'partial': describe(value.func), 'args': describe(value.args),
-                'keywords': describe(value.keywords)}
-    if isinstance(value, type) or callable(value) and hasattr(value, '__qualname__'):
+        return {
+            "partial": describe(value.func),
+            "args": describe(value.args),
+            "keywords": describe(value.keywords),
+        }
+    if isinstance(value, type) or (callable(value) and hasattr(value, "__qualname__")):
         return _name_of(value)
     if isinstance(value, torch.nn.Module):
-        return {'class': _name_of(type(value)), 'architecture': repr(value)}
-    get_params = getattr(value, 'get_params', None)
+        return {"class": _name_of(type(value)), "architecture": repr(value)}
+    get_params = getattr(value, "get_params", None)
     if callable(get_params):
         try:
             params = get_params(deep=False)
         except TypeError:
             params = get_params()
-        return {'class': _name_of(type(value)), 'params': describe(params)}
-    return {'class': _name_of(type(value))}
+        return {"class": _name_of(type(value)), "params": describe(params)}
+    return {"class": _name_of(type(value))}
 
 
 def _leaves(data):
@@ -127,7 +140,7 @@ def _leaves(data):
         yield data.detach().cpu().contiguous().numpy()
     elif isinstance(data, np.ndarray):
         yield np.ascontiguousarray(data)
-    elif hasattr(data, 'to_numpy'):  # pandas
+    elif hasattr(data, "to_numpy"):  # pandas
         yield np.ascontiguousarray(data.to_numpy())
     elif data is not None:
         yield np.asarray(repr(data))
@@ -138,12 +151,12 @@ def fingerprint(data):
     evenly spaced rows: cheap for large data, different for another fold."""
     if data is None:
         return None
-    out = {'type': _name_of(type(data))}
+    out = {"type": _name_of(type(data))}
     try:
         n = get_len(data)
     except (TypeError, ValueError):
         return out  # an iterable: its type is all that can be said cheaply
-    out['length'] = n
+    out["length"] = n
     rows = np.unique(np.linspace(0, n - 1, min(n, _SAMPLE_ROWS)).round().astype(np.int64))
     try:
         sample = multi_indexing(data, rows)
@@ -155,8 +168,8 @@ def fingerprint(data):
         shapes.append([str(leaf.dtype), list(leaf.shape[1:])])
         digest.update(str(leaf.dtype).encode())
         digest.update(leaf.tobytes() if leaf.dtype != object else repr(leaf.tolist()).encode())
-    out['rows'] = shapes
-    out['sample_sha256'] = digest.hexdigest()
+    out["rows"] = shapes
+    out["sample_sha256"] = digest.hexdigest()
     return out
 
 
@@ -173,6 +186,7 @@ class RunIdentity:
       hyperparameters), ``callbacks``, ``data`` (fingerprints of X and y).
 
     """
+
     def __init__(self, described):
         self.described = described
         text = json.dumps(described, sort_keys=True)
@@ -186,23 +200,30 @@ class RunIdentity:
 def run_identity(net, X, y=None):
     """The identity of fitting ``net`` (initialized) on ``X`` and ``y``."""
     params = net.get_params(deep=False)
-    hyper = {key: describe(value) for key, value in params.items()
-             if key not in _CONTINUING and key != 'callbacks'
-             and not key.startswith('callbacks__')}
-    callbacks = {name: describe(cb) for name, cb in net.callbacks_
-                 if isinstance(cb, Callback) and not _is_bookkeeping(cb)}
-    return RunIdentity({
-        'net': {'class': _name_of(type(net)), 'params': hyper},
-        'callbacks': callbacks,
-        'data': {'X': fingerprint(X), 'y': fingerprint(y)},
-    })
+    hyper = {
+        key: describe(value)
+        for key, value in params.items()
+        if key not in _CONTINUING and key != "callbacks" and not key.startswith("callbacks__")
+    }
+    callbacks = {
+        name: describe(cb)
+        for name, cb in net.callbacks_
+        if isinstance(cb, Callback) and not _is_bookkeeping(cb)
+    }
+    return RunIdentity(
+        {
+            "net": {"class": _name_of(type(net)), "params": hyper},
+            "callbacks": callbacks,
+            "data": {"X": fingerprint(X), "y": fingerprint(y)},
+        }
+    )
 
 
-def _flatten(described, prefix=''):
+def _flatten(described, prefix=""):
     if isinstance(described, dict) and described:
         out = {}
         for key, value in described.items():
-            out.update(_flatten(value, f'{prefix}{key}.'))
+            out.update(_flatten(value, f"{prefix}{key}."))
         return out
     return {prefix[:-1]: described}
 
@@ -213,14 +234,14 @@ def describe_differences(new, old, most=4):
     keys = sorted(k for k in set(new_flat) | set(old_flat) if new_flat.get(k) != old_flat.get(k))
     parts = []
     for key in keys[:most]:
-        if key.startswith('data.'):
+        if key.startswith("data."):
             parts.append(f"{key.split('.')[1]} (other data)")
         else:
-            name = key[len('net.params.'):] if key.startswith('net.params.') else key
-            parts.append(f'{name}: {old_flat.get(key)} -> {new_flat.get(key)}')
+            name = key[len("net.params.") :] if key.startswith("net.params.") else key
+            parts.append(f"{name}: {old_flat.get(key)} -> {new_flat.get(key)}")
     if len(keys) > most:
-        parts.append(f'and {len(keys) - most} more')
-    return ', '.join(dict.fromkeys(parts)) or 'nothing that the identity records'
+        parts.append(f"and {len(keys) - most} more")
+    return ", ".join(dict.fromkeys(parts)) or "nothing that the identity records"
 
 
 def run_folders(dirname):
@@ -228,7 +249,8 @@ def run_folders(dirname):
     if os.path.exists(dirname) and not os.path.isdir(dirname):
         raise CheckpointError(
             f"{dirname} is a file, not a folder of runs: pass TrainingCheckpoint and "
-            "ResumeTraining the name of a folder (created if missing).")
+            "ResumeTraining the name of a folder (created if missing)."
+        )
     try:
         names = os.listdir(dirname)
     except FileNotFoundError:
@@ -236,9 +258,13 @@ def run_folders(dirname):
     except NotADirectoryError as exc:
         raise CheckpointError(
             f"{dirname} cannot be a folder of runs: a part of its path is a file. Pass "
-            "TrainingCheckpoint and ResumeTraining the name of a folder.") from exc
-    return {name[len(RUN_PREFIX):]: os.path.join(dirname, name) for name in sorted(names)
-            if name.startswith(RUN_PREFIX) and os.path.isdir(os.path.join(dirname, name))}
+            "TrainingCheckpoint and ResumeTraining the name of a folder."
+        ) from exc
+    return {
+        name[len(RUN_PREFIX) :]: os.path.join(dirname, name)
+        for name in sorted(names)
+        if name.startswith(RUN_PREFIX) and os.path.isdir(os.path.join(dirname, name))
+    }
 
 
 def read_manifest(folder):
@@ -252,20 +278,26 @@ def read_manifest(folder):
     """
     path = os.path.join(folder, MANIFEST)
     try:
-        with open(path, encoding='utf-8') as f:
+        with open(path, encoding="utf-8") as f:
             manifest = json.load(f)
     except FileNotFoundError:
         return None
     except (ValueError, UnicodeDecodeError) as exc:
         raise CheckpointError(
             f"{path} is not a readable run manifest ({type(exc).__name__}: {exc}). Restore it, "
-            f"or delete the folder {folder} to drop that run.") from exc
-    expected = os.path.basename(folder)[len(RUN_PREFIX):]
-    if (not isinstance(manifest, dict) or manifest.get('format') != _FORMAT
-            or manifest.get('run') != expected or not isinstance(manifest.get('epochs'), list)):
+            f"or delete the folder {folder} to drop that run."
+        ) from exc
+    expected = os.path.basename(folder)[len(RUN_PREFIX) :]
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("format") != _FORMAT
+        or manifest.get("run") != expected
+        or not isinstance(manifest.get("epochs"), list)
+    ):
         raise CheckpointError(
             f"{path} is not the manifest of run {expected}: it was edited or replaced. Restore "
-            f"it, or delete the folder {folder} to drop that run.")
+            f"it, or delete the folder {folder} to drop that run."
+        )
     return manifest
 
 
@@ -273,13 +305,13 @@ def write_manifest(folder, identity, positions, status):
     """Write the manifest of a run folder, atomically; ``positions`` are the
     ``(epoch, batch)`` of its training states (``checkpoint_files``)."""
     manifest = {
-        'format': _FORMAT,
-        'run': identity.id,
-        'status': status,
-        'epochs': sorted(epoch for epoch, batch in positions if not batch),
-        'inside_epochs': sorted([epoch + 1, batch] for epoch, batch in positions if batch),
-        'updated': time.strftime('%Y-%m-%dT%H:%M:%S%z'),
-        'identity': identity.described,
+        "format": _FORMAT,
+        "run": identity.id,
+        "status": status,
+        "epochs": sorted(epoch for epoch, batch in positions if not batch),
+        "inside_epochs": sorted([epoch + 1, batch] for epoch, batch in positions if batch),
+        "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "identity": identity.described,
     }
     text = json.dumps(manifest, indent=1, sort_keys=True).encode()
     atomic_write(os.path.join(folder, MANIFEST), lambda f: f.write(text))

@@ -1,14 +1,15 @@
 """What skorch's own callbacks need to run on several processes."""
+
 from contextlib import contextmanager
 
 from skorch.callbacks import EarlyStopping, EpochTimer, PrintLog, ProgressBar
 
 from accel_mixin.internals import check_progress_bar
 
-__all__ = ['main_process_only', 'main_process_pickles', 'progress_of_this_rank', 'stopped_early']
+__all__ = ["main_process_only", "main_process_pickles", "progress_of_this_rank", "stopped_early"]
 
 
-_LOGGERS = 'skorch.callbacks.logging'
+_LOGGERS = "skorch.callbacks.logging"
 _RUN_EVERYWHERE = (EpochTimer, PrintLog, ProgressBar)
 _MAIN_ONLY = {}
 
@@ -27,13 +28,14 @@ def main_process_only(callback):
     rank. Any callback can say otherwise with a ``main_process_only``
     attribute. Callbacks that change training run on every rank.
     """
-    explicit = getattr(callback, 'main_process_only', None)
+    explicit = getattr(callback, "main_process_only", None)
     if explicit is not None:
         return bool(explicit)
     cls = type(callback)
     if cls not in _MAIN_ONLY:
-        _MAIN_ONLY[cls] = (any(base.__module__ == _LOGGERS for base in cls.__mro__)
-                           and not issubclass(cls, _RUN_EVERYWHERE))
+        _MAIN_ONLY[cls] = any(
+            base.__module__ == _LOGGERS for base in cls.__mro__
+        ) and not issubclass(cls, _RUN_EVERYWHERE)
     return _MAIN_ONLY[cls]
 
 
@@ -52,8 +54,8 @@ def main_process_pickles(callbacks, is_main_process):
         return
     saved = []
     for _, cb in callbacks:
-        for obj in (cb, getattr(cb, 'checkpoint_', None)):
-            if getattr(obj, 'f_pickle', None):
+        for obj in (cb, getattr(cb, "checkpoint_", None)):
+            if getattr(obj, "f_pickle", None):
                 saved.append((obj, obj.f_pickle))
                 obj.f_pickle = None
     try:
@@ -82,17 +84,22 @@ def progress_of_this_rank(net, dataset_train=None, dataset_valid=None):
     check_progress_bar()
     accelerator = net.accelerator
     share = lambda batches: _share(  # noqa: E731
-        batches, accelerator.num_processes, accelerator.process_index, accelerator.even_batches)
+        batches, accelerator.num_processes, accelerator.process_index, accelerator.even_batches
+    )
     for _, cb in net.callbacks_:
-        if not isinstance(cb, ProgressBar) or getattr(cb, 'pbar_', None) is None:
+        if not isinstance(cb, ProgressBar) or getattr(cb, "pbar_", None) is None:
             continue
-        if cb.batches_per_epoch == 'auto':
-            total = sum(share(cb._get_batches_per_epoch_phase(net, dataset, training))  # pylint: disable=protected-access
-                        for dataset, training in ((dataset_train, True), (dataset_valid, False)))
-        elif cb.batches_per_epoch == 'count' and len(net.history) > 1:
-            records = net.history[-2, 'batches']
-            total = sum(share(sum(f'{phase}_batch_size' in record for record in records))
-                        for phase in ('train', 'valid'))
+        if cb.batches_per_epoch == "auto":
+            total = sum(
+                share(cb._get_batches_per_epoch_phase(net, dataset, training))  # pylint: disable=protected-access
+                for dataset, training in ((dataset_train, True), (dataset_valid, False))
+            )
+        elif cb.batches_per_epoch == "count" and len(net.history) > 1:
+            records = net.history[-2, "batches"]
+            total = sum(
+                share(sum(f"{phase}_batch_size" in record for record in records))
+                for phase in ("train", "valid")
+            )
         else:
             continue
         cb.pbar_.total = total
@@ -102,5 +109,7 @@ def progress_of_this_rank(net, dataset_train=None, dataset_valid=None):
 def stopped_early(callbacks):
     """Whether an ``EarlyStopping`` among ``callbacks`` (skorch's
     ``callbacks_``) has just decided to stop training."""
-    return any(isinstance(cb, EarlyStopping) and getattr(cb, 'misses_', None) == cb.patience
-               for _, cb in callbacks)
+    return any(
+        isinstance(cb, EarlyStopping) and getattr(cb, "misses_", None) == cb.patience
+        for _, cb in callbacks
+    )

@@ -5,23 +5,26 @@ DDP and DataParallel save keys under ``module.``, ``torch.compile`` under
 carries it, as super-gradients does: a partial prefix means a different
 model, and is reported rather than guessed at.
 """
+
 from collections import OrderedDict
 
 import torch
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 __all__ = [
-    'CheckpointError',
-    'clean_state_dict',
-    'load_module_state',
-    'strip_wrapper_prefixes',
-    'unwrap_module',
+    "CheckpointError",
+    "clean_state_dict",
+    "load_module_state",
+    "strip_wrapper_prefixes",
+    "unwrap_module",
 ]
 
-WRAPPER_PREFIXES = ('module.', '_orig_mod.')
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 _SHOWN = 5
-_OTHER_MODEL = ("The file was saved from another architecture, or with other module "
-                "parameters: initialize the net as it was when the file was saved.")
+_OTHER_MODEL = (
+    "The file was saved from another architecture, or with other module "
+    "parameters: initialize the net as it was when the file was saved."
+)
 
 
 class CheckpointError(ValueError):
@@ -55,11 +58,12 @@ def strip_wrapper_prefixes(state_dict):
     copied = False
     while state_dict:
         prefix = next(
-            (p for p in WRAPPER_PREFIXES if all(k.startswith(p) for k in state_dict)), None)
+            (p for p in WRAPPER_PREFIXES if all(k.startswith(p) for k in state_dict)), None
+        )
         if prefix is None:
             break
         if not copied:
-            metadata = getattr(state_dict, '_metadata', None)
+            metadata = getattr(state_dict, "_metadata", None)
             state_dict = OrderedDict(state_dict)
             if metadata is not None:
                 state_dict._metadata = OrderedDict(metadata)  # pylint: disable=protected-access
@@ -73,7 +77,7 @@ def unwrap_module(module):
     while True:
         if isinstance(module, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
             module = module.module
-        elif isinstance(getattr(module, '_orig_mod', None), torch.nn.Module):
+        elif isinstance(getattr(module, "_orig_mod", None), torch.nn.Module):
             module = module._orig_mod  # pylint: disable=protected-access
         else:
             return module
@@ -86,8 +90,8 @@ def clean_state_dict(module):
 
 def _shorten(keys):
     keys = sorted(keys)
-    shown = ', '.join(repr(k) for k in keys[:_SHOWN])
-    return shown + (f' and {len(keys) - _SHOWN} more' if len(keys) > _SHOWN else '')
+    shown = ", ".join(repr(k) for k in keys[:_SHOWN])
+    return shown + (f" and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else "")
 
 
 def _mismatch_message(source, name, missing, unexpected):
@@ -102,10 +106,11 @@ def _mismatch_message(source, name, missing, unexpected):
             f"  Every key of the file carries the prefix {prefix!r} that the module's keys "
             "lack: it was saved from a module that wrapped this one. Remove the prefix "
             "from the keys (as strip_wrapper_prefixes does for DDP and torch.compile) "
-            "and load the result.")
+            "and load the result."
+        )
     else:
-        lines.append('  ' + _OTHER_MODEL)
-    return '\n'.join(lines)
+        lines.append("  " + _OTHER_MODEL)
+    return "\n".join(lines)
 
 
 def _extra_prefix(unexpected, missing):
@@ -114,9 +119,11 @@ def _extra_prefix(unexpected, missing):
         return None
     first_key = sorted(unexpected)[0]
     for cut in range(len(first_key)):
-        if first_key[cut] == '.':
-            prefix = first_key[:cut + 1]
-            if sorted(k[len(prefix):] for k in unexpected if k.startswith(prefix)) == sorted(missing):
+        if first_key[cut] == ".":
+            prefix = first_key[: cut + 1]
+            if sorted(k[len(prefix) :] for k in unexpected if k.startswith(prefix)) == sorted(
+                missing
+            ):
                 return prefix
     return None
 
@@ -153,9 +160,10 @@ def load_module_state(module, state_dict, *, source, name):
     if missing or unexpected:
         raise CheckpointError(_mismatch_message(source, name, missing, unexpected))
     for key, value in state_dict.items():
-        shape = getattr(value, 'shape', None)
+        shape = getattr(value, "shape", None)
         if shape is not None and tuple(shape) != tuple(expected[key].shape):
             raise CheckpointError(
                 f"{source} does not fit {name}: {key!r} has shape {tuple(shape)} in the "
-                f"file but {tuple(expected[key].shape)} in the module. {_OTHER_MODEL}")
+                f"file but {tuple(expected[key].shape)} in the module. {_OTHER_MODEL}"
+            )
     target.load_state_dict(state_dict)

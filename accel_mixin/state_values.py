@@ -3,25 +3,35 @@ generators, callbacks, the training dataloader's shuffling. Everything is
 turned into tensors and plain Python values, so that a training state loads
 with ``weights_only=True``.
 """
+
 import random
 
 import numpy as np
 import torch
 
 __all__ = [
-    'callback_state',
-    'as_plain',
-    'history_state',
-    'restore_callback_state',
-    'restore_rng',
-    'rng_state',
-    'cpu_snapshot',
+    "as_plain",
+    "callback_state",
+    "cpu_snapshot",
+    "history_state",
+    "restore_callback_state",
+    "restore_rng",
+    "rng_state",
 ]
 
 # Per-epoch caches, objects rebuilt at every fit, and what ResumeTraining and
 # TrainingCheckpoint know of the run being trained: not state to resume.
-_TRANSIENT = {'y_preds_', 'y_trues_', 'lr_scheduler_', 'policy_', 'pbar_', 'checkpoint_',
-              'resumed_from_', 'run_', 'run_folder_'}
+_TRANSIENT = {
+    "y_preds_",
+    "y_trues_",
+    "lr_scheduler_",
+    "policy_",
+    "pbar_",
+    "checkpoint_",
+    "resumed_from_",
+    "run_",
+    "run_folder_",
+}
 _PLAIN_SCALARS = (bool, int, float, str, type(None))
 
 
@@ -54,7 +64,7 @@ def callback_state(callback):
     data: EarlyStopping's counters, a scoring callback's best score, ..."""
     state = {}
     for key, value in vars(callback).items():
-        if not key.endswith('_') or key in _TRANSIENT:
+        if not key.endswith("_") or key in _TRANSIENT:
             continue
         try:
             state[key] = as_plain(value)
@@ -73,28 +83,40 @@ def rng_state():
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     version, internal, gauss = random.getstate()
     state = {
-        'python': {'version': version, 'internal': list(internal), 'gauss': gauss},
-        'numpy': {'kind': kind, 'keys': torch.from_numpy(keys.astype(np.int64)),
-                  'pos': int(pos), 'has_gauss': int(has_gauss), 'cached_gaussian': float(cached)},
-        'torch': torch.get_rng_state(),
+        "python": {"version": version, "internal": list(internal), "gauss": gauss},
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "torch": torch.get_rng_state(),
     }
     # only where this process started CUDA: a CPU run on a GPU machine must
     # not start it, and an unused generator has nothing to resume
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state['cuda'] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def restore_rng(state):
-    python = state['python']
-    random.setstate((python['version'], tuple(python['internal']), python['gauss']))
-    numpy = state['numpy']
-    np.random.set_state((numpy['kind'], numpy['keys'].numpy().astype(np.uint32), numpy['pos'],
-                         numpy['has_gauss'], numpy['cached_gaussian']))
-    torch.set_rng_state(state['torch'])
-    if 'cuda' in state and torch.cuda.is_available():
+    python = state["python"]
+    random.setstate((python["version"], tuple(python["internal"]), python["gauss"]))
+    numpy = state["numpy"]
+    np.random.set_state(
+        (
+            numpy["kind"],
+            numpy["keys"].numpy().astype(np.uint32),
+            numpy["pos"],
+            numpy["has_gauss"],
+            numpy["cached_gaussian"],
+        )
+    )
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
         # a machine with fewer GPUs than the one that saved restores those it has
-        for device, cuda_state in enumerate(state['cuda'][:torch.cuda.device_count()]):
+        for device, cuda_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
             torch.cuda.set_rng_state(cuda_state, device)
 
 
@@ -106,8 +128,10 @@ def history_state(rows):
     try:
         return as_plain(list(rows), arrays=False)
     except _NotPlain as exc:
-        raise TypeError(f"The history holds a {exc}, which a training state cannot keep: "
-                        "record numbers, strings, or lists, tuples and dicts of them.") from None
+        raise TypeError(
+            f"The history holds a {exc}, which a training state cannot keep: "
+            "record numbers, strings, or lists, tuples and dicts of them."
+        ) from None
 
 
 def cpu_snapshot(state, reuse=None):
@@ -120,10 +144,14 @@ def cpu_snapshot(state, reuse=None):
     """
     if isinstance(state, torch.Tensor):
         tensor = state.detach()
-        if (isinstance(reuse, torch.Tensor) and reuse.shape == tensor.shape
-                and reuse.dtype == tensor.dtype and reuse.device.type == 'cpu'):
+        if (
+            isinstance(reuse, torch.Tensor)
+            and reuse.shape == tensor.shape
+            and reuse.dtype == tensor.dtype
+            and reuse.device.type == "cpu"
+        ):
             return reuse.copy_(tensor)
-        return tensor.to('cpu', copy=True)
+        return tensor.to("cpu", copy=True)
     if isinstance(state, dict):
         reuse = reuse if isinstance(reuse, dict) else {}
         return {key: cpu_snapshot(value, reuse.get(key)) for key, value in state.items()}

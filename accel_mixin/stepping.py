@@ -49,6 +49,7 @@ applies ``sync_with_dataloader`` and ``sync_each_batch``; without, every
 batch syncs whatever they say. Only ``accelerator.step``, the count of
 batches that decides when to sync, then stays put: every batch syncs anyway.
 """
+
 import contextlib
 
 import torch
@@ -56,23 +57,27 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 
-__all__ = ['Stepper', 'takes_closures', 'uses_closure_value']
+__all__ = ["Stepper", "takes_closures", "uses_closure_value"]
 
 COVERED_TYPES = frozenset(
-    {DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU})
-COVERED_PRECISIONS = frozenset({'no', 'bf16', 'fp16'})
-_OWN_METHODS = ('backward', 'accumulate', 'autocast')
+    {DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU}
+)
+COVERED_PRECISIONS = frozenset({"no", "bf16", "fp16"})
+_OWN_METHODS = ("backward", "accumulate", "autocast")
 
 
 def _own(obj, cls, name):
     """Whether ``obj.name`` is ``cls``'s method, not a subclass's or the instance's."""
-    return (isinstance(obj, cls) and getattr(type(obj), name) is getattr(cls, name)
-            and name not in vars(obj))
+    return (
+        isinstance(obj, cls)
+        and getattr(type(obj), name) is getattr(cls, name)
+        and name not in vars(obj)
+    )
 
 
 def _plain_optimizer(optimizer):
     """Whether ``optimizer``'s step may skip accelerate's."""
-    return _own(optimizer, AcceleratedOptimizer, 'step')
+    return _own(optimizer, AcceleratedOptimizer, "step")
 
 
 def takes_closures(accelerator):
@@ -87,10 +92,10 @@ def uses_closure_value(optimizer):
     """Whether ``optimizer.step(closure)`` may act on the loss that the
     closure returns: LBFGS does, and so may any optimizer whose ``step`` is
     not one of torch's own, which only compute the gradients with it."""
-    inner = getattr(optimizer, 'optimizer', optimizer)
+    inner = getattr(optimizer, "optimizer", optimizer)
     if isinstance(inner, torch.optim.LBFGS):
         return True
-    return not getattr(type(inner).step, '__module__', '').startswith('torch.optim.')
+    return not getattr(type(inner).step, "__module__", "").startswith("torch.optim.")
 
 
 class Stepper:
@@ -110,6 +115,7 @@ class Stepper:
       module's docstring holds.
 
     """
+
     def __init__(self, accelerator):
         self.accelerator = accelerator
         self.steps = accelerator.gradient_accumulation_steps
@@ -119,11 +125,14 @@ class Stepper:
             accelerator.distributed_type in COVERED_TYPES
             and accelerator.mixed_precision in COVERED_PRECISIONS
             and accelerator.scaler is None
-            and not getattr(accelerator, 'has_lomo_optimizer', False)
+            and not getattr(accelerator, "has_lomo_optimizer", False)
             and all(_own(accelerator, Accelerator, name) for name in _OWN_METHODS)
         )
-        self._autocast = (accelerator.autocast if accelerator.native_amp or not self.plain
-                          else contextlib.nullcontext)
+        self._autocast = (
+            accelerator.autocast
+            if accelerator.native_amp or not self.plain
+            else contextlib.nullcontext
+        )
         if self.plain and self.steps == 1:
             # without accumulation every step syncs; accumulate() would only
             # set this again before every batch
@@ -152,7 +161,7 @@ class Stepper:
         if scaler is None:
             return
         for optimizer in optimizers:
-            scaler.unscale_(getattr(optimizer, 'optimizer', optimizer))
+            scaler.unscale_(getattr(optimizer, "optimizer", optimizer))
 
     def backward(self, loss):
         if not self.plain:
@@ -207,8 +216,8 @@ class Stepper:
             optimizer.optimizer.step(*args)
 
     def zero_grad(self, optimizer, set_to_none=None):
-        kwargs = {} if set_to_none is None else {'set_to_none': set_to_none}
-        if _own(optimizer, AcceleratedOptimizer, 'zero_grad'):
+        kwargs = {} if set_to_none is None else {"set_to_none": set_to_none}
+        if _own(optimizer, AcceleratedOptimizer, "zero_grad"):
             if not self.sync_gradients:
                 return
             # what AcceleratedOptimizer.zero_grad does, without inspecting
@@ -219,7 +228,8 @@ class Stepper:
 
 def _averaged(closure, accelerator):
     def averaged():
-        return accelerator.reduce(closure().detach(), reduction='mean')
+        return accelerator.reduce(closure().detach(), reduction="mean")
+
     return averaged
 
 

@@ -16,6 +16,7 @@ state and wait for everyone. Random number generators and the dataloader's
 shuffling are restored at the start of the next epoch, after ``fit`` has set
 up its data, as the uninterrupted run had them there.
 """
+
 import copy
 import warnings
 from collections import OrderedDict
@@ -28,19 +29,29 @@ from accel_mixin.mid_epoch import partial_epoch
 from accel_mixin.net_objects import net_modules, raw, raw_scheduler
 from accel_mixin.params import load_optimizer_state
 from accel_mixin.state_dict import (
-    CheckpointError, clean_state_dict, load_module_state, strip_wrapper_prefixes)
+    CheckpointError,
+    clean_state_dict,
+    load_module_state,
+    strip_wrapper_prefixes,
+)
 from accel_mixin.state_values import (
-    as_plain, callback_state, history_state, restore_callback_state, restore_rng, rng_state)
+    as_plain,
+    callback_state,
+    history_state,
+    restore_callback_state,
+    restore_rng,
+    rng_state,
+)
 
 __all__ = [
-    'FORMAT',
-    'collect_state',
-    'restore_training_state',
-    'restore_weights',
-    'validate_state',
+    "FORMAT",
+    "collect_state",
+    "restore_training_state",
+    "restore_weights",
+    "validate_state",
 ]
 
-FORMAT = 'accel_mixin.training_state'
+FORMAT = "accel_mixin.training_state"
 VERSION = 1
 
 
@@ -72,9 +83,9 @@ def collect_state(net, train_iterator_state, stopped=False, position=None):
 
     """
     accelerator = net.accelerator
-    mine = {'rng': rng_state()}
+    mine = {"rng": rng_state()}
     if position is not None:
-        mine['partial'] = partial_epoch(net, position[1])
+        mine["partial"] = partial_epoch(net, position[1])
     everyone = [mine]
     if accelerator.num_processes > 1:
         everyone = gather_object(everyone)
@@ -87,40 +98,40 @@ def collect_state(net, train_iterator_state, stopped=False, position=None):
             # a NumPy float, which weights_only loading refuses
             schedulers[name] = as_plain(scheduler.state_dict())
     return {
-        'format': FORMAT,
-        'version': VERSION,
-        'num_processes': accelerator.num_processes,
-        'epoch': len(rows),
-        'modules': {name: clean_state_dict(module) for name, module in net_modules(net)},
-        'optimizers': {name: raw(net, name).state_dict()
-                       for name in net._optimizers},  # pylint: disable=protected-access
-        'schedulers': schedulers,
-        'scaler': accelerator.scaler.state_dict() if accelerator.scaler is not None else None,
-        'rng': [item['rng'] for item in everyone],
-        'history': history_state(rows),
-        'callbacks': {name: _callback_state(net, cb) for name, cb in net.callbacks_},
-        'loop': {
-            'accumulation_step': int(accelerator.step),
-            'train_iterator': train_iterator_state,
-            'stopped': bool(stopped),
+        "format": FORMAT,
+        "version": VERSION,
+        "num_processes": accelerator.num_processes,
+        "epoch": len(rows),
+        "modules": {name: clean_state_dict(module) for name, module in net_modules(net)},
+        "optimizers": {name: raw(net, name).state_dict() for name in net._optimizers},  # pylint: disable=protected-access
+        "schedulers": schedulers,
+        "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None,
+        "rng": [item["rng"] for item in everyone],
+        "history": history_state(rows),
+        "callbacks": {name: _callback_state(net, cb) for name, cb in net.callbacks_},
+        "loop": {
+            "accumulation_step": int(accelerator.step),
+            "train_iterator": train_iterator_state,
+            "stopped": bool(stopped),
             # inside an epoch: the batches done, and each rank's part of it
-            'batches': position[0] if position is not None else 0,
-            'partial_epoch': ([item['partial'] for item in everyone]
-                              if position is not None else None),
+            "batches": position[0] if position is not None else 0,
+            "partial_epoch": (
+                [item["partial"] for item in everyone] if position is not None else None
+            ),
         },
     }
 
 
 # EarlyStopping(load_best=True) keeps a copy of the best weights; a state
 # holds it only where it differs from the weights saved anyway
-_BEST_WEIGHTS = 'best_model_weights_'
-_BEST_IS_CURRENT = 'accel_mixin:best_model_weights_are_the_current_ones'
+_BEST_WEIGHTS = "best_model_weights_"
+_BEST_IS_CURRENT = "accel_mixin:best_model_weights_are_the_current_ones"
 
 
 def _callback_state(net, cb):
     state = callback_state(cb)
     if isinstance(cb, EarlyStopping) and state.get(_BEST_WEIGHTS) is not None:
-        current = cb.best_epoch_ == net.history[-1, 'epoch']
+        current = cb.best_epoch_ == net.history[-1, "epoch"]
         state[_BEST_IS_CURRENT] = current
         # under the keys of the bare module, which fit any process layout
         state[_BEST_WEIGHTS] = None if current else strip_wrapper_prefixes(state[_BEST_WEIGHTS])
@@ -129,25 +140,28 @@ def _callback_state(net, cb):
 
 def validate_state(state, source):
     """Refuse anything but a training state of a version we read."""
-    if not isinstance(state, dict) or state.get('format') != FORMAT:
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(
             f"{source} is not a training state written by save_state; files of "
-            "save_params load with load_params.")
-    if state.get('version') != VERSION:
+            "save_params load with load_params."
+        )
+    if state.get("version") != VERSION:
         raise CheckpointError(
             f"{source} is a training state of version {state.get('version')}; this "
-            f"accel_mixin reads version {VERSION}.")
+            f"accel_mixin reads version {VERSION}."
+        )
 
 
 def restore_weights(net, state, source):
     """Load every module and criterion; the net must be unwrapped."""
-    saved = state['modules']
+    saved = state["modules"]
     for name, module in net_modules(net):
         if name not in saved:
             raise CheckpointError(
                 f"{source} holds no state for {name}_ (it holds {sorted(saved)}): it was "
-                "saved from a net with other modules.")
-        load_module_state(module, saved[name], source=source, name=name + '_')
+                "saved from a net with other modules."
+            )
+        load_module_state(module, saved[name], source=source, name=name + "_")
 
 
 def restore_training_state(net, state, source):
@@ -162,44 +176,50 @@ def restore_training_state(net, state, source):
     """
     accelerator = net.accelerator
     for name in net._optimizers:  # pylint: disable=protected-access
-        if name not in state['optimizers']:
+        if name not in state["optimizers"]:
             raise CheckpointError(f"{source} holds no state for {name}_.")
-        load_optimizer_state(raw(net, name), state['optimizers'][name],
-                              source=source, name=name + '_')
-    if state['scaler'] is not None and accelerator.scaler is not None:
-        accelerator.scaler.load_state_dict(state['scaler'])
-    net.history = History(state['history'])
-    accelerator.step = state['loop']['accumulation_step']
+        load_optimizer_state(
+            raw(net, name), state["optimizers"][name], source=source, name=name + "_"
+        )
+    if state["scaler"] is not None and accelerator.scaler is not None:
+        accelerator.scaler.load_state_dict(state["scaler"])
+    net.history = History(state["history"])
+    accelerator.step = state["loop"]["accumulation_step"]
 
-    rngs = state['rng']
+    rngs = state["rng"]
     rank = accelerator.process_index
-    if state['loop'].get('batches', 0) and len(rngs) != accelerator.num_processes:
+    if state["loop"].get("batches", 0) and len(rngs) != accelerator.num_processes:
         raise CheckpointError(
             f"{source} was saved inside an epoch by {len(rngs)} process(es); each of them "
             f"holds its own part of that epoch, so it resumes on {len(rngs)} processes only, "
             f"not on {accelerator.num_processes}. Resume from a training state of an epoch's "
-            "end (training-state-<epoch>.pt) instead.")
+            "end (training-state-<epoch>.pt) instead."
+        )
     if len(rngs) != accelerator.num_processes and accelerator.is_main_process:
         warnings.warn(
             f"{source} was saved by {len(rngs)} process(es) and resumes on "
             f"{accelerator.num_processes}: weights, optimizers and history continue, but "
             "the random number streams differ from the run that saved it, so the "
-            "resumed run will not repeat it exactly.", RuntimeWarning)
+            "resumed run will not repeat it exactly.",
+            RuntimeWarning,
+        )
     pending = {
-        'schedulers': state['schedulers'],
-        'optimizer_groups': {name: optimizer['param_groups']
-                             for name, optimizer in state['optimizers'].items()},
-        'callbacks': state['callbacks'],
-        'rng': rngs[rank] if rank < len(rngs) else None,
-        'train_iterator': state['loop']['train_iterator'],
-        'stopped': state['loop'].get('stopped', False),
+        "schedulers": state["schedulers"],
+        "optimizer_groups": {
+            name: optimizer["param_groups"] for name, optimizer in state["optimizers"].items()
+        },
+        "callbacks": state["callbacks"],
+        "rng": rngs[rank] if rank < len(rngs) else None,
+        "train_iterator": state["loop"]["train_iterator"],
+        "stopped": state["loop"].get("stopped", False),
     }
-    batches = state['loop'].get('batches', 0)
+    batches = state["loop"].get("batches", 0)
     if batches:
         # the RNGs are those after batch `batches`, for the first resumed one
-        pending['mid_epoch'] = dict(state['loop']['partial_epoch'][rank], batches=batches,
-                                    rng=pending.pop('rng'))
-        pending['rng'] = None
+        pending["mid_epoch"] = dict(
+            state["loop"]["partial_epoch"][rank], batches=batches, rng=pending.pop("rng")
+        )
+        pending["rng"] = None
     return pending
 
 
@@ -208,25 +228,25 @@ def apply_train_begin_states(net, pending):
     schedulers they built."""
     callbacks = dict(net.callbacks_)
     best_weights = {}
-    for name, cb_state in pending.pop('callbacks', {}).items():
+    for name, cb_state in pending.pop("callbacks", {}).items():
         if name in callbacks:
             if _BEST_IS_CURRENT in cb_state:
                 cb_state = dict(cb_state)
                 best_weights[name] = (cb_state.pop(_BEST_IS_CURRENT), cb_state.pop(_BEST_WEIGHTS))
             restore_callback_state(callbacks[name], cb_state)
-    pending['best_weights'] = best_weights
-    schedulers = pending.pop('schedulers', {})
+    pending["best_weights"] = best_weights
+    schedulers = pending.pop("schedulers", {})
     for name, cb in _schedulers(net):
-        if name in schedulers and getattr(cb, 'lr_scheduler_', None) is not None:
+        if name in schedulers and getattr(cb, "lr_scheduler_", None) is not None:
             cb.lr_scheduler_.load_state_dict(schedulers[name])
     # A scheduler built after the restore (a callback after ResumeTraining,
     # or a load_state before fit) was built with last_epoch from the restored
     # history, and its constructor set the learning rate (and momentum) of
     # the optimizer anew; the saved hyperparameters are the ones to go on with.
-    for name, groups in pending.pop('optimizer_groups', {}).items():
+    for name, groups in pending.pop("optimizer_groups", {}).items():
         optimizer = raw(net, name)
         for group, saved in zip(optimizer.param_groups, groups):
-            group.update({key: value for key, value in saved.items() if key != 'params'})
+            group.update({key: value for key, value in saved.items() if key != "params"})
 
 
 def apply_prepared_states(net, pending):
@@ -234,7 +254,7 @@ def apply_prepared_states(net, pending):
     the keys of ``module_`` as it is now wrapped, which is what it loads them
     into when training ends."""
     callbacks = dict(net.callbacks_)
-    for name, (current, weights) in pending.pop('best_weights', {}).items():
+    for name, (current, weights) in pending.pop("best_weights", {}).items():
         module_state = net.module_.state_dict()
         if current:
             callbacks[name].best_model_weights_ = copy.deepcopy(module_state)
@@ -242,29 +262,30 @@ def apply_prepared_states(net, pending):
         # wrapped keys by the bare keys they end in
         keys = strip_wrapper_prefixes(OrderedDict((key, key) for key in module_state))
         callbacks[name].best_model_weights_ = OrderedDict(
-            (keys.get(key, key), value) for key, value in weights.items())
+            (keys.get(key, key), value) for key, value in weights.items()
+        )
 
 
 def apply_epoch_states(pending, train_iterator):
     """Restore RNGs and shuffling at the start of the first resumed epoch."""
-    if pending.get('rng') is not None:
-        restore_rng(pending['rng'])
-    saved = pending.get('train_iterator') or {}
+    if pending.get("rng") is not None:
+        restore_rng(pending["rng"])
+    saved = pending.get("train_iterator") or {}
     if train_iterator is None:
         return
-    generator = getattr(train_iterator, 'synchronized_generator', None)
-    if generator is not None and saved.get('generator') is not None:
-        generator.set_state(saved['generator'])
-    if saved.get('iteration') is not None and hasattr(train_iterator, 'iteration'):
-        train_iterator.iteration = saved['iteration']
+    generator = getattr(train_iterator, "synchronized_generator", None)
+    if generator is not None and saved.get("generator") is not None:
+        generator.set_state(saved["generator"])
+    if saved.get("iteration") is not None and hasattr(train_iterator, "iteration"):
+        train_iterator.iteration = saved["iteration"]
 
 
 def train_iterator_state(train_iterator):
     """What decides the shuffling of the next epoch of ``train_iterator``."""
     if train_iterator is None:
-        return {'generator': None, 'iteration': None}
-    generator = getattr(train_iterator, 'synchronized_generator', None)
+        return {"generator": None, "iteration": None}
+    generator = getattr(train_iterator, "synchronized_generator", None)
     return {
-        'generator': generator.get_state() if generator is not None else None,
-        'iteration': getattr(train_iterator, 'iteration', None),
+        "generator": generator.get_state() if generator is not None else None,
+        "iteration": getattr(train_iterator, "iteration", None),
     }

@@ -21,17 +21,18 @@ gradients are computed once and every optimizer steps on them, with or
 without a scaler alike (a GradScaler cannot step with a closure, and a
 closure that zeroes the gradients would discard the accumulated ones).
 """
+
 import torch
 from skorch.utils import TeeGenerator
 
 from accel_mixin.net_objects import net_modules
 
-__all__ = ['clear_gradients', 'step_optimizers', 'train_step']
+__all__ = ["clear_gradients", "step_optimizers", "train_step"]
 
 
 def train_step(net, stepper, batch, **fit_params):
     """skorch's ``train_step`` through ``stepper`` (a ``stepping.Stepper``)."""
-    optimizers = [getattr(net, name + '_') for name in net._optimizers]  # pylint: disable=protected-access
+    optimizers = [getattr(net, name + "_") for name in net._optimizers]  # pylint: disable=protected-access
     step_accumulator = net.get_train_step_accumulator()
     closures = stepper.closures_for(optimizers)
 
@@ -43,12 +44,12 @@ def train_step(net, stepper, batch, **fit_params):
         if stepper.sync_gradients:
             stepper.unscale(optimizers)
             net.notify(
-                'on_grad_computed',
+                "on_grad_computed",
                 named_parameters=TeeGenerator(net.get_all_learnable_params()),
                 batch=batch,
                 training=True,
             )
-        return step['loss']
+        return step["loss"]
 
     wrapped = lambda: [module for _, module in net_modules(net, unwrapped=False)]  # noqa: E731
     with stepper.accumulate(wrapped):
@@ -80,5 +81,5 @@ def clear_gradients(modules, optimizers):
     for optimizer in optimizers:
         if isinstance(optimizer, torch.optim.Optimizer):
             for group in optimizer.param_groups:
-                for param in group['params']:
+                for param in group["params"]:
                     param.grad = None

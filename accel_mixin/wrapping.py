@@ -10,6 +10,7 @@ made of it; unwrapping and rewrapping only swap references, stash or restore
 the forward patch, and keep the accelerator's lists holding exactly what is
 wrapped now.
 """
+
 import gc
 import inspect
 import weakref
@@ -22,9 +23,9 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from accel_mixin.internals import check_accelerator, check_dataloader, check_prepared_module
 
-__all__ = ['PreparedObjects', 'Slot', 'prepare_dataloader', 'requires_closure']
+__all__ = ["PreparedObjects", "Slot", "prepare_dataloader", "requires_closure"]
 
-Slot = namedtuple('Slot', ['key', 'owner', 'attr', 'kind', 'step_once'], defaults=[False])
+Slot = namedtuple("Slot", ["key", "owner", "attr", "kind", "step_once"], defaults=[False])
 Slot.__doc__ = """Where a preparable object lives.
 
 key : str
@@ -39,33 +40,45 @@ step_once : bool
 
 # accelerate's marks on a raw module: the autocast patch of ``forward`` and
 # the flag that makes ``prepare`` return the module untouched.
-_ACCELERATE_MARKS = ('forward', '_original_forward', '_is_accelerate_prepared')
+_ACCELERATE_MARKS = ("forward", "_original_forward", "_is_accelerate_prepared")
 
 # where accelerate wraps a trainable module in DDP (names of older releases
 # may be missing)
-_DDP_TYPES = frozenset(getattr(DistributedType, name) for name in (
-    'MULTI_CPU', 'MULTI_GPU', 'MULTI_NPU', 'MULTI_MLU', 'MULTI_XPU', 'MULTI_MUSA',
-    'MULTI_SDAA', 'MULTI_HPU', 'MULTI_NEURON') if hasattr(DistributedType, name))
+_DDP_TYPES = frozenset(
+    getattr(DistributedType, name)
+    for name in (
+        "MULTI_CPU",
+        "MULTI_GPU",
+        "MULTI_NPU",
+        "MULTI_MLU",
+        "MULTI_XPU",
+        "MULTI_MUSA",
+        "MULTI_SDAA",
+        "MULTI_HPU",
+        "MULTI_NEURON",
+    )
+    if hasattr(DistributedType, name)
+)
 
 _LIST_OF_KIND = {
-    'module': '_models',
-    'criterion': '_models',
-    'optimizer': '_optimizers',
-    'scheduler': '_schedulers',
+    "module": "_models",
+    "criterion": "_models",
+    "optimizer": "_optimizers",
+    "scheduler": "_schedulers",
 }
 
 _TYPE_OF_KIND = {
-    'module': torch.nn.Module,
-    'criterion': torch.nn.Module,
-    'optimizer': torch.optim.Optimizer,
-    'scheduler': (torch.optim.lr_scheduler.LRScheduler, ReduceLROnPlateau),
+    "module": torch.nn.Module,
+    "criterion": torch.nn.Module,
+    "optimizer": torch.optim.Optimizer,
+    "scheduler": (torch.optim.lr_scheduler.LRScheduler, ReduceLROnPlateau),
 }
 
 
 def requires_closure(optimizer):
     """Whether ``optimizer.step`` cannot be called without a closure (LBFGS)."""
     try:
-        param = inspect.signature(optimizer.step).parameters.get('closure')
+        param = inspect.signature(optimizer.step).parameters.get("closure")
     except (TypeError, ValueError):
         return False
     return param is not None and param.default is inspect.Parameter.empty
@@ -89,15 +102,15 @@ def _pop_marks(obj):
 
     A compiled module keeps part of them on its ``_orig_mod``.
     """
-    targets = [obj] + [t for t in (vars(obj).get('_modules', {}).get('_orig_mod'),) if t]
-    patched = any('_original_forward' in vars(t) for t in targets)
+    targets = [obj] + [t for t in (vars(obj).get("_modules", {}).get("_orig_mod"),) if t]
+    patched = any("_original_forward" in vars(t) for t in targets)
     # only the forward that accelerate patched is ours to remove
-    keys = _ACCELERATE_MARKS if patched else ('_is_accelerate_prepared',)
+    keys = _ACCELERATE_MARKS if patched else ("_is_accelerate_prepared",)
     marks = [(t, {k: vars(t).pop(k) for k in keys if k in vars(t)}) for t in targets]
-    original = next((m['_original_forward'] for _, m in marks if '_original_forward' in m), None)
-    if original is not None and getattr(original, '__func__', None) is not type(obj).forward:
+    original = next((m["_original_forward"] for _, m in marks if "_original_forward" in m), None)
+    if original is not None and getattr(original, "__func__", None) is not type(obj).forward:
         # the forward accelerate replaced was the instance's own (torch.compile's)
-        vars(obj)['forward'] = original
+        vars(obj)["forward"] = original
     return marks
 
 
@@ -119,7 +132,7 @@ def trainability(obj):
 
 
 class _Entry:
-    __slots__ = ('slot', 'raw', 'prepared', 'registered', 'marks', 'trainable')
+    __slots__ = ("marks", "prepared", "raw", "registered", "slot", "trainable")
 
     def __init__(self, slot, raw, prepared, registered, trainable=None):
         self.slot = slot
@@ -148,6 +161,7 @@ class PreparedObjects:
     them when this registry is garbage collected with its net.
 
     """
+
     def __init__(self):
         self._entries = {}
         # key -> (accelerator list, object); also read by the finalizer,
@@ -174,8 +188,11 @@ class PreparedObjects:
     def trainability_changed(self):
         """The keys of the modules whose trainable parameters changed since
         they were prepared."""
-        return {key for key, entry in self._entries.items()
-                if entry.trainable is not None and trainability(entry.raw) != entry.trainable}
+        return {
+            key
+            for key, entry in self._entries.items()
+            if entry.trainable is not None and trainability(entry.raw) != entry.trainable
+        }
 
     def prepare(self, accelerator, slots, refresh=()):
         """Prepare the objects not seen before, then wrap all of them.
@@ -236,7 +253,7 @@ class PreparedObjects:
             slot = entry.slot
             if getattr(slot.owner, slot.attr, None) is entry.prepared:
                 setattr(slot.owner, slot.attr, entry.raw)
-            if slot.kind in ('module', 'criterion') and not entry.marks:
+            if slot.kind in ("module", "criterion") and not entry.marks:
                 entry.marks = _pop_marks(entry.raw)
         _release(self._held)
         self.wrapped = False
@@ -266,7 +283,7 @@ def _container(accelerator, slot):
 def _prepare_entry(accelerator, obj, slot):
     container = _container(accelerator, slot)
     before = list(container)
-    trainable = trainability(obj) if slot.kind in ('module', 'criterion') else None
+    trainable = trainability(obj) if slot.kind in ("module", "criterion") else None
     prepared = _prepare_one(accelerator, obj, slot)
     added = [item for item in container if not any(item is b for b in before)]
     registered = added[0] if added else prepared
@@ -274,7 +291,7 @@ def _prepare_entry(accelerator, obj, slot):
 
 
 def _prepare_one(accelerator, obj, slot):
-    if slot.kind in ('module', 'criterion'):
+    if slot.kind in ("module", "criterion"):
         # Marks left by another net or a pickled copy would make accelerate
         # skip DDP and autocast for this module.
         _pop_marks(obj)
@@ -283,10 +300,14 @@ def _prepare_one(accelerator, obj, slot):
         trainable = any(trainability(obj))
         prepared = accelerator.prepare_model(obj, evaluation_mode=not trainable)
         # the marks unwrapping relies on, and a DDP wrapper where one is due
-        check_prepared_module(prepared, obj, accelerator,
-                              wrapped=trainable and accelerator.distributed_type in _DDP_TYPES)
+        check_prepared_module(
+            prepared,
+            obj,
+            accelerator,
+            wrapped=trainable and accelerator.distributed_type in _DDP_TYPES,
+        )
         return prepared
-    if slot.kind == 'optimizer':
+    if slot.kind == "optimizer":
         return accelerator.prepare_optimizer(obj)
     prepared = accelerator.prepare_scheduler(obj)
     if isinstance(obj, ReduceLROnPlateau):
@@ -306,5 +327,6 @@ class AcceleratedPlateauScheduler(AcceleratedScheduler, ReduceLROnPlateau):
     score and finds it with ``isinstance``; all behaviour is
     ``AcceleratedScheduler``'s, which passes the score on.
     """
+
     __init__ = AcceleratedScheduler.__init__
     step = AcceleratedScheduler.step

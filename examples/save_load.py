@@ -13,6 +13,7 @@ from the main process only, and loads on every process. The main process
 prints the test accuracy of the trained net, of a fresh accelerated net that
 loaded the file, and of a plain skorch net that loaded it: all three match.
 """
+
 import argparse
 from datetime import timedelta
 from pathlib import Path
@@ -47,27 +48,33 @@ class MLP(torch.nn.Module):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    parser.add_argument('--out', default='accel_mixin_demo', help='folder for the saved files')
-    parser.add_argument('--epochs', type=int, default=10)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="accel_mixin_demo", help="folder for the saved files")
+    parser.add_argument("--epochs", type=int, default=10)
     args = parser.parse_args()
 
     # A short collective timeout: should a process die, the others stop soon.
     accelerator = Accelerator(
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=60))])
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=60))]
+    )
     say = accelerator.print
 
     X, y = make_classification(3000, 20, n_informative=10, random_state=0)
-    X_train, X_test, y_train, y_test = train_test_split(
-        X.astype(np.float32), y, random_state=0)
+    X_train, X_test, y_train, y_test = train_test_split(X.astype(np.float32), y, random_state=0)
 
     torch.manual_seed(0)
     net = AcceleratedNet(
-        MLP, accelerator=accelerator, max_epochs=args.epochs, lr=0.1,
-        batch_size=64, iterator_train__shuffle=True,
+        MLP,
+        accelerator=accelerator,
+        max_epochs=args.epochs,
+        lr=0.1,
+        batch_size=64,
+        iterator_train__shuffle=True,
     )
-    say(f"Training on {accelerator.num_processes} process(es) "
-        f"({accelerator.distributed_type}, device {accelerator.device})")
+    say(
+        f"Training on {accelerator.num_processes} process(es) "
+        f"({accelerator.distributed_type}, device {accelerator.device})"
+    )
     net.fit(X_train, y_train)
     before = net.score(X_test, y_test)
 
@@ -75,9 +82,9 @@ def main():
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
     files = {
-        'f_params': out / 'params.pt',
-        'f_optimizer': out / 'optimizer.pt',
-        'f_history': out / 'history.json',
+        "f_params": out / "params.pt",
+        "f_optimizer": out / "optimizer.pt",
+        "f_history": out / "history.json",
     }
     net.save_params(**files)
 
@@ -86,7 +93,7 @@ def main():
     after_accelerated = fresh.score(X_test, y_test)
 
     plain = NeuralNetClassifier(MLP).initialize()
-    plain.load_params(f_params=files['f_params'])
+    plain.load_params(f_params=files["f_params"])
     after_plain = plain.score(X_test, y_test)
 
     say(f"Test accuracy after training:            {before:.4f}")
@@ -100,5 +107,5 @@ def main():
         raise SystemExit("Accuracies differ after loading")
 
 
-if __name__ == '__main__':
+if __name__ == "__main__":
     main()

@@ -4,12 +4,13 @@ torchrun starts its workers in sessions of their own, so killing torchrun's
 process group leaves them running. Tests, benchmarks and the preemption
 example stop jobs with ``kill_job``.
 """
+
 import os
 import signal
 
 import psutil  # pip install 'accel_mixin[test]'
 
-__all__ = ['kill_job']
+__all__ = ["kill_job"]
 
 
 def kill_job(proc, timeout=10):

@@ -1,16 +1,17 @@
 """Fixtures: a fresh accelerate state per test, data, modules, net classes."""
+
 import sys
 from pathlib import Path
 
 import pytest
 from accelerate.state import AcceleratorState, GradientState
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / 'launched'))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "launched"))
 # scripts/jobs.py: the repository's tool that stops a launched job for good
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / 'scripts'))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
 # pylint: disable=wrong-import-position
-from common import LogitMLP, MLP, make_data  # noqa: E402
+from common import MLP, LogitMLP, make_data
 
 
 def reset_accelerate():

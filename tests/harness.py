@@ -9,6 +9,7 @@ the interleaved stream, whose order differs from run to run. A run that
 exceeds its timeout is killed as a whole, and the test fails with every
 rank's output.
 """
+
 import json
 import os
 import socket
@@ -20,20 +21,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
 from jobs import kill_job  # scripts/jobs.py
 
 ROOT = Path(__file__).resolve().parent.parent
-LAUNCHED = Path(__file__).resolve().parent / 'launched'
+LAUNCHED = Path(__file__).resolve().parent / "launched"
 
-__all__ = ['LAUNCHED', 'Launch', 'check_values', 'free_port', 'run_nodes', 'run_plain',
-           'run_processes']
+__all__ = [
+    "LAUNCHED",
+    "Launch",
+    "check_values",
+    "free_port",
+    "run_nodes",
+    "run_plain",
+    "run_processes",
+]
 
 
 def free_port():
     """A TCP port that was free a moment ago on the loopback interface."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(('127.0.0.1', 0))
+        sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
@@ -41,6 +48,7 @@ def free_port():
 class Launch:
     """The outcome of a launch: exit status, combined output, per-rank JSON,
     and per-rank ``(stdout, stderr)``."""
+
     returncode: int
     output: str
     timed_out: bool
@@ -48,8 +56,8 @@ class Launch:
     rank_outputs: list = field(default_factory=list)
 
     def describe(self):
-        state = 'timed out' if self.timed_out else f'exit status {self.returncode}'
-        return f'launch {state}; output of every rank:\n{self.output}'
+        state = "timed out" if self.timed_out else f"exit status {self.returncode}"
+        return f"launch {state}; output of every rank:\n{self.output}"
 
     def check(self):
         """Fail the test unless every rank finished and reported."""
@@ -91,9 +99,9 @@ def run_processes(script, *args, nproc=2, timeout=180, cpu_env=True, env=None, l
     launch : Launch
 
     """
-    common = [f'--nproc_per_node={nproc}', *launcher_args]
-    if not any(arg.startswith('--rdzv') for arg in launcher_args):
-        common += ['--master_addr=127.0.0.1', f'--master_port={free_port()}']
+    common = [f"--nproc_per_node={nproc}", *launcher_args]
+    if not any(arg.startswith("--rdzv") for arg in launcher_args):
+        common += ["--master_addr=127.0.0.1", f"--master_port={free_port()}"]
     return _launch([common], script, args, nproc, timeout, cpu_env, env)
 
 
@@ -111,8 +119,16 @@ def run_nodes(script, *args, nodes=2, timeout=180, env=None):
     shared filesystem would be.
     """
     port = free_port()
-    per_node = [[f'--nnodes={nodes}', f'--node_rank={k}', '--nproc_per_node=1',
-                 '--master_addr=127.0.0.1', f'--master_port={port}'] for k in range(nodes)]
+    per_node = [
+        [
+            f"--nnodes={nodes}",
+            f"--node_rank={k}",
+            "--nproc_per_node=1",
+            "--master_addr=127.0.0.1",
+            f"--master_port={port}",
+        ]
+        for k in range(nodes)
+    ]
     return _launch(per_node, script, args, nodes, timeout, True, env)
 
 
@@ -120,33 +136,48 @@ def _launch(launchers, script, args, world_size, timeout, cpu_env, env):
     script = Path(script)
     if not script.is_absolute():
         script = LAUNCHED / script
-    with tempfile.TemporaryDirectory(prefix='accel_mixin_launch_') as tmp:
+    with tempfile.TemporaryDirectory(prefix="accel_mixin_launch_") as tmp:
         tmp = Path(tmp)
         run_env = dict(os.environ)
-        run_env.pop('ACCELERATE_USE_CPU', None)
-        run_env.update({
-            'ACCEL_RESULTS_DIR': str(tmp),
-            'OMP_NUM_THREADS': '1',
-            'PYTHONUNBUFFERED': '1',
-            'PYTHONPATH': os.pathsep.join(
-                [str(ROOT), str(LAUNCHED), run_env.get('PYTHONPATH', '')]),
-        })
+        run_env.pop("ACCELERATE_USE_CPU", None)
+        run_env.update(
+            {
+                "ACCEL_RESULTS_DIR": str(tmp),
+                "OMP_NUM_THREADS": "1",
+                "PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": os.pathsep.join(
+                    [str(ROOT), str(LAUNCHED), run_env.get("PYTHONPATH", "")]
+                ),
+            }
+        )
         if cpu_env:
-            run_env['ACCELERATE_USE_CPU'] = 'true'
+            run_env["ACCELERATE_USE_CPU"] = "true"
         run_env.update(env or {})
         procs, logs = [], []
         for k, launcher in enumerate(launchers):
-            cwd = tmp if len(launchers) == 1 else tmp / f'node{k}'
+            cwd = tmp if len(launchers) == 1 else tmp / f"node{k}"
             cwd.mkdir(exist_ok=True)
-            logs.append(tmp / f'output{k}.log')
+            logs.append(tmp / f"output{k}.log")
             cmd = [sys.executable, str(script), *map(str, args)]
             if launcher is not None:
-                cmd[1:1] = ['-m', 'torch.distributed.run', *launcher, '--tee=3',
-                            f'--log-dir={tmp / f"logs{k}"}']
-            with open(logs[-1], 'wb') as log:
-                procs.append(subprocess.Popen(
-                    cmd, stdout=log, stderr=subprocess.STDOUT, env=run_env,
-                    cwd=cwd, start_new_session=True))
+                cmd[1:1] = [
+                    "-m",
+                    "torch.distributed.run",
+                    *launcher,
+                    "--tee=3",
+                    f"--log-dir={tmp / f'logs{k}'}",
+                ]
+            with open(logs[-1], "wb") as log:
+                procs.append(
+                    subprocess.Popen(
+                        cmd,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env=run_env,
+                        cwd=cwd,
+                        start_new_session=True,
+                    )
+                )
         deadline = time.monotonic() + timeout
         timed_out = False
         for proc in procs:
@@ -157,15 +188,16 @@ def _launch(launchers, script, args, world_size, timeout, cpu_env, env):
         if timed_out:
             for proc in procs:
                 kill_job(proc)
-        output = '\n'.join(
-            (f'--- node {k} ---\n' if len(logs) > 1 else '') + log.read_text(errors='replace')
-            for k, log in enumerate(logs))
+        output = "\n".join(
+            (f"--- node {k} ---\n" if len(logs) > 1 else "") + log.read_text(errors="replace")
+            for k, log in enumerate(logs)
+        )
         ranks = []
         for rank in range(world_size):
-            path = tmp / f'rank{rank}.json'
+            path = tmp / f"rank{rank}.json"
             ranks.append(json.loads(path.read_text()) if path.exists() else None)
         if launchers == [None]:  # no torchrun: one process, one stream
-            rank_outputs = [(output, '')]
+            rank_outputs = [(output, "")]
         else:
             rank_outputs = _rank_outputs(tmp, len(launchers), world_size // len(launchers))
     returncode = next((p.returncode for p in procs if p.returncode), 0)
@@ -174,16 +206,21 @@ def _launch(launchers, script, args, world_size, timeout, cpu_env, env):
 
 def _rank_outputs(tmp, nodes, per_node):
     """Every rank's (stdout, stderr), from the files torchrun wrote per worker."""
+
     def read(node, local_rank, stream):
-        found = sorted((tmp / f'logs{node}').glob(f'*/attempt_*/{local_rank}/{stream}.log'))
-        return found[-1].read_text(errors='replace') if found else ''
-    return [(read(node, local, 'stdout'), read(node, local, 'stderr'))
-            for node in range(nodes) for local in range(per_node)]
+        found = sorted((tmp / f"logs{node}").glob(f"*/attempt_*/{local_rank}/{stream}.log"))
+        return found[-1].read_text(errors="replace") if found else ""
+
+    return [
+        (read(node, local, "stdout"), read(node, local, "stderr"))
+        for node in range(nodes)
+        for local in range(per_node)
+    ]
 
 
 def check_errors(ranks, check):
     """The error a ``Checks`` check raised on every rank, None where it did not."""
-    return [checks[check].get('error') for checks in ranks]
+    return [checks[check].get("error") for checks in ranks]
 
 
 def check_values(ranks, check):
@@ -192,6 +229,6 @@ def check_values(ranks, check):
     out = []
     for rank, checks in enumerate(ranks):
         result = checks[check]
-        assert result['ok'], f"{check} failed on rank {rank}: {result['error']}"
-        out.append(result['value'])
+        assert result["ok"], f"{check} failed on rank {rank}: {result['error']}"
+        out.append(result["value"])
     return out

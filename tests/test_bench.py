@@ -1,58 +1,79 @@
 """The benchmarks run, at tiny sizes; they measure, they do not assert times."""
+
 import json
 import subprocess
 import sys
 
 import pytest
-
 from harness import ROOT
 
 pytestmark = pytest.mark.multiprocess
 
 
 def test_benchmarks_run_and_report(tmp_path):
-    readme = tmp_path / 'README.md'
-    readme.write_text('before\n<!-- bench:start -->\nold\n<!-- bench:end -->\nafter\n')
+    readme = tmp_path / "README.md"
+    readme.write_text("before\n<!-- bench:start -->\nold\n<!-- bench:end -->\nafter\n")
     out = subprocess.run(
-        [sys.executable, str(ROOT / 'scripts' / 'benchmarks' / 'run.py'), '--quick',
-         '--out', str(tmp_path / 'results'), '--readme', str(readme)],
-        capture_output=True, text=True, timeout=600, check=False)
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "benchmarks" / "run.py"),
+            "--quick",
+            "--out",
+            str(tmp_path / "results"),
+            "--readme",
+            str(readme),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
-    results = tmp_path / 'results'
-    fit_1 = json.loads((results / 'raw' / 'fit_1.json').read_text())
-    assert set(fit_1['results']) == {'skorch', 'accel_mixin', 'incumbent', 'accelerate loop'}
-    assert fit_1['results']['skorch']['ratio'] == 1.0
-    assert all(len(row['runs_s']) == 2 for row in fit_1['results'].values())
-    fit_2 = json.loads((results / 'raw' / 'fit_2.json').read_text())
-    assert fit_2['processes'] == 2 and 'skorch' not in fit_2['results']
-    assert 'accel_mixin, no history sync' in fit_2['results']
-    checkpoint = json.loads((results / 'raw' / 'checkpoint_2.json').read_text())
-    assert set(checkpoint['save']) == {'torch.save', 'torch.save + fsync', 'accel_mixin', 'incumbent',
-                                       'torch.save, overwriting', 'accel_mixin, overwriting'}
-    assert set(checkpoint['rewrap']) == {'small', 'large'}
-    assert set(checkpoint['load_memory_over_file_size']) == {'torch.load', 'accel_mixin', 'incumbent'}
+    results = tmp_path / "results"
+    fit_1 = json.loads((results / "raw" / "fit_1.json").read_text())
+    assert set(fit_1["results"]) == {"skorch", "accel_mixin", "incumbent", "accelerate loop"}
+    assert fit_1["results"]["skorch"]["ratio"] == 1.0
+    assert all(len(row["runs_s"]) == 2 for row in fit_1["results"].values())
+    fit_2 = json.loads((results / "raw" / "fit_2.json").read_text())
+    assert fit_2["processes"] == 2 and "skorch" not in fit_2["results"]
+    assert "accel_mixin, no history sync" in fit_2["results"]
+    checkpoint = json.loads((results / "raw" / "checkpoint_2.json").read_text())
+    assert set(checkpoint["save"]) == {
+        "torch.save",
+        "torch.save + fsync",
+        "accel_mixin",
+        "incumbent",
+        "torch.save, overwriting",
+        "accel_mixin, overwriting",
+    }
+    assert set(checkpoint["rewrap"]) == {"small", "large"}
+    assert set(checkpoint["load_memory_over_file_size"]) == {
+        "torch.load",
+        "accel_mixin",
+        "incumbent",
+    }
 
-    stall = json.loads((results / 'raw' / 'stall_2.json').read_text())
-    assert set(stall['stall_s']) == {'synchronous', 'asynchronous'}
-    small = json.loads((results / 'raw' / 'checkpoint_small_2.json').read_text())
-    assert small['params'] < checkpoint['params'] and 'torch.save + fsync' in small['save']
-    replicas = json.loads((results / 'raw' / 'replicas_2.json').read_text())
-    assert set(replicas['times_s']) == {'training step', 'replica check'}
-    assert replicas['tensors'] == 8 and replicas['check_over_epoch'] > 0
-    midepoch = json.loads((results / 'raw' / 'midepoch_2.json').read_text())
-    assert set(midepoch['stall_s']) == {'synchronous', 'asynchronous'}
-    assert all(row['runs_s'] for row in midepoch['stall_s'].values())  # saves were made
-    assert set(midepoch['first_batch_s']) == {'indices 0', 'indices 30', 'loaded 0', 'loaded 30'}
+    stall = json.loads((results / "raw" / "stall_2.json").read_text())
+    assert set(stall["stall_s"]) == {"synchronous", "asynchronous"}
+    small = json.loads((results / "raw" / "checkpoint_small_2.json").read_text())
+    assert small["params"] < checkpoint["params"] and "torch.save + fsync" in small["save"]
+    replicas = json.loads((results / "raw" / "replicas_2.json").read_text())
+    assert set(replicas["times_s"]) == {"training step", "replica check"}
+    assert replicas["tensors"] == 8 and replicas["check_over_epoch"] > 0
+    midepoch = json.loads((results / "raw" / "midepoch_2.json").read_text())
+    assert set(midepoch["stall_s"]) == {"synchronous", "asynchronous"}
+    assert all(row["runs_s"] for row in midepoch["stall_s"].values())  # saves were made
+    assert set(midepoch["first_batch_s"]) == {"indices 0", "indices 30", "loaded 0", "loaded 30"}
 
-    table = (results / 'bench.md').read_text()
-    assert 'unwrap + rewrap' in table and '| target |' in table
-    assert 'history sync: at most 1.05' in table
-    assert 'asynchronous checkpoint: stall' in table
-    assert 'replica check: at most 1% of an epoch' in table
-    assert 'save_params, small model' in table
-    assert 'restart to the first batch: flat' in table and '**Inside an epoch**' in table
-    assert (results / 'bench.png').read_bytes()[:4] == b'\x89PNG'
+    table = (results / "bench.md").read_text()
+    assert "unwrap + rewrap" in table and "| target |" in table
+    assert "history sync: at most 1.05" in table
+    assert "asynchronous checkpoint: stall" in table
+    assert "replica check: at most 1% of an epoch" in table
+    assert "save_params, small model" in table
+    assert "restart to the first batch: flat" in table and "**Inside an epoch**" in table
+    assert (results / "bench.png").read_bytes()[:4] == b"\x89PNG"
     text = readme.read_text()
-    assert 'old' not in text and table in text
-    assert text.startswith('before\n') and text.endswith('after\n')
+    assert "old" not in text and table in text
+    assert text.startswith("before\n") and text.endswith("after\n")

@@ -2,6 +2,7 @@
 
 The same over real processes: test_multiprocess.py and test_sync.py.
 """
+
 import threading
 import time
 
@@ -22,9 +23,9 @@ def run_ranks(*bodies):
 
     def target(i):
         try:
-            results[i] = ('ok', bodies[i]())
+            results[i] = ("ok", bodies[i]())
         except BaseException as exc:  # pylint: disable=broad-except
-            results[i] = ('raised', exc)
+            results[i] = ("raised", exc)
 
     threads = [threading.Thread(target=target, args=(i,)) for i in range(len(bodies))]
     for thread in threads:
@@ -37,10 +38,10 @@ def run_ranks(*bodies):
 def test_single_process_needs_no_store():
     coordinator = Coordinator(1, 0)
     assert not coordinator.distributed
-    coordinator.barrier('nothing to wait for')
-    assert coordinator.run(lambda: 42, what='x') == 42
+    coordinator.barrier("nothing to wait for")
+    assert coordinator.run(lambda: 42, what="x") == 42
     with pytest.raises(ValueError):
-        coordinator.run(lambda: int('x'), what='x')
+        coordinator.run(lambda: int("x"), what="x")
 
 
 def test_barrier_waits_for_every_rank():
@@ -50,12 +51,12 @@ def test_barrier_waits_for_every_rank():
     def late():
         time.sleep(0.3)
         arrived.append(time.monotonic())
-        with rank1.session('s'):
-            rank1.barrier('b')
+        with rank1.session("s"):
+            rank1.barrier("b")
 
     def early():
-        with rank0.session('s'):
-            rank0.barrier('b')
+        with rank0.session("s"):
+            rank0.barrier("b")
         return time.monotonic()
 
     (_, done), _ = run_ranks(early, late)
@@ -66,23 +67,23 @@ def test_an_error_on_one_rank_reaches_the_other_promptly():
     rank0, rank1 = pair(timeout=30)
 
     def failing():
-        with rank1.session('fit'), rank1.section('on_epoch_end'):
+        with rank1.session("fit"), rank1.section("on_epoch_end"):
             time.sleep(0.1)
-            raise ValueError('boom on rank 1')
+            raise ValueError("boom on rank 1")
 
     def waiting():
         start = time.monotonic()
         try:
-            with rank0.session('fit'), rank0.section('on_epoch_end'):
-                rank0.run(lambda: None, what='save_params')
+            with rank0.session("fit"), rank0.section("on_epoch_end"):
+                rank0.run(lambda: None, what="save_params")
         finally:
             waiting.seconds = time.monotonic() - start
 
     (kind0, exc0), (kind1, exc1) = run_ranks(waiting, failing)
-    assert (kind0, kind1) == ('raised', 'raised')
+    assert (kind0, kind1) == ("raised", "raised")
     assert isinstance(exc1, ValueError)
     assert isinstance(exc0, DistributedError)
-    assert 'on_epoch_end failed on rank 1: ValueError: boom on rank 1' in str(exc0)
+    assert "on_epoch_end failed on rank 1: ValueError: boom on rank 1" in str(exc0)
     assert waiting.seconds < 5
 
 
@@ -90,16 +91,17 @@ def test_main_only_failure_reaches_the_others():
     rank0, rank1 = pair()
 
     def fail():
-        raise OSError('disk full')
+        raise OSError("disk full")
 
     results = run_ranks(
-        lambda: rank0.run(fail, what='save_params'),
-        lambda: rank1.run(lambda: pytest.fail('not the main process'),
-                          what='save_params', here=False),
+        lambda: rank0.run(fail, what="save_params"),
+        lambda: rank1.run(
+            lambda: pytest.fail("not the main process"), what="save_params", here=False
+        ),
     )
     assert isinstance(results[0][1], OSError)
     assert isinstance(results[1][1], DistributedError)
-    assert 'rank 0: OSError: disk full' in str(results[1][1])
+    assert "rank 0: OSError: disk full" in str(results[1][1])
 
 
 def test_a_caught_error_leaves_the_enclosing_section_healthy():
@@ -107,18 +109,18 @@ def test_a_caught_error_leaves_the_enclosing_section_healthy():
 
     def body(coordinator):
         def save():
-            raise OSError('disk full')
+            raise OSError("disk full")
 
-        with coordinator.session('fit'), coordinator.section('on_epoch_end'):
+        with coordinator.session("fit"), coordinator.section("on_epoch_end"):
             try:
-                coordinator.run(save, what='save_params', here=coordinator.process_index == 0)
+                coordinator.run(save, what="save_params", here=coordinator.process_index == 0)
             except (OSError, DistributedError):
                 pass  # as skorch's Checkpoint does
-            coordinator.barrier('on_epoch_end')
-        return 'done'
+            coordinator.barrier("on_epoch_end")
+        return "done"
 
     results = run_ranks(lambda: body(rank0), lambda: body(rank1))
-    assert results == [('ok', 'done'), ('ok', 'done')]
+    assert results == [("ok", "done"), ("ok", "done")]
 
 
 def test_the_next_session_starts_afresh():
@@ -126,25 +128,25 @@ def test_the_next_session_starts_afresh():
 
     def body(coordinator, fail):
         try:
-            with coordinator.session('first'):
+            with coordinator.session("first"):
                 if fail:
-                    raise ValueError('only in the first session')
-                coordinator.barrier('first')
+                    raise ValueError("only in the first session")
+                coordinator.barrier("first")
         except (ValueError, DistributedError):
             pass
-        with coordinator.session('second'):
-            coordinator.barrier('second')
-        return 'second passed'
+        with coordinator.session("second"):
+            coordinator.barrier("second")
+        return "second passed"
 
     results = run_ranks(lambda: body(rank0, False), lambda: body(rank1, True))
-    assert results == [('ok', 'second passed'), ('ok', 'second passed')]
+    assert results == [("ok", "second passed"), ("ok", "second passed")]
 
 
 def test_a_rank_that_never_arrives_times_out():
     rank0, _ = pair(timeout=0.2)
-    with pytest.raises(DistributedError, match='neither arrived nor reported'):
-        with rank0.session('s'):
-            rank0.barrier('b')
+    with pytest.raises(DistributedError, match="neither arrived nor reported"):
+        with rank0.session("s"):
+            rank0.barrier("b")
 
 
 def test_a_barrier_that_times_out_fails_on_every_rank():
@@ -153,19 +155,21 @@ def test_a_barrier_that_times_out_fails_on_every_rank():
     rank0, rank1 = pair(timeout=0.3)
 
     def slow():
-        with rank0.session('save'):
+        with rank0.session("save"):
             time.sleep(1.0)
-            rank0.barrier('save')
+            rank0.barrier("save")
 
     def waiting():
-        with rank1.session('save'):
-            rank1.barrier('save')
+        with rank1.session("save"):
+            rank1.barrier("save")
 
     (state0, exc0), (state1, exc1) = run_ranks(slow, waiting)
-    assert state0 == state1 == 'raised'
-    assert str(exc1).startswith('save: rank 1 waited 0 s for the other ranks, which neither '
-                                'arrived nor reported a failure. Every rank must make the same '
-                                'collective calls (fit, partial_fit, predict')
+    assert state0 == state1 == "raised"
+    assert str(exc1).startswith(
+        "save: rank 1 waited 0 s for the other ranks, which neither "
+        "arrived nor reported a failure. Every rank must make the same "
+        "collective calls (fit, partial_fit, predict"
+    )
     assert str(exc0) == str(exc1)  # rank 0 learns why
 
 
@@ -177,18 +181,19 @@ def test_a_run_slower_than_the_timeout_succeeds_while_it_works():
     def body(coordinator):
         def save():
             time.sleep(1.5)  # five timeouts long
-            return 'saved'
-        return coordinator.run(save, what='save_params', here=coordinator.process_index == 0)
+            return "saved"
 
-    assert run_ranks(lambda: body(rank0), lambda: body(rank1)) == [('ok', 'saved'), ('ok', None)]
+        return coordinator.run(save, what="save_params", here=coordinator.process_index == 0)
+
+    assert run_ranks(lambda: body(rank0), lambda: body(rank1)) == [("ok", "saved"), ("ok", None)]
 
 
 def test_a_rank_that_times_out_just_as_the_last_arrives_passes():
     rank0, rank1 = pair(timeout=0.2)
-    with rank0.session('x'), rank1.session('x'):
-        key = rank1._child('b')  # pylint: disable=protected-access
+    with rank0.session("x"), rank1.session("x"):
+        key = rank1._child("b")  # pylint: disable=protected-access
         rank1.store.add(key, 2)  # both arrived, as the timeout fires
-        rank1._give_up(key, 'x')  # pylint: disable=protected-access
+        rank1._give_up(key, "x")  # pylint: disable=protected-access
         assert rank1.store.add(key, 0) == 2
         assert rank1.failure() is None
 
@@ -199,46 +204,48 @@ def gated_save(coordinator, path, content, events):
     from accel_mixin.files import atomic_write, replacing_after
 
     def write():
-        events.append(('writing', time.monotonic()))
+        events.append(("writing", time.monotonic()))
         atomic_write(path, lambda f: f.write(content))
-        events.append(('renamed', time.monotonic()))
-    return coordinator.run(write, what='save_params', here=coordinator.process_index == 0,
-                           gate=replacing_after)
+        events.append(("renamed", time.monotonic()))
+
+    return coordinator.run(
+        write, what="save_params", here=coordinator.process_index == 0, gate=replacing_after
+    )
 
 
 def test_a_gated_write_works_early_and_becomes_visible_once_all_arrived(tmp_path):
     rank0, rank1 = pair()
-    path = tmp_path / 'params.pt'
-    path.write_bytes(b'old')
+    path = tmp_path / "params.pt"
+    path.write_bytes(b"old")
     events = []
 
     def late():
         time.sleep(0.5)
-        events.append(('arrived', time.monotonic()))
-        assert path.read_bytes() == b'old'  # nothing visible before everyone arrived
-        return gated_save(rank1, path, b'new', events)
+        events.append(("arrived", time.monotonic()))
+        assert path.read_bytes() == b"old"  # nothing visible before everyone arrived
+        return gated_save(rank1, path, b"new", events)
 
-    results = run_ranks(lambda: gated_save(rank0, path, b'new', events), late)
-    assert [result[0] for result in results] == ['ok', 'ok']
+    results = run_ranks(lambda: gated_save(rank0, path, b"new", events), late)
+    assert [result[0] for result in results] == ["ok", "ok"]
     times = dict(events)
-    assert times['writing'] < times['arrived'] < times['renamed']
-    assert path.read_bytes() == b'new'
+    assert times["writing"] < times["arrived"] < times["renamed"]
+    assert path.read_bytes() == b"new"
 
 
 def test_a_gated_write_leaves_the_file_when_another_rank_fails_before_arriving(tmp_path):
     rank0, rank1 = pair()
-    path = tmp_path / 'params.pt'
-    path.write_bytes(b'old')
+    path = tmp_path / "params.pt"
+    path.write_bytes(b"old")
 
     def failing():
-        with rank1.session('save_params'):
-            raise ValueError('rank 1 broke before the save')
+        with rank1.session("save_params"):
+            raise ValueError("rank 1 broke before the save")
 
-    results = run_ranks(lambda: gated_save(rank0, path, b'new', []), failing)
+    results = run_ranks(lambda: gated_save(rank0, path, b"new", []), failing)
     assert isinstance(results[0][1], DistributedError)
-    assert 'rank 1 broke before the save' in str(results[0][1])
-    assert path.read_bytes() == b'old'
-    assert sorted(p.name for p in tmp_path.iterdir()) == ['params.pt']  # no temporary left
+    assert "rank 1 broke before the save" in str(results[0][1])
+    assert path.read_bytes() == b"old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["params.pt"]  # no temporary left
 
 
 def test_a_gated_write_does_not_keep_itself_waiting_with_its_own_heartbeat(tmp_path):
@@ -246,11 +253,11 @@ def test_a_gated_write_does_not_keep_itself_waiting_with_its_own_heartbeat(tmp_p
     # heartbeat must not count as progress, or it would wait forever
     rank0, _ = pair(timeout=0.5)
     rank0._heartbeat.interval = 0.05  # pylint: disable=protected-access
-    path = tmp_path / 'params.pt'
+    path = tmp_path / "params.pt"
     start = time.monotonic()
-    results = run_ranks(lambda: gated_save(rank0, path, b'new', []))
+    results = run_ranks(lambda: gated_save(rank0, path, b"new", []))
     assert isinstance(results[0][1], DistributedError)
-    assert 'neither arrived' in str(results[0][1])
+    assert "neither arrived" in str(results[0][1])
     assert time.monotonic() - start < 10
     assert not path.exists()
 
@@ -259,20 +266,20 @@ def test_ranks_in_different_calls_raise_at_once_naming_both():
     rank0, rank1 = pair()
 
     def inference():
-        rank0.barrier('predict')
+        rank0.barrier("predict")
 
     def saving():
-        return rank1.run(lambda: None, what='save_params')
+        return rank1.run(lambda: None, what="save_params")
 
     start = time.monotonic()
     (state0, exc0), (state1, exc1) = run_ranks(inference, saving)
     assert time.monotonic() - start < 5  # not the 30 s timeout
-    assert state0 == state1 == 'raised'
+    assert state0 == state1 == "raised"
     for exc in (exc0, exc1):
         assert isinstance(exc, DistributedError)
         message = str(exc)
-        assert 'predict' in message and 'save_params' in message
-        assert 'every rank must make the same collective calls' in message
+        assert "predict" in message and "save_params" in message
+        assert "every rank must make the same collective calls" in message
 
 
 def test_ranks_in_the_same_calls_compare_them_once_per_call():
@@ -295,10 +302,10 @@ def test_ranks_in_the_same_calls_compare_them_once_per_call():
 
     def body(coordinator):
         for _ in range(3):
-            coordinator.run(lambda: None, what='save_params')
-        with coordinator.session('fit'):
+            coordinator.run(lambda: None, what="save_params")
+        with coordinator.session("fit"):
             for _ in range(4):
-                coordinator.barrier('epoch')
-    assert run_ranks(lambda: body(rank0), lambda: body(rank1)) == [('ok', None)] * 2
-    assert sorted(compared) == sorted(f'g{g}/call' for g in (1, 2, 3, 4) for _ in range(2))
+                coordinator.barrier("epoch")
 
+    assert run_ranks(lambda: body(rank0), lambda: body(rank1)) == [("ok", None)] * 2
+    assert sorted(compared) == sorted(f"g{g}/call" for g in (1, 2, 3, 4) for _ in range(2))

@@ -11,6 +11,7 @@ Every test is marked ``cuda`` and skipped where torch sees no GPU;
 ``scripts/gpu-check`` runs them on a machine that has one. All run in the
 pytest process: each builds its accelerator anew, as a fresh process would.
 """
+
 import warnings
 
 import numpy as np
@@ -18,19 +19,19 @@ import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.utils import GradScalerKwargs
+from common import MLP, AcceleratedNet
+from conftest import reset_accelerate
 from skorch import NeuralNetClassifier
 from skorch.callbacks import Callback, GradientNormClipping
 
 from accel_mixin.state_values import restore_rng, rng_state
-from common import AcceleratedNet, MLP
-from conftest import reset_accelerate
 
 pytestmark = [
     pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU'),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-GPU = 'cuda'
+GPU = "cuda"
 NET_PARAMS = dict(lr=0.1, batch_size=32, verbose=0)
 
 
@@ -71,12 +72,16 @@ def weights(net):
 
 
 def optimizer_devices(net):
-    return {value.device.type for state in net.optimizer_.state.values()
-            for value in state.values() if isinstance(value, torch.Tensor)}
+    return {
+        value.device.type
+        for state in net.optimizer_.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    }
 
 
 def history(net):
-    return [{k: v for k, v in row.items() if k != 'dur'} for row in net.history]
+    return [{k: v for k, v in row.items() if k != "dur"} for row in net.history]
 
 
 def assert_same_weights(actual, expected):
@@ -103,8 +108,7 @@ class GradNorms(Callback):
         return self
 
     def on_grad_computed(self, net, named_parameters, **kwargs):
-        norms = [p.grad.detach().float().norm() for _, p in named_parameters
-                 if p.grad is not None]
+        norms = [p.grad.detach().float().norm() for _, p in named_parameters if p.grad is not None]
         self.norms_.append(torch.linalg.vector_norm(torch.stack(norms)).item())
 
     def on_batch_end(self, net, training=None, **kwargs):
@@ -119,20 +123,25 @@ def clipped_run(data, mixed_precision):
     torch.manual_seed(0)
     # the recorder comes before the clipping, to see the gradients it gets
     net = AcceleratedNet(
-        MLP, accelerator=gpu_accelerator(mixed_precision=mixed_precision), max_epochs=10,
-        callbacks=[norms, GradientNormClipping(gradient_clip_value=CLIP)], **NET_PARAMS)
+        MLP,
+        accelerator=gpu_accelerator(mixed_precision=mixed_precision),
+        max_epochs=10,
+        callbacks=[norms, GradientNormClipping(gradient_clip_value=CLIP)],
+        **NET_PARAMS,
+    )
     net.initialize()
     start = weights(net)
     net.partial_fit(*data)  # fit would initialize again
     end = weights(net)
     moved = torch.linalg.vector_norm(
-        torch.stack([torch.linalg.vector_norm(end[k] - start[k]) for k in start])).item()
+        torch.stack([torch.linalg.vector_norm(end[k] - start[k]) for k in start])
+    ).item()
     return net, norms, moved
 
 
 def test_fp16_gradient_callbacks_see_true_gradients(data):
-    net32, norms32, moved32 = clipped_run(data, 'no')
-    net16, norms16, moved16 = clipped_run(data, 'fp16')
+    net32, norms32, moved32 = clipped_run(data, "no")
+    net16, norms16, moved16 = clipped_run(data, "fp16")
     assert net32.accelerator.scaler is None
     assert net16.accelerator.scaler is not None  # accelerate's CUDA GradScaler
 
@@ -146,16 +155,18 @@ def test_fp16_gradient_callbacks_see_true_gradients(data):
     ratio = np.median(stepped) / np.median(norms32.norms_)
     assert 0.8 < ratio < 1.25, (
         f"on_grad_computed saw fp16 gradient norms {ratio:.4g} times those of fp32 "
-        f"(scale {net16.accelerator.scaler.get_scale()}): the gradients were not unscaled")
+        f"(scale {net16.accelerator.scaler.get_scale()}): the gradients were not unscaled"
+    )
     assert max(stepped) < 10 * max(norms32.norms_)
 
     assert abs(moved16 - moved32) / moved32 < 0.05, (moved16, moved32)
-    loss32, loss16 = net32.history[:, 'train_loss'], net16.history[:, 'train_loss']
+    loss32, loss16 = net32.history[:, "train_loss"], net16.history[:, "train_loss"]
     assert loss32[-1] < loss32[0] and loss16[-1] < loss16[0]
     assert abs(loss16[-1] - loss32[-1]) < 0.1 * loss32[-1], (loss16, loss32)
 
 
 # --- bf16 autocast on CUDA ------------------------------------------------
+
 
 def predict_and_watch(net, X):
     """predict_proba, and the dtypes the first Linear layer put out meanwhile."""
@@ -169,15 +180,21 @@ def predict_and_watch(net, X):
     return proba, seen
 
 
-@pytest.mark.parametrize('unwrap_after_train', [True, False], ids=['unwrapped', 'wrapped'])
+@pytest.mark.parametrize("unwrap_after_train", [True, False], ids=["unwrapped", "wrapped"])
 def test_bf16_autocasts_on_the_gpu_before_and_after_save_and_load(
-        data, tmp_path, unwrap_after_train):
+    data, tmp_path, unwrap_after_train
+):
     X, y = data
-    accelerator = gpu_accelerator(mixed_precision='bf16')
+    accelerator = gpu_accelerator(mixed_precision="bf16")
 
     def make():
-        return AcceleratedNet(MLP, accelerator=accelerator, max_epochs=2,
-                              unwrap_after_train=unwrap_after_train, **NET_PARAMS)
+        return AcceleratedNet(
+            MLP,
+            accelerator=accelerator,
+            max_epochs=2,
+            unwrap_after_train=unwrap_after_train,
+            **NET_PARAMS,
+        )
 
     net = make().fit(X, y)
     assert device_of(net) == GPU
@@ -185,10 +202,10 @@ def test_bf16_autocasts_on_the_gpu_before_and_after_save_and_load(
     assert proba.dtype == np.float32 and proba.shape == (len(X), 2)
     assert dtypes == {torch.bfloat16}
 
-    net.save_params(f_params=tmp_path / 'params.pt')
-    net.load_params(f_params=tmp_path / 'params.pt')
+    net.save_params(f_params=tmp_path / "params.pt")
+    net.load_params(f_params=tmp_path / "params.pt")
     fresh = make().initialize()
-    fresh.load_params(f_params=tmp_path / 'params.pt')
+    fresh.load_params(f_params=tmp_path / "params.pt")
     for loaded in (net, fresh):
         again, dtypes = predict_and_watch(loaded, X)
         assert dtypes == {torch.bfloat16}
@@ -198,19 +215,29 @@ def test_bf16_autocasts_on_the_gpu_before_and_after_save_and_load(
 
 # --- exact resume on CUDA -------------------------------------------------
 
-@pytest.mark.parametrize('mixed_precision', ['no', 'fp16'])
+
+@pytest.mark.parametrize("mixed_precision", ["no", "fp16"])
 def test_resume_on_the_gpu_repeats_the_uninterrupted_run_bit_for_bit(
-        data, tmp_path, mixed_precision):
+    data, tmp_path, mixed_precision
+):
     # a scaler that grows every 3 steps has a state worth resuming
-    handlers = ([GradScalerKwargs(init_scale=2.0**10, growth_interval=3)]
-                if mixed_precision == 'fp16' else [])
+    handlers = (
+        [GradScalerKwargs(init_scale=2.0**10, growth_interval=3)]
+        if mixed_precision == "fp16"
+        else []
+    )
 
     def make(max_epochs):
         # a fresh accelerator (and GradScaler) for each net, as after a restart
         accelerator = gpu_accelerator(mixed_precision=mixed_precision, kwargs_handlers=handlers)
         torch.manual_seed(0)  # seeds the CUDA generator too
-        return AcceleratedNet(DropoutMLP, accelerator=accelerator, max_epochs=max_epochs,
-                              iterator_train__shuffle=True, **NET_PARAMS)
+        return AcceleratedNet(
+            DropoutMLP,
+            accelerator=accelerator,
+            max_epochs=max_epochs,
+            iterator_train__shuffle=True,
+            **NET_PARAMS,
+        )
 
     def scaler_state(net):
         scaler = net.accelerator.scaler
@@ -219,13 +246,13 @@ def test_resume_on_the_gpu_repeats_the_uninterrupted_run_bit_for_bit(
     uninterrupted = make(4).fit(*data)
     assert device_of(uninterrupted) == GPU
     expected = history(uninterrupted), weights(uninterrupted), scaler_state(uninterrupted)
-    if mixed_precision == 'fp16':
-        assert expected[2]['scale'] != 2.0**10  # it changed: there is a state to keep
+    if mixed_precision == "fp16":
+        assert expected[2]["scale"] != 2.0**10  # it changed: there is a state to keep
 
     first = make(2).fit(*data)
-    first.save_state(tmp_path / 'state.pt')
+    first.save_state(tmp_path / "state.pt")
     resumed = make(4)
-    resumed.load_state(tmp_path / 'state.pt')
+    resumed.load_state(tmp_path / "state.pt")
     resumed.fit(*data)
 
     assert history(resumed) == expected[0]
@@ -236,7 +263,7 @@ def test_resume_on_the_gpu_repeats_the_uninterrupted_run_bit_for_bit(
 def test_the_cuda_generator_round_trips():
     torch.cuda.init()  # a process that never started CUDA saves no CUDA generator
     state = rng_state()
-    assert 'cuda' in state
+    assert "cuda" in state
     draws = torch.rand(4, device=GPU)
     restore_rng(state)
     assert torch.equal(torch.rand(4, device=GPU), draws)
@@ -245,13 +272,14 @@ def test_the_cuda_generator_round_trips():
 def test_cuda_generators_of_more_gpus_than_there_are_do_not_stop_a_resume():
     torch.cuda.init()
     state = rng_state()
-    state['cuda'] = list(state['cuda']) + [state['cuda'][0]]  # one GPU more than here
+    state["cuda"] = list(state["cuda"]) + [state["cuda"][0]]  # one GPU more than here
     draws = torch.rand(4, device=GPU)
     restore_rng(state)
     assert torch.equal(torch.rand(4, device=GPU), draws)
 
 
 # --- from the GPU to the CPU ----------------------------------------------
+
 
 def test_params_saved_on_the_gpu_load_on_the_cpu(data, tmp_path):
     X, y = data
@@ -260,50 +288,54 @@ def test_params_saved_on_the_gpu_load_on_the_cpu(data, tmp_path):
     assert device_of(gpu_net) == GPU
     assert GPU in optimizer_devices(gpu_net)  # Adam's moments live on the GPU
     expected = gpu_net.predict_proba(X)
-    files = dict(f_params=tmp_path / 'params.pt', f_optimizer=tmp_path / 'optimizer.pt',
-                 f_history=tmp_path / 'history.json')
+    files = dict(
+        f_params=tmp_path / "params.pt",
+        f_optimizer=tmp_path / "optimizer.pt",
+        f_history=tmp_path / "history.json",
+    )
     gpu_net.save_params(**files)
 
     cpu_net = AcceleratedNet(MLP, accelerator=cpu_accelerator(), **params).initialize()
     with warnings.catch_warnings():
-        warnings.simplefilter('error')  # no DeviceWarning, nor any other
+        warnings.simplefilter("error")  # no DeviceWarning, nor any other
         cpu_net.load_params(**files)
     assert cpu_net.device is None
-    assert device_of(cpu_net) == 'cpu' and optimizer_devices(cpu_net) == {'cpu'}
+    assert device_of(cpu_net) == "cpu" and optimizer_devices(cpu_net) == {"cpu"}
     assert len(cpu_net.history) == 2
     np.testing.assert_allclose(cpu_net.predict_proba(X), expected, rtol=0, atol=1e-5)
     cpu_net.partial_fit(X, y)  # training goes on from the loaded optimizer state
 
-    plain = NeuralNetClassifier(MLP, device='cpu').initialize()
-    plain.load_params(f_params=files['f_params'])
+    plain = NeuralNetClassifier(MLP, device="cpu").initialize()
+    plain.load_params(f_params=files["f_params"])
     np.testing.assert_allclose(plain.predict_proba(X), expected, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize('mixed_precision', ['no', 'fp16'])
-@pytest.mark.parametrize('machine', ['with CUDA', 'without CUDA'])
+@pytest.mark.parametrize("mixed_precision", ["no", "fp16"])
+@pytest.mark.parametrize("machine", ["with CUDA", "without CUDA"])
 def test_a_training_state_saved_on_the_gpu_resumes_on_the_cpu(
-        data, tmp_path, monkeypatch, mixed_precision, machine):
+    data, tmp_path, monkeypatch, mixed_precision, machine
+):
     params = dict(optimizer=torch.optim.Adam, **dict(NET_PARAMS, lr=0.01))
     accelerator = gpu_accelerator(mixed_precision=mixed_precision)
     gpu_net = AcceleratedNet(DropoutMLP, accelerator=accelerator, max_epochs=2, **params).fit(*data)
-    gpu_net.save_state(tmp_path / 'state.pt')
-    saved = torch.load(tmp_path / 'state.pt', map_location='cpu', weights_only=True)
-    assert 'cuda' in saved['rng'][0]  # there is a CUDA part to leave out
-    assert (saved['scaler'] is not None) == (mixed_precision == 'fp16')
+    gpu_net.save_state(tmp_path / "state.pt")
+    saved = torch.load(tmp_path / "state.pt", map_location="cpu", weights_only=True)
+    assert "cuda" in saved["rng"][0]  # there is a CUDA part to leave out
+    assert (saved["scaler"] is not None) == (mixed_precision == "fp16")
 
     cpu_net = AcceleratedNet(DropoutMLP, accelerator=cpu_accelerator(), max_epochs=4, **params)
-    if machine == 'without CUDA':
+    if machine == "without CUDA":
         # What a machine without a GPU sees; the CUDA generator here stands
         # for one the file must not touch there.
         torch.cuda.manual_seed(1234)
         cuda_generator = torch.cuda.get_rng_state()
-        monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)
-    cpu_net.load_state(tmp_path / 'state.pt')
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cpu_net.load_state(tmp_path / "state.pt")
     cpu_net.fit(*data)
     monkeypatch.undo()
 
-    assert device_of(cpu_net) == 'cpu' and optimizer_devices(cpu_net) == {'cpu'}
+    assert device_of(cpu_net) == "cpu" and optimizer_devices(cpu_net) == {"cpu"}
     assert len(cpu_net.history) == 4
     assert history(cpu_net)[:2] == history(gpu_net)
-    if machine == 'without CUDA':
+    if machine == "without CUDA":
         assert torch.equal(torch.cuda.get_rng_state(), cuda_generator)

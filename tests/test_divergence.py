@@ -1,15 +1,17 @@
 """No silent divergence: gradients seen as the optimizers step with them,
 trainable sets that change, data that differ between ranks, and the replica
 check, in one process here and in two real processes."""
+
 import pytest
 import torch
 from accelerate import Accelerator
+from common import MLP, AcceleratedNet
+from harness import check_values as values
+from harness import run_processes
 from skorch.callbacks import Callback, GradientNormClipping
 
 from accel_mixin import AccelerateMixin
 from accel_mixin.replicas import fingerprints
-from common import AcceleratedNet, MLP
-from harness import check_values as values, run_processes
 
 
 class GradNorms(Callback):
@@ -29,14 +31,21 @@ def fit_net(data, scaler=False, accumulation=1, batch_size=16, clip=None, epochs
     if scaler:
         # accelerate builds a GradScaler for fp16 on GPUs only; torch's CPU
         # GradScaler takes the same paths through accelerate and the net
-        accelerator.scaler = torch.amp.GradScaler('cpu', init_scale=2.0**16)
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
     callbacks = [GradNorms()]
     if clip is not None:
         callbacks.append(GradientNormClipping(gradient_clip_value=clip))
     torch.manual_seed(0)
-    net = AcceleratedNet(MLP, accelerator=accelerator, max_epochs=epochs, lr=0.5,
-                         batch_size=batch_size, verbose=0, train_split=None,
-                         callbacks=callbacks)
+    net = AcceleratedNet(
+        MLP,
+        accelerator=accelerator,
+        max_epochs=epochs,
+        lr=0.5,
+        batch_size=batch_size,
+        verbose=0,
+        train_split=None,
+        callbacks=callbacks,
+    )
     start = [p.detach().clone() for p in net.initialize().module_.parameters()]
     net.fit(*data)
     return net, start
@@ -53,11 +62,11 @@ def test_gradient_clipping_under_a_gradient_scaler_clips_the_true_gradients(data
     torch.testing.assert_close(weights(scaled), weights(plain), rtol=1e-6, atol=1e-7)
     moved = float((weights(scaled) - torch.cat([p.flatten() for p in start])).norm())
     assert moved > 0.1  # scaled gradients clipped to 1.0 would hardly move it
-    norms = dict(scaled.callbacks_)['GradNorms'].norms_
-    assert norms == pytest.approx(dict(plain.callbacks_)['GradNorms'].norms_, rel=1e-5)
+    norms = dict(scaled.callbacks_)["GradNorms"].norms_
+    assert norms == pytest.approx(dict(plain.callbacks_)["GradNorms"].norms_, rel=1e-5)
 
 
-@pytest.mark.parametrize('scaler', [False, True], ids=['fp32', 'scaler'])
+@pytest.mark.parametrize("scaler", [False, True], ids=["fp32", "scaler"])
 def test_gradient_callbacks_see_the_accumulated_gradients(data, scaler):
     # two micro-batches of 16 step like one batch of 32; clipping at 0.05
     # clips every step, so clipping a micro-batch's share would show. 192
@@ -67,22 +76,26 @@ def test_gradient_callbacks_see_the_accumulated_gradients(data, scaler):
     accumulated, _ = fit_net(data, scaler=scaler, accumulation=2, batch_size=16, clip=0.05)
     torch.testing.assert_close(weights(accumulated), weights(whole), rtol=1e-5, atol=1e-6)
     # notified once per optimizer step, with the gradients it steps with
-    norms = dict(accumulated.callbacks_)['GradNorms'].norms_
-    assert norms == pytest.approx(dict(whole.callbacks_)['GradNorms'].norms_, rel=1e-4)
+    norms = dict(accumulated.callbacks_)["GradNorms"].norms_
+    assert norms == pytest.approx(dict(whole.callbacks_)["GradNorms"].norms_, rel=1e-4)
     assert max(norms) > 0.05
 
 
 def test_without_accumulation_gradient_callbacks_run_on_every_batch(data):
     net, _ = fit_net(data, batch_size=16, epochs=2)
-    batches = sum(len(row['batches']) for row in net.history)
-    assert len(dict(net.callbacks_)['GradNorms'].norms_) == batches == 2 * 13
+    batches = sum(len(row["batches"]) for row in net.history)
+    assert len(dict(net.callbacks_)["GradNorms"].norms_) == batches == 2 * 13
 
 
 def test_fingerprints_are_exact_and_order_free():
-    base = [torch.randn(1000, 37), torch.randn(3, dtype=torch.float16),
-            torch.randn(5, dtype=torch.bfloat16), torch.randn(4, dtype=torch.float64)]
+    base = [
+        torch.randn(1000, 37),
+        torch.randn(3, dtype=torch.float16),
+        torch.randn(5, dtype=torch.bfloat16),
+        torch.randn(4, dtype=torch.float64),
+    ]
     prints = fingerprints(base)
-    for i, tensor in enumerate(base):
+    for i in range(len(base)):
         nudged = [t.clone() for t in base]
         flat = nudged[i].view(-1)
         flat[-1] = torch.nextafter(flat[-1], flat[-1] + 1)  # one bit of one element
@@ -93,104 +106,108 @@ def test_fingerprints_are_exact_and_order_free():
 
 def test_replica_check_every_must_be_a_whole_number(data):
     net = AcceleratedNet(MLP, accelerator=Accelerator(cpu=True), replica_check_every=-1)
-    with pytest.raises(ValueError, match='replica_check_every must be a whole number'):
+    with pytest.raises(ValueError, match="replica_check_every must be a whole number"):
         net.initialize()
 
 
 def test_replica_check_is_a_parameter(data):
     net = AcceleratedNet(MLP, accelerator=Accelerator(cpu=True), replica_check_every=5)
-    assert net.get_params()['replica_check_every'] == 5
-    assert AccelerateMixin.__init__.__kwdefaults__['replica_check_every'] == 1
+    assert net.get_params()["replica_check_every"] == 5
+    assert AccelerateMixin.__init__.__kwdefaults__["replica_check_every"] == 1
 
 
 # --- two real processes -------------------------------------------------------
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope="module")
 def divergence():
-    return [r['checks'] for r in run_processes('divergence_checks.py', timeout=300).check()]
+    return [r["checks"] for r in run_processes("divergence_checks.py", timeout=300).check()]
 
 
 def same_on_every_rank(checks, name):
     found = values(checks, name)
-    assert all(value['digest'] == found[0]['digest'] for value in found), found
+    assert all(value["digest"] == found[0]["digest"] for value in found), found
     return found
 
 
 @pytest.mark.multiprocess
 def test_freezer_after_prepare_trains_one_model(divergence):
-    for value in same_on_every_rank(divergence, 'freezer_after_prepare'):
-        assert value['changed'] == ['out.bias', 'out.weight']  # hidden stayed frozen
+    for value in same_on_every_rank(divergence, "freezer_after_prepare"):
+        assert value["changed"] == ["out.bias", "out.weight"]  # hidden stayed frozen
 
 
 @pytest.mark.multiprocess
 def test_unfreezer_trains_one_model(divergence):
-    for value in same_on_every_rank(divergence, 'unfreezer_after_freezer'):
-        assert value['hidden_grad']
+    for value in same_on_every_rank(divergence, "unfreezer_after_freezer"):
+        assert value["hidden_grad"]
 
 
 @pytest.mark.multiprocess
 def test_a_module_frozen_at_initialize_trains_in_sync_once_unfrozen(divergence):
-    for value in same_on_every_rank(divergence, 'module_frozen_at_initialize_then_unfrozen'):
-        assert value['changed'] == ['bias', 'weight']
+    for value in same_on_every_rank(divergence, "module_frozen_at_initialize_then_unfrozen"):
+        assert value["changed"] == ["bias", "weight"]
 
 
 @pytest.mark.multiprocess
 def test_requires_grad_changed_between_fits(divergence):
-    for value in same_on_every_rank(divergence, 'requires_grad_between_fits'):
-        assert value['changed_while_frozen'] == ['out.bias', 'out.weight']
-        assert value['changed_after'] == ['hidden.bias', 'hidden.weight', 'out.bias', 'out.weight']
+    for value in same_on_every_rank(divergence, "requires_grad_between_fits"):
+        assert value["changed_while_frozen"] == ["out.bias", "out.weight"]
+        assert value["changed_after"] == ["hidden.bias", "hidden.weight", "out.bias", "out.weight"]
 
 
 @pytest.mark.multiprocess
 def test_data_of_other_lengths_raise_on_every_rank_at_once(divergence):
-    for value in values(divergence, 'data_of_other_lengths'):
-        assert value['error'].startswith(
-            'DistributedError: The ranks fit on data of different lengths '
-            '(rank 0: 200 samples, rank 1: 150 samples)')
-        assert value['seconds'] < 25  # not the 30 s collective timeout
+    for value in values(divergence, "data_of_other_lengths"):
+        assert value["error"].startswith(
+            "DistributedError: The ranks fit on data of different lengths "
+            "(rank 0: 200 samples, rank 1: 150 samples)"
+        )
+        assert value["seconds"] < 25  # not the 30 s collective timeout
 
 
 @pytest.mark.multiprocess
 def test_replica_check_raises_on_every_rank_naming_the_parameter_and_epoch(divergence):
-    for value in values(divergence, 'replica_check_catches_a_divergence'):
-        assert value['error'].startswith(
+    for value in values(divergence, "replica_check_catches_a_divergence"):
+        assert value["error"].startswith(
             "DistributedError: Replica check after epoch 2: parameter 'module_.out.bias' "
-            "differs between ranks (rank(s) [1] differ from rank 0")
-        assert value['epochs'] == 2
-    for value in values(divergence, 'replica_check_spaced_out'):
-        assert value['error'].startswith('DistributedError: Replica check after epoch 3')
-    for value in values(divergence, 'replica_check_catches_a_bypassing_train_step'):
-        assert value['error'].startswith('DistributedError: Replica check after epoch 1')
+            "differs between ranks (rank(s) [1] differ from rank 0"
+        )
+        assert value["epochs"] == 2
+    for value in values(divergence, "replica_check_spaced_out"):
+        assert value["error"].startswith("DistributedError: Replica check after epoch 3")
+    for value in values(divergence, "replica_check_catches_a_bypassing_train_step"):
+        assert value["error"].startswith("DistributedError: Replica check after epoch 1")
 
 
 @pytest.mark.multiprocess
 def test_without_the_replica_check_the_divergence_goes_unnoticed(divergence):
-    rank0, rank1 = values(divergence, 'replica_check_off')
-    assert rank0['error'] is rank1['error'] is None
-    assert rank0['digest']['module.out.bias'] != rank1['digest']['module.out.bias']
+    rank0, rank1 = values(divergence, "replica_check_off")
+    assert rank0["error"] is rank1["error"] is None
+    assert rank0["digest"]["module.out.bias"] != rank1["digest"]["module.out.bias"]
 
 
 @pytest.mark.multiprocess
 def test_private_names_exist_under_several_processes(divergence):
-    assert values(divergence, 'private_names_present') == [[], []]
+    assert values(divergence, "private_names_present") == [[], []]
 
 
 @pytest.mark.multiprocess
 def test_a_load_that_failed_on_some_ranks_only_fails_on_every_rank(divergence):
     # LoadInitState swallows rank 1's FileNotFoundError; rank 0 learns of
     # it in load_params, and rank 1 from rank 0 when training begins
-    for value in values(divergence, 'load_init_state_on_some_ranks_only'):
-        assert value['error'].startswith(
-            'DistributedError: load_params failed on rank 1: FileNotFoundError: No checkpoint '
-            'at init_rank1/')
-        assert value['seconds'] < 25  # not the 30 s collective timeout
+    for value in values(divergence, "load_init_state_on_some_ranks_only"):
+        assert value["error"].startswith(
+            "DistributedError: load_params failed on rank 1: FileNotFoundError: No checkpoint "
+            "at init_rank1/"
+        )
+        assert value["seconds"] < 25  # not the 30 s collective timeout
 
 
 @pytest.mark.multiprocess
 def test_weights_changed_on_some_ranks_only_fail_when_training_begins(divergence):
-    for value in values(divergence, 'weights_changed_on_some_ranks_at_train_begin'):
-        assert value['error'].startswith(
+    for value in values(divergence, "weights_changed_on_some_ranks_at_train_begin"):
+        assert value["error"].startswith(
             "DistributedError: Replica check when training begins: parameter 'module_.out.bias' "
-            "differs between ranks")
-        assert value['seconds'] < 25
+            "differs between ranks"
+        )
+        assert value["seconds"] < 25

@@ -1,33 +1,34 @@
 """The pieces of history sync on their own; together: test_sync.py."""
+
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from accelerate import Accelerator
+from common import AcceleratedNet
 from skorch import NeuralNetClassifier
 from skorch.callbacks import BatchScoring, EpochScoring
 
 from accel_mixin.history_sync import interleave, leading_samples, real_samples
-from common import AcceleratedNet
 
 
 def state(end=True, remainder=13):
     return SimpleNamespace(end_of_dataloader=end, remainder=remainder)
 
 
-@pytest.mark.parametrize('rank, expected', [(0, 13), (1, 0)])
+@pytest.mark.parametrize("rank, expected", [(0, 13), (1, 0)])
 def test_real_samples_of_a_short_last_step(rank, expected):
     # 333 samples, batches of 16, 2 ranks: the last step holds 13 real samples
     assert real_samples(state(remainder=333 % 32), 2, rank, 16) == expected
 
 
-@pytest.mark.parametrize('rank, expected', [(0, 16), (1, 14)])
+@pytest.mark.parametrize("rank, expected", [(0, 16), (1, 14)])
 def test_real_samples_when_the_last_step_is_longer_than_a_batch(rank, expected):
     assert real_samples(state(remainder=350 % 32), 2, rank, 16) == expected
 
 
-@pytest.mark.parametrize('st', [state(end=False), state(remainder=0), state(remainder=-1)])
+@pytest.mark.parametrize("st", [state(end=False), state(remainder=0), state(remainder=-1)])
 def test_every_sample_is_real_before_the_end_or_without_remainder(st):
     assert real_samples(st, 2, 1, 16) == 16
 
@@ -37,10 +38,10 @@ def test_one_process_has_no_padding():
 
 
 def test_first_cuts_nested_outputs():
-    data = {'x': torch.arange(5), 'pair': (torch.ones(5, 2), torch.zeros(5))}
+    data = {"x": torch.arange(5), "pair": (torch.ones(5, 2), torch.zeros(5))}
     cut = leading_samples(data, 3)
-    assert cut['x'].tolist() == [0, 1, 2]
-    assert cut['pair'][0].shape == (3, 2) and cut['pair'][1].shape == (3,)
+    assert cut["x"].tolist() == [0, 1, 2]
+    assert cut["pair"][0].shape == (3, 2) and cut["pair"][1].shape == (3,)
 
 
 def test_interleave_restores_dataset_order():
@@ -51,16 +52,22 @@ def test_interleave_restores_dataset_order():
 
 def test_one_process_history_equals_plain_skorch(mlp, data):
     """No padding, no merge: every score and loss is skorch's, to the bit."""
-    callbacks = lambda: [BatchScoring('accuracy', name='batch_acc', lower_is_better=False),
-                         EpochScoring('accuracy', name='acc_nocache', use_caching=False,
-                                      lower_is_better=False)]
+
+    def callbacks():
+        return [
+            BatchScoring("accuracy", name="batch_acc", lower_is_better=False),
+            EpochScoring("accuracy", name="acc_nocache", use_caching=False, lower_is_better=False),
+        ]
+
     common = dict(max_epochs=3, lr=0.1, batch_size=24, verbose=0)
     torch.manual_seed(0)
     plain = NeuralNetClassifier(mlp, callbacks=callbacks(), **common).fit(*data)
     torch.manual_seed(0)
-    ours = AcceleratedNet(mlp, accelerator=Accelerator(cpu=True), callbacks=callbacks(),
-                          **common).fit(*data)
-    keys = ['train_loss', 'valid_loss', 'valid_acc', 'batch_acc', 'acc_nocache']
+    ours = AcceleratedNet(
+        mlp, accelerator=Accelerator(cpu=True), callbacks=callbacks(), **common
+    ).fit(*data)
+    keys = ["train_loss", "valid_loss", "valid_acc", "batch_acc", "acc_nocache"]
     np.testing.assert_array_equal(ours.history[:, keys], plain.history[:, keys])
     np.testing.assert_array_equal(
-        ours.history[:, 'batches', :, 'train_loss'], plain.history[:, 'batches', :, 'train_loss'])
+        ours.history[:, "batches", :, "train_loss"], plain.history[:, "batches", :, "train_loss"]
+    )

@@ -1,6 +1,7 @@
 """Private names of torch, accelerate and skorch: present on the pinned
 versions, and a loud error where a release renames one. Backends the mixin
 cannot train with are refused before training."""
+
 import types
 
 import pytest
@@ -8,11 +9,16 @@ import torch
 import torch.distributed.distributed_c10d as c10d
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
+from common import MLP, AcceleratedNet
 from skorch import utils as skorch_utils
 
 from accel_mixin.internals import (
-    InternalsChanged, check_dataloader, check_prepared_module, default_store, missing)
-from common import AcceleratedNet, MLP
+    InternalsChanged,
+    check_dataloader,
+    check_prepared_module,
+    default_store,
+    missing,
+)
 
 
 def test_every_private_name_exists_on_the_pinned_versions():
@@ -21,48 +27,55 @@ def test_every_private_name_exists_on_the_pinned_versions():
 
 def test_a_renamed_accelerator_list_fails_loudly(monkeypatch):
     accelerator = Accelerator(cpu=True)
-    monkeypatch.delattr(accelerator, '_schedulers')
-    with pytest.raises(InternalsChanged, match=r'accelerate no longer has Accelerator._schedulers'
-                                               r'.*constraints/pinned.txt'):
+    monkeypatch.delattr(accelerator, "_schedulers")
+    with pytest.raises(
+        InternalsChanged,
+        match=r"accelerate no longer has Accelerator._schedulers"
+        r".*constraints/pinned.txt",
+    ):
         AcceleratedNet(MLP, accelerator=accelerator).initialize()
 
 
 def test_a_prepared_module_without_accelerates_marks_fails_loudly():
-    accelerator = Accelerator(cpu=True, mixed_precision='bf16')
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
     module = torch.nn.Linear(2, 2)
     # DDP was due, and prepare_model returned the module as it was
-    with pytest.raises(InternalsChanged, match='the mark _is_accelerate_prepared'):
+    with pytest.raises(InternalsChanged, match="the mark _is_accelerate_prepared"):
         check_prepared_module(module, module, accelerator, wrapped=True)
-    with pytest.raises(InternalsChanged, match='the mark _original_forward'):
+    with pytest.raises(InternalsChanged, match="the mark _original_forward"):
         check_prepared_module(module, module, accelerator, wrapped=False)
 
 
 def test_a_dataloader_without_its_shuffling_state_fails_loudly():
-    with pytest.raises(InternalsChanged, match='SimpleNamespace.synchronized_generator'):
+    with pytest.raises(InternalsChanged, match=r"SimpleNamespace\.synchronized_generator"):
         check_dataloader(types.SimpleNamespace(iteration=0))
 
 
 def test_missing_names_of_torch_and_skorch_are_listed(monkeypatch):
-    monkeypatch.delattr(c10d, '_get_default_store')
-    monkeypatch.delattr(skorch_utils, '_check_f_arguments')
+    monkeypatch.delattr(c10d, "_get_default_store")
+    monkeypatch.delattr(skorch_utils, "_check_f_arguments")
     found = missing(Accelerator(cpu=True))
     assert len(found) == 2
-    assert 'torch no longer has torch.distributed.distributed_c10d._get_default_store' in found[0]
-    assert 'skorch no longer has skorch.utils._check_f_arguments' in found[1]
-    with pytest.raises(InternalsChanged, match='for the barriers of several processes'):
+    assert "torch no longer has torch.distributed.distributed_c10d._get_default_store" in found[0]
+    assert "skorch no longer has skorch.utils._check_f_arguments" in found[1]
+    with pytest.raises(InternalsChanged, match="for the barriers of several processes"):
         default_store()
 
 
-@pytest.mark.parametrize('kind, name', [
-    (DistributedType.DEEPSPEED, 'DeepSpeed'),
-    (DistributedType.FSDP, 'FSDP'),
-    (DistributedType.MEGATRON_LM, 'Megatron-LM'),
-])
+@pytest.mark.parametrize(
+    "kind, name",
+    [
+        (DistributedType.DEEPSPEED, "DeepSpeed"),
+        (DistributedType.FSDP, "FSDP"),
+        (DistributedType.MEGATRON_LM, "Megatron-LM"),
+    ],
+)
 def test_unsupported_backends_are_refused_at_initialize(monkeypatch, kind, name):
     accelerator = Accelerator(cpu=True)
-    monkeypatch.setattr(type(accelerator), 'distributed_type', property(lambda self: kind))
-    with pytest.raises(ValueError, match=f'AccelerateMixin does not support {name} .*Supported: '
-                                         'one process or DDP'):
+    monkeypatch.setattr(type(accelerator), "distributed_type", property(lambda self: kind))
+    with pytest.raises(
+        ValueError, match=f"AccelerateMixin does not support {name} .*Supported: one process or DDP"
+    ):
         AcceleratedNet(MLP, accelerator=accelerator).initialize()
 
 
@@ -72,7 +85,7 @@ def test_xla_is_refused_with_several_processes_only(monkeypatch):
     for processes, refused in ((1, False), (2, True)):
         fake = types.SimpleNamespace(distributed_type=DistributedType.XLA, num_processes=processes)
         if refused:
-            with pytest.raises(ValueError, match='XLA \\(TPU\\) with several processes'):
+            with pytest.raises(ValueError, match="XLA \\(TPU\\) with several processes"):
                 check_supported(fake)
         else:
             check_supported(fake)
@@ -81,6 +94,6 @@ def test_xla_is_refused_with_several_processes_only(monkeypatch):
 def test_a_renamed_progress_bar_method_is_listed(monkeypatch):
     from skorch.callbacks import ProgressBar
 
-    monkeypatch.delattr(ProgressBar, '_get_batches_per_epoch_phase')
+    monkeypatch.delattr(ProgressBar, "_get_batches_per_epoch_phase")
     (found,) = missing(Accelerator(cpu=True))
-    assert 'skorch no longer has ProgressBar._get_batches_per_epoch_phase' in found
+    assert "skorch no longer has ProgressBar._get_batches_per_epoch_phase" in found

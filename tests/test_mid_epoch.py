@@ -1,16 +1,17 @@
 """Training states inside an epoch: batches skipped unread, and a resumed
 epoch that ends as the uninterrupted one, in one process and in two."""
+
 import os
 
 import pytest
 import torch
 from accelerate import Accelerator
+from common import MLP, AcceleratedNet, make_data
+from harness import run_plain, run_processes
 from skorch.callbacks import Callback
 
 from accel_mixin.checkpoint_files import agreed_checkpoint
 from accel_mixin.mid_epoch import skipping_batches
-from common import AcceleratedNet, MLP, make_data
-from harness import run_plain, run_processes
 
 
 class CountingDataset(torch.utils.data.Dataset):
@@ -26,8 +27,9 @@ class CountingDataset(torch.utils.data.Dataset):
 
 
 def shuffled_loader(dataset, seed=0):
-    loader = torch.utils.data.DataLoader(dataset, batch_size=4, shuffle=True,
-                                         generator=torch.Generator().manual_seed(seed))
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(seed)
+    )
     return Accelerator(cpu=True).prepare_data_loader(loader)
 
 
@@ -54,16 +56,16 @@ def test_skipping_keeps_the_loader_on_an_error():
 
 def launch(nproc, mode, dirname):
     if nproc == 1:
-        return run_plain('midepoch_run.py', mode, dirname, timeout=240)
-    return run_processes('midepoch_run.py', mode, dirname, nproc=nproc, timeout=240)
+        return run_plain("midepoch_run.py", mode, dirname, timeout=240)
+    return run_processes("midepoch_run.py", mode, dirname, nproc=nproc, timeout=240)
 
 
-@pytest.fixture(scope='module', params=[1, 2], ids=['1 process', '2 processes'])
+@pytest.fixture(scope="module", params=[1, 2], ids=["1 process", "2 processes"])
 def crashed_and_resumed(request, tmp_path_factory):
-    nproc, dirname = request.param, tmp_path_factory.mktemp('states')
-    full = launch(nproc, 'full', dirname).check()
-    crash = launch(nproc, 'crash', dirname)
-    resumed = launch(nproc, 'resume', dirname).check()
+    nproc, dirname = request.param, tmp_path_factory.mktemp("states")
+    full = launch(nproc, "full", dirname).check()
+    crash = launch(nproc, "crash", dirname)
+    resumed = launch(nproc, "resume", dirname).check()
     return full, crash, resumed
 
 
@@ -74,17 +76,24 @@ def test_a_run_lost_inside_an_epoch_resumes_there_exactly(crashed_and_resumed):
     for rank in resumed:
         # saved every 3 batches: at the first optimizer step at or after
         # batch 6 (accumulation 2), before the loss after batch 8
-        assert rank['resumed_from'] .startswith('training-state-000001-batch-000006-ranks-')
-        assert rank['history'] == full[0]['history']  # every batch's loss, every row
-        assert rank['params'] == full[0]['params']  # bit for bit
+        assert rank["resumed_from"].startswith("training-state-000001-batch-000006-ranks-")
+        assert rank["history"] == full[0]["history"]  # every batch's loss, every row
+        assert rank["params"] == full[0]["params"]  # bit for bit
     # the resumed run saves inside its epochs too; keep_last=3 kept the newest
-    assert [f for f in resumed[0]['files'] if '-batch-' in f][-1].startswith('training-state-000003-')
+    assert [f for f in resumed[0]["files"] if "-batch-" in f][-1].startswith(
+        "training-state-000003-"
+    )
 
 
 def test_persistent_workers_see_every_batch_after_the_skipping_epoch():
     loader = torch.utils.data.DataLoader(
-        CountingDataset(16), batch_size=4, shuffle=True, num_workers=1,
-        persistent_workers=True, generator=torch.Generator().manual_seed(0))
+        CountingDataset(16),
+        batch_size=4,
+        shuffle=True,
+        num_workers=1,
+        persistent_workers=True,
+        generator=torch.Generator().manual_seed(0),
+    )
     loader = Accelerator(cpu=True).prepare_data_loader(loader)
     with skipping_batches(loader, 3):
         assert len(list(loader)) == 1
@@ -100,15 +109,21 @@ class Iterable(torch.utils.data.IterableDataset):
 def fit_with(tmp_path, callbacks, data=None, **kwargs):
     from accel_mixin.callbacks import TrainingCheckpoint
 
-    net = AcceleratedNet(MLP, accelerator=Accelerator(cpu=True), max_epochs=2, batch_size=8,
-                         train_split=None, verbose=0, **kwargs,
-                         callbacks=[TrainingCheckpoint(tmp_path, every_n_batches=2, keep_last=1),
-                                    *callbacks])
+    net = AcceleratedNet(
+        MLP,
+        accelerator=Accelerator(cpu=True),
+        max_epochs=2,
+        batch_size=8,
+        train_split=None,
+        verbose=0,
+        **kwargs,
+        callbacks=[TrainingCheckpoint(tmp_path, every_n_batches=2, keep_last=1), *callbacks],
+    )
     return net.fit(*(data or make_data(64)))
 
 
 def test_iterable_data_cannot_save_inside_epochs_and_says_so(tmp_path):
-    with pytest.raises(ValueError, match='need map-style training data'):
+    with pytest.raises(ValueError, match="need map-style training data"):
         fit_with(tmp_path, [], data=(Iterable(), None))
 
 
@@ -117,19 +132,20 @@ def test_the_newest_epoch_end_is_kept_beside_states_inside_epochs(tmp_path):
 
     class Listing(Callback):
         def on_batch_finished(self, net, batches=0, **kwargs):
-            folder = dict(net.callbacks_)['TrainingCheckpoint'].run_folder_
-            seen.append(sorted(f for f in os.listdir(folder) if f.endswith('.pt')))
+            folder = dict(net.callbacks_)["TrainingCheckpoint"].run_folder_
+            seen.append(sorted(f for f in os.listdir(folder) if f.endswith(".pt")))
 
     fit_with(tmp_path, [Listing()])
-    assert seen[-2] == ['training-state-000001-batch-000006-ranks-1.pt',
-                        'training-state-000001.pt']
+    assert seen[-2] == ["training-state-000001-batch-000006-ranks-1.pt", "training-state-000001.pt"]
 
 
 def test_a_state_inside_an_epoch_of_other_processes_is_passed_over(tmp_path):
-    for name in ('training-state-000001.pt', 'training-state-000001-batch-000004-ranks-2.pt'):
-        (tmp_path / name).write_bytes(b'')
+    for name in ("training-state-000001.pt", "training-state-000001-batch-000004-ranks-2.pt"):
+        (tmp_path / name).write_bytes(b"")
     assert agreed_checkpoint(str(tmp_path), Accelerator(cpu=True)).endswith(
-        'training-state-000001.pt')
-    (tmp_path / 'training-state-000001-batch-000002-ranks-1.pt').write_bytes(b'')
+        "training-state-000001.pt"
+    )
+    (tmp_path / "training-state-000001-batch-000002-ranks-1.pt").write_bytes(b"")
     assert agreed_checkpoint(str(tmp_path), Accelerator(cpu=True)).endswith(
-        'training-state-000001-batch-000002-ranks-1.pt')
+        "training-state-000001-batch-000002-ranks-1.pt"
+    )

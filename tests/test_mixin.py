@@ -4,29 +4,22 @@ Tests parametrized with ``NETS`` also run against skorch.hf.AccelerateMixin,
 marked as a strict expected failure where it has the defect in question: if
 the incumbent ever passed, the test would fail.
 """
-import copy
-import pickle
-import warnings
 
-import numpy as np
 import pytest
 import torch
 from accelerate import Accelerator
-from accelerate.optimizer import AcceleratedOptimizer
-from skorch import NeuralNetClassifier
-from skorch.callbacks import Callback, LRScheduler
-
 from common import AcceleratedNet, IncumbentNet
+from skorch import NeuralNetClassifier
 
 
 def incumbent(reason):
     return pytest.param(
-        IncumbentNet, marks=pytest.mark.xfail(strict=True, reason=reason),
-        id='incumbent')
+        IncumbentNet, marks=pytest.mark.xfail(strict=True, reason=reason), id="incumbent"
+    )
 
 
 def ours():
-    return pytest.param(AcceleratedNet, id='ours')
+    return pytest.param(AcceleratedNet, id="ours")
 
 
 def make_net(Net, mlp, accelerator=None, **kwargs):
@@ -36,15 +29,18 @@ def make_net(Net, mlp, accelerator=None, **kwargs):
 
 
 def lengths(accelerator):
-    return tuple(len(getattr(accelerator, name))
-                 for name in ('_models', '_optimizers', '_schedulers', '_dataloaders'))
+    return tuple(
+        len(getattr(accelerator, name))
+        for name in ("_models", "_optimizers", "_schedulers", "_dataloaders")
+    )
 
 
 # --- construction and initialization ---------------------------------------
 
+
 def test_device_must_be_left_to_the_accelerator(mlp):
-    net = AcceleratedNet(mlp, accelerator=Accelerator(cpu=True), device='cpu')
-    with pytest.raises(ValueError, match='set device=None'):
+    net = AcceleratedNet(mlp, accelerator=Accelerator(cpu=True), device="cpu")
+    with pytest.raises(ValueError, match="set device=None"):
         net.initialize()
 
 
@@ -54,14 +50,17 @@ def test_closure_optimizer_trains_as_in_skorch(mlp, data):
     ours = make_net(AcceleratedNet, mlp, **kwargs).fit(*data)
     torch.manual_seed(0)
     plain = NeuralNetClassifier(mlp, verbose=0, **kwargs).fit(*data)
-    assert ours.history[:, 'train_loss'] == pytest.approx(plain.history[:, 'train_loss'],
-                                                          rel=1e-5)
+    assert ours.history[:, "train_loss"] == pytest.approx(plain.history[:, "train_loss"], rel=1e-5)
 
 
 def test_closure_optimizer_is_refused_with_accumulation(mlp):
-    net = make_net(AcceleratedNet, mlp, optimizer=torch.optim.LBFGS,
-                   accelerator=Accelerator(cpu=True, gradient_accumulation_steps=2))
-    with pytest.raises(ValueError, match=r'optimizer_ \(LBFGS\) needs a closure'):
+    net = make_net(
+        AcceleratedNet,
+        mlp,
+        optimizer=torch.optim.LBFGS,
+        accelerator=Accelerator(cpu=True, gradient_accumulation_steps=2),
+    )
+    with pytest.raises(ValueError, match=r"optimizer_ \(LBFGS\) needs a closure"):
         net.initialize()
 
 
@@ -70,7 +69,7 @@ def test_a_net_trimmed_for_prediction_cannot_train_as_in_skorch(mlp, data):
 
     net = make_net(AcceleratedNet, mlp).fit(*data)
     net.trim_for_prediction()
-    with pytest.raises(SkorchTrainingImpossibleError, match='trimmed for prediction'):
+    with pytest.raises(SkorchTrainingImpossibleError, match="trimmed for prediction"):
         net.partial_fit(*data)
 
 
@@ -85,14 +84,17 @@ def test_the_optimizer_sees_the_zero_grad_calls_of_skorch(mlp, data):
             def initialize_optimizer(self, *args, **kwargs):
                 super().initialize_optimizer(*args, **kwargs)
                 original = self.optimizer_.zero_grad
-                self.optimizer_.zero_grad = lambda *a, **k: (counted.append(1),
-                                                             original(*a, **k))
+                # the class is built and fitted within its iteration
+                self.optimizer_.zero_grad = lambda *a, **k: (
+                    counted.append(1),  # noqa: B023
+                    original(*a, **k),
+                )
                 return self
 
             def train_step(self, batch, **fit_params):
                 return self.train_step_single(batch, **fit_params)
 
-        extra = {'accelerator': Accelerator(cpu=True)} if Net is AcceleratedNet else {}
+        extra = {"accelerator": Accelerator(cpu=True)} if Net is AcceleratedNet else {}
         Counting(mlp, verbose=0, max_epochs=2, **extra).fit(*data)
         calls[Net.__name__] = len(counted)
-    assert calls['AcceleratedNet'] == calls['NeuralNetClassifier'] == 0
+    assert calls["AcceleratedNet"] == calls["NeuralNetClassifier"] == 0

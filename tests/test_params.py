@@ -1,6 +1,7 @@
 """Checkpoint files users can trust, in one process: prefixes, clean keys,
 atomic writes, safe loading, clear errors. The same in several processes:
 test_files.py."""
+
 import os
 import pickle
 import signal
@@ -13,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 from accelerate import Accelerator
+from common import MLP, AcceleratedNet
+from harness import ROOT
 from skorch import NeuralNetClassifier
 
 from accel_mixin import CheckpointError, SafeParamsMixin, strip_wrapper_prefixes
-from common import AcceleratedNet, MLP
-from harness import ROOT
 
 
 class SafeNet(SafeParamsMixin, NeuralNetClassifier):
@@ -41,9 +42,9 @@ def nets():
     unwrapped = AcceleratedNet(MLP, accelerator=Accelerator(cpu=True), criterion=ScaledNLLLoss)
     plain = SafeNet(MLP, criterion=ScaledNLLLoss)
     return {
-        'accelerated, wrapped': wrapped.initialize(),
-        'accelerated, unwrapped': unwrapped.initialize()._unwrap_accelerator(),
-        'plain skorch': plain.initialize(),
+        "accelerated, wrapped": wrapped.initialize(),
+        "accelerated, unwrapped": unwrapped.initialize()._unwrap_accelerator(),
+        "plain skorch": plain.initialize(),
     }
 
 
@@ -58,42 +59,46 @@ def prefixed(state, prefix):
 
 # --- 1. prefixes --------------------------------------------------------------
 
-@pytest.mark.parametrize('prefix', [
-    'module.', 'module.module.', '_orig_mod.', 'module._orig_mod.', '_orig_mod.module.'])
+
+@pytest.mark.parametrize(
+    "prefix", ["module.", "module.module.", "_orig_mod.", "module._orig_mod.", "_orig_mod.module."]
+)
 def test_strip_wrapper_prefixes(prefix):
     state = reference_state()
     wrapped = prefixed(state, prefix)
     stripped = strip_wrapper_prefixes(wrapped)
     assert list(stripped) == list(state)
-    assert list(wrapped)[0].startswith(prefix)  # the argument is left alone
+    assert next(iter(wrapped)).startswith(prefix)  # the argument is left alone
 
 
 def test_partial_prefix_is_left_alone():
     state = reference_state()
-    mixed = OrderedDict((('module.' + k) if 'hidden' in k else k, v) for k, v in state.items())
+    mixed = OrderedDict((("module." + k) if "hidden" in k else k, v) for k, v in state.items())
     assert list(strip_wrapper_prefixes(mixed)) == list(mixed)
 
 
 def test_prefixes_of_a_real_ddp_and_compiled_module_with_buffers():
     module = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
     holder = torch.nn.Module()
-    holder.module = torch.compile(module, backend='eager')  # what DDP(compiled) saves
+    holder.module = torch.compile(module, backend="eager")  # what DDP(compiled) saves
     state = holder.state_dict()
-    assert all(k.startswith('module._orig_mod.') for k in state)
+    assert all(k.startswith("module._orig_mod.") for k in state)
     fresh = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
     fresh.load_state_dict(strip_wrapper_prefixes(state))
 
 
-@pytest.mark.parametrize('prefix', ['module.', '_orig_mod.', 'module._orig_mod.'])
-@pytest.mark.parametrize('name', ['accelerated, wrapped', 'accelerated, unwrapped', 'plain skorch'])
+@pytest.mark.parametrize("prefix", ["module.", "_orig_mod.", "module._orig_mod."])
+@pytest.mark.parametrize("name", ["accelerated, wrapped", "accelerated, unwrapped", "plain skorch"])
 def test_prefixed_files_load_into_every_net(name, prefix, tmp_path):
     state = reference_state()
-    criterion = {'scale': torch.tensor([2.5])}
-    torch.save(prefixed(state, prefix), tmp_path / 'params.pt')
-    torch.save(prefixed(criterion, prefix), tmp_path / 'criterion.pt')
+    criterion = {"scale": torch.tensor([2.5])}
+    torch.save(prefixed(state, prefix), tmp_path / "params.pt")
+    torch.save(prefixed(criterion, prefix), tmp_path / "criterion.pt")
     net = nets()[name]
-    net.load_params(f_params=tmp_path / 'params.pt', f_criterion=tmp_path / 'criterion.pt')
-    loaded = net.accelerator.unwrap_model(net.module_) if hasattr(net, 'accelerator') else net.module_
+    net.load_params(f_params=tmp_path / "params.pt", f_criterion=tmp_path / "criterion.pt")
+    loaded = (
+        net.accelerator.unwrap_model(net.module_) if hasattr(net, "accelerator") else net.module_
+    )
     for key, value in state.items():
         torch.testing.assert_close(loaded.state_dict()[key], value)
     assert net.criterion_.scale.item() == 2.5
@@ -101,63 +106,71 @@ def test_prefixed_files_load_into_every_net(name, prefix, tmp_path):
 
 def test_partial_prefix_is_reported_with_the_keys_and_the_fix(tmp_path):
     state = reference_state()
-    extra = OrderedDict(('encoder.' + k, v) for k, v in state.items())
-    torch.save(extra, tmp_path / 'params.pt')
-    net = nets()['accelerated, wrapped']
+    extra = OrderedDict(("encoder." + k, v) for k, v in state.items())
+    torch.save(extra, tmp_path / "params.pt")
+    net = nets()["accelerated, wrapped"]
     with pytest.raises(CheckpointError) as exc:
-        net.load_params(f_params=tmp_path / 'params.pt')
+        net.load_params(f_params=tmp_path / "params.pt")
     msg = str(exc.value)
-    assert str(tmp_path / 'params.pt') in msg and 'module_' in msg
+    assert str(tmp_path / "params.pt") in msg and "module_" in msg
     assert "missing keys (4): 'hidden.bias'" in msg
     assert "unexpected keys (4): 'encoder.hidden.bias'" in msg
     assert "prefix 'encoder.'" in msg
 
 
 def test_long_key_lists_are_shortened(tmp_path):
-    torch.save({f'layer{i}.weight': torch.zeros(1) for i in range(20)}, tmp_path / 'params.pt')
-    with pytest.raises(CheckpointError, match=r'unexpected keys \(20\): .* and 15 more'):
-        nets()['plain skorch'].load_params(f_params=tmp_path / 'params.pt')
+    torch.save({f"layer{i}.weight": torch.zeros(1) for i in range(20)}, tmp_path / "params.pt")
+    with pytest.raises(CheckpointError, match=r"unexpected keys \(20\): .* and 15 more"):
+        nets()["plain skorch"].load_params(f_params=tmp_path / "params.pt")
 
 
 # --- 2. clean keys ---------------------------------------------------------------
 
+
 def test_compiled_net_saves_clean_keys_that_plain_nets_load(data, tmp_path):
-    net = AcceleratedNet(MLP, accelerator=Accelerator(cpu=True), compile=True,
-                         compile__backend='eager', max_epochs=1, verbose=0)
+    net = AcceleratedNet(
+        MLP,
+        accelerator=Accelerator(cpu=True),
+        compile=True,
+        compile__backend="eager",
+        max_epochs=1,
+        verbose=0,
+    )
     net.fit(*data)
-    net.save_params(f_params=tmp_path / 'params.pt')
-    keys = list(torch.load(tmp_path / 'params.pt', weights_only=True))
-    assert keys == ['hidden.weight', 'hidden.bias', 'out.weight', 'out.bias']
+    net.save_params(f_params=tmp_path / "params.pt")
+    keys = list(torch.load(tmp_path / "params.pt", weights_only=True))
+    assert keys == ["hidden.weight", "hidden.bias", "out.weight", "out.bias"]
     plain = NeuralNetClassifier(MLP).initialize()  # skorch's own load_params
-    plain.load_params(f_params=tmp_path / 'params.pt')
+    plain.load_params(f_params=tmp_path / "params.pt")
     np.testing.assert_allclose(plain.predict_proba(data[0]), net.predict_proba(data[0]), rtol=1e-6)
 
 
 # --- 3. atomic writes ---------------------------------------------------------------
 
+
 def stray_files(directory):
-    return [name for name in os.listdir(directory) if 'accel_mixin-tmp' in name]
+    return [name for name in os.listdir(directory) if "accel_mixin-tmp" in name]
 
 
 def test_saves_leave_no_temporary_files_and_usual_permissions(tmp_path):
-    net = nets()['accelerated, wrapped']
+    net = nets()["accelerated, wrapped"]
     for _ in range(3):
-        net.save_params(f_params=tmp_path / 'params.pt')
+        net.save_params(f_params=tmp_path / "params.pt")
     deadline = time.monotonic() + 10  # the replaced file is deleted in the background
     while stray_files(tmp_path) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert stray_files(tmp_path) == []
     umask = os.umask(0)
     os.umask(umask)
-    assert (tmp_path / 'params.pt').stat().st_mode & 0o777 == 0o666 & ~umask
+    assert (tmp_path / "params.pt").stat().st_mode & 0o777 == 0o666 & ~umask
 
 
-@pytest.mark.parametrize('mode', [0o600, 0o666, 0o640])
+@pytest.mark.parametrize("mode", [0o600, 0o666, 0o640])
 def test_a_replaced_file_keeps_its_mode(tmp_path, mode):
-    (tmp_path / 'params.pt').write_bytes(b'old')
-    os.chmod(tmp_path / 'params.pt', mode)
-    nets()['accelerated, wrapped'].save_params(f_params=tmp_path / 'params.pt')
-    assert (tmp_path / 'params.pt').stat().st_mode & 0o777 == mode
+    (tmp_path / "params.pt").write_bytes(b"old")
+    os.chmod(tmp_path / "params.pt", mode)
+    nets()["accelerated, wrapped"].save_params(f_params=tmp_path / "params.pt")
+    assert (tmp_path / "params.pt").stat().st_mode & 0o777 == mode
 
 
 def test_a_save_sweeps_abandoned_temporary_files_only(tmp_path):
@@ -166,21 +179,25 @@ def test_a_save_sweeps_abandoned_temporary_files_only(tmp_path):
 
     from accel_mixin.files import _HOST, ABANDONED_AFTER, atomic_write
 
-    dead = subprocess.run([sys.executable, '-c', 'import os; print(os.getpid())'],
-                          capture_output=True, text=True, check=True).stdout.strip()
-    ours = tmp_path / f'.params.pt.accel_mixin-tmp-{_HOST}-{dead}-abc'
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    ours = tmp_path / f".params.pt.accel_mixin-tmp-{_HOST}-{dead}-abc"
     # another file of the same folder: a training state of an earlier epoch
-    ours_other_target = tmp_path / f'.state-3.pt.accel_mixin-tmp-{_HOST}-{dead}-abc'
-    alive = tmp_path / f'.state-4.pt.accel_mixin-tmp-{_HOST}-{os.getpid()}-abc'
+    ours_other_target = tmp_path / f".state-3.pt.accel_mixin-tmp-{_HOST}-{dead}-abc"
+    alive = tmp_path / f".state-4.pt.accel_mixin-tmp-{_HOST}-{os.getpid()}-abc"
     # on shared storage: a live write of another machine, whose process ids
     # mean nothing here, and the partial file of a machine that died hours ago
-    theirs = tmp_path / f'.params.pt.accel_mixin-tmp-otherhost-{dead}-abc'
-    theirs_abandoned = tmp_path / f'.state-2.pt.accel_mixin-tmp-otherhost-{dead}-abc'
+    theirs = tmp_path / f".params.pt.accel_mixin-tmp-otherhost-{dead}-abc"
+    theirs_abandoned = tmp_path / f".state-2.pt.accel_mixin-tmp-otherhost-{dead}-abc"
     for path in (ours, ours_other_target, alive, theirs, theirs_abandoned):
-        path.write_bytes(b'half')
+        path.write_bytes(b"half")
     hours_ago = time.time() - ABANDONED_AFTER - 60
     os.utime(theirs_abandoned, (hours_ago, hours_ago))
-    atomic_write(tmp_path / 'params.pt', lambda f: f.write(b'whole'))
+    atomic_write(tmp_path / "params.pt", lambda f: f.write(b"whole"))
     assert not ours.exists() and not ours_other_target.exists()
     assert not theirs_abandoned.exists()
     assert alive.exists() and theirs.exists()
@@ -188,18 +205,18 @@ def test_a_save_sweeps_abandoned_temporary_files_only(tmp_path):
 
 
 def test_a_failing_save_leaves_the_previous_file(tmp_path, monkeypatch):
-    net = nets()['accelerated, wrapped']
-    target = tmp_path / 'params.pt'
+    net = nets()["accelerated, wrapped"]
+    target = tmp_path / "params.pt"
     net.save_params(f_params=target)
     before = target.read_bytes()
 
     def broken_save(obj, f, *args, **kwargs):
-        with open(f, 'wb') as fh:  # torch.save is given the temporary file's name
-            fh.write(b'half a checkpoint')
-        raise OSError('disk full')
+        with open(f, "wb") as fh:  # torch.save is given the temporary file's name
+            fh.write(b"half a checkpoint")
+        raise OSError("disk full")
 
-    monkeypatch.setattr(torch, 'save', broken_save)
-    with pytest.raises(OSError, match='disk full'):
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(OSError, match="disk full"):
         net.save_params(f_params=target)
     assert target.read_bytes() == before
     assert stray_files(tmp_path) == []
@@ -218,11 +235,12 @@ print('second save done', flush=True)
 
 
 def test_a_writer_killed_mid_save_leaves_the_previous_file(tmp_path):
-    target = tmp_path / 'params.pt'
-    proc = subprocess.Popen([sys.executable, '-c', WRITER, str(target)],
-                            stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    target = tmp_path / "params.pt"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(target)], stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
     try:
-        assert proc.stdout.readline().strip() == 'first save done'
+        assert proc.stdout.readline().strip() == "first save done"
         before = target.read_bytes()
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # kill once the big write is under way
@@ -231,165 +249,184 @@ def test_a_writer_killed_mid_save_leaves_the_previous_file(tmp_path):
                 break
             time.sleep(0.005)
         else:
-            pytest.fail('the second save never started')
+            pytest.fail("the second save never started")
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     finally:
         proc.kill()
     assert target.read_bytes() == before
-    assert torch.load(target, weights_only=True)['weight'].tolist() == [1.0] * 4
+    assert torch.load(target, weights_only=True)["weight"].tolist() == [1.0] * 4
     assert stray_files(tmp_path)  # the killed writer's, until the next save
-    nets()['plain skorch'].save_params(f_params=target)
+    nets()["plain skorch"].save_params(f_params=target)
     assert stray_files(tmp_path) == []
 
 
 # --- 4. safe loading ---------------------------------------------------------------
+
 
 class Payload:
     def __init__(self, marker):
         self.marker = marker
 
     def __reduce__(self):
-        return (open, (self.marker, 'w'))
+        return (open, (self.marker, "w"))
 
 
 def test_a_file_that_would_run_code_is_refused(tmp_path):
-    marker = tmp_path / 'code_ran'
-    torch.save({'weight': Payload(str(marker))}, tmp_path / 'evil.pt')
+    marker = tmp_path / "code_ran"
+    torch.save({"weight": Payload(str(marker))}, tmp_path / "evil.pt")
     with pytest.raises(CheckpointError, match=r"Refused to load .*evil.pt.*weights_only"):
-        nets()['accelerated, wrapped'].load_params(f_params=tmp_path / 'evil.pt')
+        nets()["accelerated, wrapped"].load_params(f_params=tmp_path / "evil.pt")
     assert not marker.exists()
 
 
 def test_torch_load_kwargs_are_honoured(tmp_path, monkeypatch):
     seen = {}
     original = torch.load
-    monkeypatch.setattr(torch, 'load', lambda *a, **kw: seen.update(kw) or original(*a, **kw))
-    net = SafeNet(MLP, torch_load_kwargs={'weights_only': False}).initialize()
-    net.save_params(f_params=tmp_path / 'params.pt')
-    net.load_params(f_params=tmp_path / 'params.pt')
-    assert seen['weights_only'] is False
+    monkeypatch.setattr(torch, "load", lambda *a, **kw: seen.update(kw) or original(*a, **kw))
+    net = SafeNet(MLP, torch_load_kwargs={"weights_only": False}).initialize()
+    net.save_params(f_params=tmp_path / "params.pt")
+    net.load_params(f_params=tmp_path / "params.pt")
+    assert seen["weights_only"] is False
     seen.clear()
-    nets()['plain skorch'].load_params(f_params=tmp_path / 'params.pt')
-    assert seen['weights_only'] is True and seen['mmap'] is True
+    nets()["plain skorch"].load_params(f_params=tmp_path / "params.pt")
+    assert seen["weights_only"] is True and seen["mmap"] is True
 
 
 def test_safetensors_for_modules_and_criteria(tmp_path):
-    net = nets()['accelerated, wrapped']
-    net.save_params(f_params=tmp_path / 'p.safetensors', f_criterion=tmp_path / 'c.safetensors',
-                    use_safetensors=True)
-    fresh = nets()['plain skorch']
-    fresh.load_params(f_params=tmp_path / 'p.safetensors', f_criterion=tmp_path / 'c.safetensors',
-                      use_safetensors=True)
+    net = nets()["accelerated, wrapped"]
+    net.save_params(
+        f_params=tmp_path / "p.safetensors",
+        f_criterion=tmp_path / "c.safetensors",
+        use_safetensors=True,
+    )
+    fresh = nets()["plain skorch"]
+    fresh.load_params(
+        f_params=tmp_path / "p.safetensors",
+        f_criterion=tmp_path / "c.safetensors",
+        use_safetensors=True,
+    )
     for key, value in net.accelerator.unwrap_model(net.module_).state_dict().items():
         torch.testing.assert_close(fresh.module_.state_dict()[key], value)
 
 
 def test_safetensors_refuses_optimizers_clearly(tmp_path):
-    with pytest.raises(ValueError, match='safetensors stores tensors only'):
-        nets()['accelerated, wrapped'].save_params(
-            f_optimizer=tmp_path / 'o.safetensors', use_safetensors=True)
-    assert not (tmp_path / 'o.safetensors').exists()
+    with pytest.raises(ValueError, match="safetensors stores tensors only"):
+        nets()["accelerated, wrapped"].save_params(
+            f_optimizer=tmp_path / "o.safetensors", use_safetensors=True
+        )
+    assert not (tmp_path / "o.safetensors").exists()
 
 
 # --- 5. bad input -----------------------------------------------------------------------
 
+
 @pytest.fixture
 def saved(tmp_path):
-    net = nets()['accelerated, wrapped']
-    net.save_params(f_params=tmp_path / 'params.pt', f_optimizer=tmp_path / 'opt.pt',
-                    f_history=tmp_path / 'history.json')
+    net = nets()["accelerated, wrapped"]
+    net.save_params(
+        f_params=tmp_path / "params.pt",
+        f_optimizer=tmp_path / "opt.pt",
+        f_history=tmp_path / "history.json",
+    )
     return tmp_path
 
 
 def test_missing_file(saved):
-    with pytest.raises(FileNotFoundError, match=r'No checkpoint at .*nope.pt'):
-        nets()['accelerated, wrapped'].load_params(f_params=saved / 'nope.pt')
+    with pytest.raises(FileNotFoundError, match=r"No checkpoint at .*nope.pt"):
+        nets()["accelerated, wrapped"].load_params(f_params=saved / "nope.pt")
 
 
 def test_truncated_file(saved):
-    data = (saved / 'params.pt').read_bytes()
-    (saved / 'cut.pt').write_bytes(data[:len(data) // 2])
-    with pytest.raises(CheckpointError, match=r'cut.pt is not a complete torch file'):
-        nets()['accelerated, wrapped'].load_params(f_params=saved / 'cut.pt')
+    data = (saved / "params.pt").read_bytes()
+    (saved / "cut.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"cut.pt is not a complete torch file"):
+        nets()["accelerated, wrapped"].load_params(f_params=saved / "cut.pt")
 
 
 def test_garbage_file(saved):
     # garbage makes torch's unpickler fail in many ways; every one of them
     # must come out as the same clear error
-    net = nets()['plain skorch']
+    net = nets()["plain skorch"]
     rng = np.random.default_rng(0)
     for _ in range(300):
-        (saved / 'noise.pt').write_bytes(rng.bytes(int(rng.integers(1, 2000))))
-        with pytest.raises(CheckpointError, match=r'noise.pt is not a'):
-            net.load_params(f_params=saved / 'noise.pt')
+        (saved / "noise.pt").write_bytes(rng.bytes(int(rng.integers(1, 2000))))
+        with pytest.raises(CheckpointError, match=r"noise.pt is not a"):
+            net.load_params(f_params=saved / "noise.pt")
 
 
 def test_another_architecture_names_the_key_and_both_shapes(saved):
     wider = AcceleratedNet(MLP, module__hidden=64, accelerator=Accelerator(cpu=True)).initialize()
     with pytest.raises(CheckpointError) as exc:
-        wider.load_params(f_params=saved / 'params.pt')
-    assert "'hidden.weight' has shape (32, 20) in the file but (64, 20) in the module" in str(exc.value)
+        wider.load_params(f_params=saved / "params.pt")
+    assert "'hidden.weight' has shape (32, 20) in the file but (64, 20) in the module" in str(
+        exc.value
+    )
 
 
 def test_optimizer_of_another_model(saved):
-    other = AcceleratedNet(torch.nn.Linear, module__in_features=20, module__out_features=2,
-                           accelerator=Accelerator(cpu=True)).initialize()
-    with pytest.raises(CheckpointError, match=r'opt.pt does not fit optimizer_'):
-        other.load_params(f_optimizer=saved / 'opt.pt')
+    other = AcceleratedNet(
+        torch.nn.Linear,
+        module__in_features=20,
+        module__out_features=2,
+        accelerator=Accelerator(cpu=True),
+    ).initialize()
+    with pytest.raises(CheckpointError, match=r"opt.pt does not fit optimizer_"):
+        other.load_params(f_optimizer=saved / "opt.pt")
 
 
 def test_a_directory_where_a_file_is_expected(saved):
-    with pytest.raises(IsADirectoryError, match='is a directory'):
-        nets()['accelerated, wrapped'].load_params(f_params=saved)
-    with pytest.raises(IsADirectoryError, match='is a directory'):
-        nets()['accelerated, wrapped'].save_params(f_params=saved)
+    with pytest.raises(IsADirectoryError, match="is a directory"):
+        nets()["accelerated, wrapped"].load_params(f_params=saved)
+    with pytest.raises(IsADirectoryError, match="is a directory"):
+        nets()["accelerated, wrapped"].save_params(f_params=saved)
 
 
 def test_corrupt_history(saved):
-    (saved / 'history.json').write_text('{"epoch": ')
-    with pytest.raises(CheckpointError, match='history.json is not a history file'):
-        nets()['accelerated, wrapped'].load_params(f_history=saved / 'history.json')
+    (saved / "history.json").write_text('{"epoch": ')
+    with pytest.raises(CheckpointError, match=r"history\.json is not a history file"):
+        nets()["accelerated, wrapped"].load_params(f_history=saved / "history.json")
 
 
 def test_save_into_a_missing_directory(saved):
-    with pytest.raises(FileNotFoundError, match='does not exist; create it first'):
-        nets()['accelerated, wrapped'].save_params(f_params=saved / 'missing' / 'params.pt')
+    with pytest.raises(FileNotFoundError, match="does not exist; create it first"):
+        nets()["accelerated, wrapped"].save_params(f_params=saved / "missing" / "params.pt")
 
 
 def immutable(path, on):
-    out = subprocess.run(['chattr', '+i' if on else '-i', str(path)],
-                         capture_output=True, check=False)
+    out = subprocess.run(
+        ["chattr", "+i" if on else "-i", str(path)], capture_output=True, check=False
+    )
     return out.returncode == 0
 
 
 def test_unwritable_target_keeps_the_previous_file(saved):
-    before = (saved / 'params.pt').read_bytes()
+    before = (saved / "params.pt").read_bytes()
     if not immutable(saved, True):
-        pytest.skip('chattr +i is not available: nothing here can make a file unwritable for root')
+        pytest.skip("chattr +i is not available: nothing here can make a file unwritable for root")
     try:
         with pytest.raises(PermissionError):
-            nets()['accelerated, wrapped'].save_params(f_params=saved / 'params.pt')
+            nets()["accelerated, wrapped"].save_params(f_params=saved / "params.pt")
     finally:
         immutable(saved, False)
-    assert (saved / 'params.pt').read_bytes() == before
+    assert (saved / "params.pt").read_bytes() == before
     assert stray_files(saved) == []
 
 
 def test_files_of_plain_skorch_load(saved, data):
     """Files of skorch's own save_params load, and ours load into skorch."""
     plain = NeuralNetClassifier(MLP).initialize()
-    plain.save_params(f_params=saved / 'skorch.pt')
-    ours = nets()['accelerated, wrapped']
-    ours.load_params(f_params=saved / 'skorch.pt')
+    plain.save_params(f_params=saved / "skorch.pt")
+    ours = nets()["accelerated, wrapped"]
+    ours.load_params(f_params=saved / "skorch.pt")
     np.testing.assert_array_equal(ours.predict_proba(data[0]), plain.predict_proba(data[0]))
-    plain.load_params(f_params=saved / 'params.pt')
+    plain.load_params(f_params=saved / "params.pt")
 
 
 def test_pickled_objects_in_history_are_not_needed(saved):
     """History files are JSON: nothing to unpickle."""
     with pytest.raises(pickle.UnpicklingError):
-        pickle.loads((saved / 'history.json').read_bytes())
+        pickle.loads((saved / "history.json").read_bytes())
 
 
 def test_a_safetensors_file_read_as_torch_gets_a_pointer(tmp_path):
@@ -399,55 +436,55 @@ def test_a_safetensors_file_read_as_torch_gets_a_pointer(tmp_path):
 
     from accel_mixin.files import _safetensors_hint
 
-    save_file({'w': torch.zeros(2)}, tmp_path / 'p.safetensors')
-    torch.save({'w': torch.zeros(2)}, tmp_path / 'p.pt')
-    assert 'use_safetensors=True' in _safetensors_hint(tmp_path / 'p.safetensors')
-    assert _safetensors_hint(tmp_path / 'p.pt') == ''
-    assert _safetensors_hint(tmp_path / 'missing') == ''
+    save_file({"w": torch.zeros(2)}, tmp_path / "p.safetensors")
+    torch.save({"w": torch.zeros(2)}, tmp_path / "p.pt")
+    assert "use_safetensors=True" in _safetensors_hint(tmp_path / "p.safetensors")
+    assert _safetensors_hint(tmp_path / "p.pt") == ""
+    assert _safetensors_hint(tmp_path / "missing") == ""
 
 
 def open_descriptors():
-    return len(os.listdir('/proc/self/fd'))
+    return len(os.listdir("/proc/self/fd"))
 
 
 def test_a_filesystem_that_refuses_chmod_still_saves_without_leaking(tmp_path, monkeypatch):
     # vfat, exFAT, some SMB and FUSE mounts: files have the mount's mode
-    net = nets()['accelerated, wrapped']
+    net = nets()["accelerated, wrapped"]
 
     def refuse(*args, **kwargs):
-        raise PermissionError(1, 'Operation not permitted')
+        raise PermissionError(1, "Operation not permitted")
 
-    (tmp_path / 'params.pt').write_bytes(b'')
-    os.chmod(tmp_path / 'params.pt', 0o666)  # a mode the umask would not give: a chmod is tried
-    monkeypatch.setattr(os, 'chmod', refuse)
-    monkeypatch.setattr(os, 'fchmod', refuse)
+    (tmp_path / "params.pt").write_bytes(b"")
+    os.chmod(tmp_path / "params.pt", 0o666)  # a mode the umask would not give: a chmod is tried
+    monkeypatch.setattr(os, "chmod", refuse)
+    monkeypatch.setattr(os, "fchmod", refuse)
     before = open_descriptors()
     for _ in range(3):
-        net.save_params(f_params=tmp_path / 'params.pt')
+        net.save_params(f_params=tmp_path / "params.pt")
     assert open_descriptors() == before
-    fresh = nets()['plain skorch']
-    fresh.load_params(f_params=tmp_path / 'params.pt')
+    fresh = nets()["plain skorch"]
+    fresh.load_params(f_params=tmp_path / "params.pt")
 
 
 def test_a_symlinked_target_keeps_its_link_and_updates_the_file(tmp_path):
-    net = nets()['accelerated, wrapped']
-    (tmp_path / 'store').mkdir()
-    real = tmp_path / 'store' / 'params-v1.pt'
-    real.write_bytes(b'old')
-    link = tmp_path / 'params.pt'
+    net = nets()["accelerated, wrapped"]
+    (tmp_path / "store").mkdir()
+    real = tmp_path / "store" / "params-v1.pt"
+    real.write_bytes(b"old")
+    link = tmp_path / "params.pt"
     link.symlink_to(real)
     net.save_params(f_params=link)
     assert link.is_symlink() and os.readlink(link) == str(real)
-    assert real.read_bytes() != b'old'
-    nets()['plain skorch'].load_params(f_params=link)
+    assert real.read_bytes() != b"old"
+    nets()["plain skorch"].load_params(f_params=link)
 
 
 def test_a_large_replaced_file_is_freed_in_the_background(tmp_path, monkeypatch):
     from accel_mixin import files
 
-    monkeypatch.setattr(files, 'FREE_IN_BACKGROUND_FROM', 1)  # every file counts as large
-    target = tmp_path / 'params.pt'
-    target.write_bytes(b'old')
+    monkeypatch.setattr(files, "FREE_IN_BACKGROUND_FROM", 1)  # every file counts as large
+    target = tmp_path / "params.pt"
+    target.write_bytes(b"old")
     linked = []
     second_name = files._second_name  # pylint: disable=protected-access
 
@@ -455,14 +492,14 @@ def test_a_large_replaced_file_is_freed_in_the_background(tmp_path, monkeypatch)
         linked.append(second_name(path, tmp))
         return linked[-1]
 
-    monkeypatch.setattr(files, '_second_name', spying)
-    files.write_state({'w': torch.ones(3)}, target)
-    assert linked and linked[0].endswith('-previous')
+    monkeypatch.setattr(files, "_second_name", spying)
+    files.write_state({"w": torch.ones(3)}, target)
+    assert linked and linked[0].endswith("-previous")
     deadline = time.monotonic() + 10
     while stray_files(tmp_path) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert stray_files(tmp_path) == []
-    assert torch.equal(torch.load(target)['w'], torch.ones(3))
+    assert torch.equal(torch.load(target)["w"], torch.ones(3))
 
 
 def write_as_another_user(path, umask):
@@ -476,7 +513,8 @@ def write_as_another_user(path, umask):
             os.setuid(65534)
             os.umask(umask)
             from accel_mixin.files import write_state
-            write_state({'w': torch.ones(2)}, path)
+
+            write_state({"w": torch.ones(2)}, path)
             status = 0
         finally:
             os._exit(status)  # pylint: disable=protected-access
@@ -484,34 +522,38 @@ def write_as_another_user(path, umask):
     return os.waitstatus_to_exitcode(status), os.stat(path).st_mode & 0o777
 
 
-@pytest.mark.skipif(not hasattr(os, 'geteuid') or os.geteuid() != 0,
-                    reason='needs root to write as another user')
-@pytest.mark.parametrize('existing, umask, expected', [
-    (0o444, 0o022, 0o444),  # a read-only target is replaced and stays read-only
-    (None, 0o277, 0o400),  # a umask that removes the owner's write bit
-    (0o644, 0o077, 0o644),  # a replaced file keeps its mode, whatever the umask
-])
+@pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root to write as another user"
+)
+@pytest.mark.parametrize(
+    "existing, umask, expected",
+    [
+        (0o444, 0o022, 0o444),  # a read-only target is replaced and stays read-only
+        (None, 0o277, 0o400),  # a umask that removes the owner's write bit
+        (0o644, 0o077, 0o644),  # a replaced file keeps its mode, whatever the umask
+    ],
+)
 def test_modes_that_forbid_writing_by_name_still_save(existing, umask, expected):
     # root may write anything: the writer runs as another user, as users do
     import shutil
     import tempfile
 
-    folder = tempfile.mkdtemp(prefix='accel_mixin-modes-')  # a folder nobody can reach
+    folder = tempfile.mkdtemp(prefix="accel_mixin-modes-")  # a folder nobody can reach
     try:
         os.chmod(folder, 0o777)
-        target = os.path.join(folder, 'params.pt')
+        target = os.path.join(folder, "params.pt")
         if existing is not None:
-            with open(target, 'wb') as f:
-                f.write(b'old')
+            with open(target, "wb") as f:
+                f.write(b"old")
             os.chown(target, 65534, 65534)
             os.chmod(target, existing)
         assert write_as_another_user(target, umask) == (0, expected)
-        assert torch.equal(torch.load(target)['w'], torch.ones(2))
+        assert torch.equal(torch.load(target)["w"], torch.ones(2))
     finally:
         shutil.rmtree(folder)
 
 
 def test_a_file_where_a_directory_is_expected(tmp_path):
-    (tmp_path / 'afile').write_bytes(b'')
-    with pytest.raises(FileNotFoundError, match='does not exist; create it first'):
-        nets()['accelerated, wrapped'].save_params(f_params=tmp_path / 'afile' / 'params.pt')
+    (tmp_path / "afile").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="does not exist; create it first"):
+        nets()["accelerated, wrapped"].save_params(f_params=tmp_path / "afile" / "params.pt")

@@ -1,25 +1,26 @@
 """Preemption notices and elastic restarts: every rank stops at one batch,
 saves, exits non-zero, and the next run (or torchrun's restart) ends with the
 uninterrupted run's history and weights."""
+
 import os
 import signal
 
 import pytest
 import torch
 from accelerate import Accelerator
+from common import MLP, AcceleratedNet, make_data
+from harness import free_port, run_plain, run_processes
 from skorch.callbacks import Callback
 
 from accel_mixin import Preempted
 from accel_mixin.callbacks import TrainingCheckpoint
 from accel_mixin.preemption import NoticeBoard, handling_signals
-from common import AcceleratedNet, MLP, make_data
-from harness import free_port, run_plain, run_processes
 
 
 def test_the_previous_handler_is_back_after_the_block_and_after_an_error():
     previous = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
-        board = NoticeBoard(type('Accelerator', (), {'num_processes': 1})())
+        board = NoticeBoard(type("Accelerator", (), {"num_processes": 1})())
         with pytest.raises(RuntimeError), handling_signals((signal.SIGUSR1,), board.note):
             os.kill(os.getpid(), signal.SIGUSR1)
             assert board.agreed()
@@ -37,65 +38,75 @@ def test_no_signals_no_handlers():
 
 def launch(nproc, mode, dirname, **kwargs):
     if nproc == 1:
-        return run_plain('midepoch_run.py', mode, dirname, timeout=240)
-    return run_processes('midepoch_run.py', mode, dirname, nproc=nproc, timeout=240, **kwargs)
+        return run_plain("midepoch_run.py", mode, dirname, timeout=240)
+    return run_processes("midepoch_run.py", mode, dirname, nproc=nproc, timeout=240, **kwargs)
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    dirname = tmp_path_factory.mktemp('full')
-    return {nproc: launch(nproc, 'full', dirname).check()[0] for nproc in (1, 2)}
+    dirname = tmp_path_factory.mktemp("full")
+    return {nproc: launch(nproc, "full", dirname).check()[0] for nproc in (1, 2)}
 
 
 CASES = [
     # (processes, mode, where the notice came, where every rank stopped)
-    (1, 'notice_one', 'SIGTERM during batch 5 of epoch 2', [2, 6]),
-    (2, 'notice_one', 'SIGTERM to rank 1 during batch 5 of epoch 2', [2, 6]),
-    (2, 'notice_all', 'torchrun forwarding SIGTERM during batch 3 of epoch 3', [3, 4]),
-    (2, 'notice_last', "SIGTERM during epoch 2's last training batch", [2, 9]),
+    (1, "notice_one", "SIGTERM during batch 5 of epoch 2", [2, 6]),
+    (2, "notice_one", "SIGTERM to rank 1 during batch 5 of epoch 2", [2, 6]),
+    (2, "notice_all", "torchrun forwarding SIGTERM during batch 3 of epoch 3", [3, 4]),
+    (2, "notice_last", "SIGTERM during epoch 2's last training batch", [2, 9]),
 ]
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize('nproc, mode, notice, stop', CASES, ids=[f'{c[0]}-{c[1]}' for c in CASES])
+@pytest.mark.parametrize("nproc, mode, notice, stop", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
 def test_a_notice_stops_every_rank_at_one_batch_and_the_rerun_resumes_exactly(
-        uninterrupted, tmp_path, nproc, mode, notice, stop):
+    uninterrupted, tmp_path, nproc, mode, notice, stop
+):
     preempted = launch(nproc, mode, tmp_path)
-    assert preempted.returncode != 0, f'{notice}: the job must exit non-zero to be requeued'
+    assert preempted.returncode != 0, f"{notice}: the job must exit non-zero to be requeued"
     ranks = preempted.ranks
     assert all(rank is not None for rank in ranks), preempted.describe()
     for rank in ranks:
-        assert rank['preempted'].startswith('Preempted (notice: ')
-        assert 'Run the same script again to resume there' in rank['preempted']
-        assert rank['stopped_at'] == stop  # the same batch on every rank
-        assert rank['handler_after_fit']  # SIGTERM's handler is the default again
-    if mode == 'notice_last':
-        assert all('at the end of epoch 2' in rank['preempted'] for rank in ranks)
-    resumed = launch(nproc, 'resume', tmp_path).check()
+        assert rank["preempted"].startswith("Preempted (notice: ")
+        assert "Run the same script again to resume there" in rank["preempted"]
+        assert rank["stopped_at"] == stop  # the same batch on every rank
+        assert rank["handler_after_fit"]  # SIGTERM's handler is the default again
+    if mode == "notice_last":
+        assert all("at the end of epoch 2" in rank["preempted"] for rank in ranks)
+    resumed = launch(nproc, "resume", tmp_path).check()
     for rank in resumed:
-        assert rank['history'] == uninterrupted[nproc]['history']
-        assert rank['params'] == uninterrupted[nproc]['params']
+        assert rank["history"] == uninterrupted[nproc]["history"]
+        assert rank["params"] == uninterrupted[nproc]["params"]
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize('nproc', [1, 2])
+@pytest.mark.parametrize("nproc", [1, 2])
 def test_torchrun_restarts_a_killed_worker_and_the_job_ends_as_if_uninterrupted(
-        uninterrupted, tmp_path, nproc):
+    uninterrupted, tmp_path, nproc
+):
     # torch's c10d rendezvous, with a store of the workers' own: sharing the
     # launcher's store, restarted workers can read the addresses of the
     # workers they replace and fail to connect (pytorch/pytorch#135712;
     # measured here in 4 of 8 restarts)
     run = run_processes(
-        'midepoch_run.py', 'elastic', tmp_path, nproc=nproc, timeout=300,
-        env={'TORCH_DISABLE_SHARE_RDZV_TCP_STORE': '1'},
-        launcher_args=['--max-restarts=1', '--rdzv-backend=c10d',
-                       f'--rdzv-endpoint=127.0.0.1:{free_port()}'])
+        "midepoch_run.py",
+        "elastic",
+        tmp_path,
+        nproc=nproc,
+        timeout=300,
+        env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+        launcher_args=[
+            "--max-restarts=1",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        ],
+    )
     ranks = run.check()
     for rank in ranks:
-        assert rank['attempt'] == 1  # the restarted workers finished the job
-        assert rank['resumed_from'] .startswith('training-state-000001-batch-000006-ranks-')
-        assert rank['history'] == uninterrupted[nproc]['history']
-        assert rank['params'] == uninterrupted[nproc]['params']
+        assert rank["attempt"] == 1  # the restarted workers finished the job
+        assert rank["resumed_from"].startswith("training-state-000001-batch-000006-ranks-")
+        assert rank["history"] == uninterrupted[nproc]["history"]
+        assert rank["params"] == uninterrupted[nproc]["params"]
 
 
 class Notify(Callback):
@@ -105,11 +116,11 @@ class Notify(Callback):
         self.signum, self.when, self.batch = signum, when, batch
 
     def on_batch_end(self, net, training=False, **kwargs):
-        if self.when == 'batch' and training and len(net.history[-1]['batches']) == self.batch:
+        if self.when == "batch" and training and len(net.history[-1]["batches"]) == self.batch:
             os.kill(os.getpid(), self.signum)
 
     def on_train_end(self, net, **kwargs):
-        if self.when == 'train end':
+        if self.when == "train end":
             os.kill(os.getpid(), self.signum)
 
 
@@ -121,21 +132,27 @@ class Stream(torch.utils.data.IterableDataset):
 
 def fit_in_process(tmp_path, notify, data=None):
     net = AcceleratedNet(
-        MLP, accelerator=Accelerator(cpu=True), max_epochs=2, batch_size=8, train_split=None,
-        verbose=0, callbacks=[TrainingCheckpoint(tmp_path, signals=(signal.SIGUSR1,)), notify])
+        MLP,
+        accelerator=Accelerator(cpu=True),
+        max_epochs=2,
+        batch_size=8,
+        train_split=None,
+        verbose=0,
+        callbacks=[TrainingCheckpoint(tmp_path, signals=(signal.SIGUSR1,)), notify],
+    )
     return net.fit(*(data or make_data(64)))
 
 
 def test_with_iterable_data_a_notice_stops_at_the_end_of_the_epoch(tmp_path):
-    with pytest.raises(Preempted, match='training stopped at the end of epoch 1'):
-        fit_in_process(tmp_path, Notify(signal.SIGUSR1, 'batch', 2), data=(Stream(), None))
+    with pytest.raises(Preempted, match="training stopped at the end of epoch 1"):
+        fit_in_process(tmp_path, Notify(signal.SIGUSR1, "batch", 2), data=(Stream(), None))
 
 
 def test_a_notice_after_the_last_epoch_goes_to_the_previous_handler(tmp_path):
     received = []
     previous = signal.signal(signal.SIGUSR1, lambda signum, frame: received.append(signum))
     try:
-        fit_in_process(tmp_path, Notify(signal.SIGUSR1, 'train end'))
+        fit_in_process(tmp_path, Notify(signal.SIGUSR1, "train end"))
         assert received == [signal.SIGUSR1]  # delivered again once fit put it back
     finally:
         signal.signal(signal.SIGUSR1, previous)

@@ -1,5 +1,6 @@
 """Resumable training: exact resume in one and two real processes, rotation,
 safety, asynchronous writes. Each run is a new launch, as after a crash."""
+
 import re
 import subprocess
 import sys
@@ -9,61 +10,62 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate import Accelerator
+from common import MLP, AcceleratedNet
+from harness import check_values as values
+from harness import run_plain, run_processes
 
 from accel_mixin import CheckpointError
 from accel_mixin.checkpoint_files import agreed_checkpoint
 from accel_mixin.process_state import process_state
-from common import AcceleratedNet, MLP
-from harness import check_values as values, run_plain, run_processes
 
 multiprocess = pytest.mark.multiprocess
 
 
 def run_folder(dirname):
     """The folder of the one run in ``dirname``."""
-    (folder,) = Path(dirname).glob('run-*')
+    (folder,) = Path(dirname).glob("run-*")
     return folder
 
 
 def resume_runs(nproc, mode=None):
     """An uninterrupted run, and a run preempted after epoch 3 and resumed."""
-    dirname = tempfile.mkdtemp(prefix='accel_mixin_resume_')
+    dirname = tempfile.mkdtemp(prefix="accel_mixin_resume_")
     extra = [mode] if mode else []
-    full = run_processes('resume_run.py', 'full', dirname, nproc=nproc, timeout=180)
-    crash = run_processes('resume_run.py', 'crash', dirname, *extra, nproc=nproc, timeout=180)
+    full = run_processes("resume_run.py", "full", dirname, nproc=nproc, timeout=180)
+    crash = run_processes("resume_run.py", "crash", dirname, *extra, nproc=nproc, timeout=180)
     assert crash.returncode != 0 and not crash.timed_out, crash.describe()
     # a write killed halfway leaves only a temporary file: never picked
-    (run_folder(dirname) / '.training-state-000009.pt.accel_mixin-tmp-1-x').write_bytes(b'half')
-    resumed = run_processes('resume_run.py', 'resume', dirname, *extra, nproc=nproc, timeout=180)
+    (run_folder(dirname) / ".training-state-000009.pt.accel_mixin-tmp-1-x").write_bytes(b"half")
+    resumed = run_processes("resume_run.py", "resume", dirname, *extra, nproc=nproc, timeout=180)
     return full.check(), resumed.check(), resumed.output
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope="module")
 def one_process():
     return resume_runs(1)
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope="module")
 def two_processes():
     return resume_runs(2)
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope="module")
 def two_processes_async():
-    return resume_runs(2, 'async')
+    return resume_runs(2, "async")
 
 
 @multiprocess
-@pytest.mark.parametrize('runs', ['one_process', 'two_processes', 'two_processes_async'])
+@pytest.mark.parametrize("runs", ["one_process", "two_processes", "two_processes_async"])
 def test_resumed_run_repeats_the_uninterrupted_one_bit_for_bit(runs, request):
     full, resumed, _ = request.getfixturevalue(runs)
     for rank_full, rank_resumed in zip(full, resumed):
-        assert rank_resumed['resumed_from'] == 'training-state-000003.pt'
-        assert len(rank_resumed['history']) == 6
+        assert rank_resumed["resumed_from"] == "training-state-000003.pt"
+        assert len(rank_resumed["history"]) == 6
         # losses, scores, learning rates, every batch: bitwise
-        assert rank_resumed['history'] == rank_full['history']
-        assert rank_resumed['params'] == rank_full['params']
-        assert rank_resumed['misses'] == rank_full['misses']  # EarlyStopping's counter
+        assert rank_resumed["history"] == rank_full["history"]
+        assert rank_resumed["params"] == rank_full["params"]
+        assert rank_resumed["misses"] == rank_full["misses"]  # EarlyStopping's counter
 
 
 @multiprocess
@@ -71,102 +73,130 @@ def test_rotation_keeps_the_last_and_numbering_continues(two_processes):
     _, resumed, _ = two_processes
     for rank in resumed:
         # keep_last=2; epochs 4 to 6 were numbered after the resume
-        assert [f for f in rank['files'] if not f.startswith('.')] == [
-            'manifest.json', 'training-state-000005.pt', 'training-state-000006.pt']
+        assert [f for f in rank["files"] if not f.startswith(".")] == [
+            "manifest.json",
+            "training-state-000005.pt",
+            "training-state-000006.pt",
+        ]
 
 
 @multiprocess
 def test_a_checkpoint_from_another_number_of_processes_resumes_with_one_warning(two_processes):
-    dirname = tempfile.mkdtemp(prefix='accel_mixin_resume_')
-    crash = run_processes('resume_run.py', 'crash', dirname, nproc=2, timeout=180)
+    dirname = tempfile.mkdtemp(prefix="accel_mixin_resume_")
+    crash = run_processes("resume_run.py", "crash", dirname, nproc=2, timeout=180)
     assert crash.returncode != 0
     # on one process without DDP: state dicts of the module carry no prefix
-    resumed = run_plain('resume_run.py', 'resume', dirname, timeout=180)
+    resumed = run_plain("resume_run.py", "resume", dirname, timeout=180)
     (rank,) = resumed.check()
-    assert rank['resumed_from'] == 'training-state-000003.pt'
-    assert len(rank['history']) == 6
-    assert resumed.output.count('was saved by 2 process(es) and resumes on 1') == 1
+    assert rank["resumed_from"] == "training-state-000003.pt"
+    assert len(rank["history"]) == 6
+    assert resumed.output.count("was saved by 2 process(es) and resumes on 1") == 1
     # EarlyStopping(load_best=True) restored the best weights, those of
     # epoch 2, saved by two processes: the uninterrupted run's final weights
     full, _, _ = two_processes
-    assert rank['params'] == full[0]['params']
+    assert rank["params"] == full[0]["params"]
 
 
 @multiprocess
 def test_training_states_hold_best_weights_only_where_needed_under_clean_keys():
-    dirname = Path(tempfile.mkdtemp(prefix='accel_mixin_resume_'))
-    run_processes('resume_run.py', 'crash', dirname, nproc=2, timeout=180)
+    dirname = Path(tempfile.mkdtemp(prefix="accel_mixin_resume_"))
+    run_processes("resume_run.py", "crash", dirname, nproc=2, timeout=180)
 
     def best(epoch):
-        state = torch.load(run_folder(dirname) / f'training-state-{epoch:06d}.pt',
-                           weights_only=True)
-        return state['callbacks']['best'], state['modules']['module']
+        state = torch.load(
+            run_folder(dirname) / f"training-state-{epoch:06d}.pt", weights_only=True
+        )
+        return state["callbacks"]["best"], state["modules"]["module"]
 
     # after epoch 2, the best weights are the module's: no second copy
     at_best, _ = best(2)
-    assert at_best['best_model_weights_'] is None and at_best['best_epoch_'] == 2
+    assert at_best["best_model_weights_"] is None and at_best["best_epoch_"] == 2
     # after epoch 3, they are epoch 2's, under the bare module's keys
     later, module = best(3)
-    assert list(later['best_model_weights_']) == list(module)
-    assert not any(key.startswith('module.') for key in later['best_model_weights_'])
+    assert list(later["best_model_weights_"]) == list(module)
+    assert not any(key.startswith("module.") for key in later["best_model_weights_"])
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope="module")
 def state_checks():
-    return [r['checks'] for r in run_processes('state_checks.py', timeout=180).check()]
+    return [r["checks"] for r in run_processes("state_checks.py", timeout=180).check()]
 
 
 @multiprocess
 def test_save_state_and_load_state(state_checks):
-    for value in values(state_checks, 'round_trip'):
-        assert value['same_predictions'] and value['epochs'] == 2
-        assert value['keys'] == ['callbacks', 'epoch', 'format', 'history', 'loop', 'modules',
-                                 'num_processes', 'optimizers', 'rng', 'scaler', 'schedulers',
-                                 'version']
+    for value in values(state_checks, "round_trip"):
+        assert value["same_predictions"] and value["epochs"] == 2
+        assert value["keys"] == [
+            "callbacks",
+            "epoch",
+            "format",
+            "history",
+            "loop",
+            "modules",
+            "num_processes",
+            "optimizers",
+            "rng",
+            "scaler",
+            "schedulers",
+            "version",
+        ]
 
 
 @multiprocess
 def test_mismatched_states_raise_clearly_on_every_rank(state_checks):
-    for value in values(state_checks, 'mismatch_raises_on_every_rank'):
-        assert "'hidden.weight' has shape (32, 20) in the file but (64, 20)" in value['architecture']
-        assert 'is not a training state written by save_state' in value['params_file']
-        assert value['missing'].startswith('FileNotFoundError: No checkpoint at nope.pt')
+    for value in values(state_checks, "mismatch_raises_on_every_rank"):
+        assert (
+            "'hidden.weight' has shape (32, 20) in the file but (64, 20)" in value["architecture"]
+        )
+        assert "is not a training state written by save_state" in value["params_file"]
+        assert value["missing"].startswith("FileNotFoundError: No checkpoint at nope.pt")
 
 
 @multiprocess
 def test_a_failed_asynchronous_write_raises_on_every_rank(state_checks):
-    rank0, rank1 = (v['error'] for v in values(state_checks, 'asynchronous_failure_reaches_every_rank'))
-    assert re.match(r'FileNotFoundError: Cannot save to vanishing/run-\w{12}/training-state-000002.pt',
-                    rank0)
-    assert rank1.startswith('DistributedError: asynchronous save_state failed on rank 0: FileNotFoundError')
+    rank0, rank1 = (
+        v["error"] for v in values(state_checks, "asynchronous_failure_reaches_every_rank")
+    )
+    assert re.match(
+        r"FileNotFoundError: Cannot save to vanishing/run-\w{12}/training-state-000002.pt", rank0
+    )
+    assert rank1.startswith(
+        "DistributedError: asynchronous save_state failed on rank 0: FileNotFoundError"
+    )
 
 
 # --- one process, in this process ----------------------------------------------
 
+
 def test_the_resumed_checkpoint_ignores_unfinished_and_foreign_files(tmp_path):
     accelerator = Accelerator(cpu=True)
-    for name in ('training-state-000002.pt', 'training-state-000010.pt', 'notes.txt',
-                 '.training-state-000011.pt.accel_mixin-tmp-99-abc', 'training-state-12.pt'):
-        (tmp_path / name).write_bytes(b'')
-    assert agreed_checkpoint(tmp_path, accelerator) == str(tmp_path / 'training-state-000010.pt')
-    assert agreed_checkpoint(tmp_path / 'missing', accelerator) is None
+    for name in (
+        "training-state-000002.pt",
+        "training-state-000010.pt",
+        "notes.txt",
+        ".training-state-000011.pt.accel_mixin-tmp-99-abc",
+        "training-state-12.pt",
+    ):
+        (tmp_path / name).write_bytes(b"")
+    assert agreed_checkpoint(tmp_path, accelerator) == str(tmp_path / "training-state-000010.pt")
+    assert agreed_checkpoint(tmp_path / "missing", accelerator) is None
 
 
 def test_training_state_holds_only_safe_values(data, tmp_path):
     net = AcceleratedNet(MLP, accelerator=Accelerator(cpu=True), max_epochs=2, verbose=0)
     net.fit(*data)
-    net.save_state(tmp_path / 'state.pt')
-    state = torch.load(tmp_path / 'state.pt', weights_only=True)  # raises on any pickle
-    assert state['epoch'] == 2 and len(state['rng']) == 1
+    net.save_state(tmp_path / "state.pt")
+    state = torch.load(tmp_path / "state.pt", weights_only=True)  # raises on any pickle
+    assert state["epoch"] == 2 and len(state["rng"]) == 1
 
 
 def test_load_state_into_an_uninitialized_net_then_partial_fit_continues(data, tmp_path):
     net = AcceleratedNet(MLP, accelerator=Accelerator(cpu=True), max_epochs=4, verbose=0)
     net.set_params(max_epochs=2)
     net.fit(*data)
-    net.save_state(tmp_path / 'state.pt')
+    net.save_state(tmp_path / "state.pt")
     fresh = AcceleratedNet(MLP, accelerator=net.accelerator, max_epochs=4, verbose=0)
-    fresh.load_state(tmp_path / 'state.pt')
+    fresh.load_state(tmp_path / "state.pt")
     assert process_state(fresh).prepared.wrapped  # prepared after the weights were loaded
     fresh.partial_fit(*data)
     assert len(fresh.history) == 4  # only the remaining epochs
@@ -175,26 +205,35 @@ def test_load_state_into_an_uninitialized_net_then_partial_fit_continues(data, t
 def test_every_n_epochs_and_invalid_arguments(data, tmp_path):
     from accel_mixin.callbacks import TrainingCheckpoint
 
-    net = AcceleratedNet(MLP, accelerator=Accelerator(cpu=True), max_epochs=5, verbose=0,
-                         callbacks=[TrainingCheckpoint(tmp_path, every_n_epochs=2, keep_last=None)])
+    net = AcceleratedNet(
+        MLP,
+        accelerator=Accelerator(cpu=True),
+        max_epochs=5,
+        verbose=0,
+        callbacks=[TrainingCheckpoint(tmp_path, every_n_epochs=2, keep_last=None)],
+    )
     net.fit(*data)
     assert sorted(p.name for p in run_folder(tmp_path).iterdir()) == [
-        'manifest.json', 'training-state-000002.pt', 'training-state-000004.pt']
-    with pytest.raises(ValueError, match='keep_last must be at least 1'):
-        AcceleratedNet(MLP, accelerator=net.accelerator,
-                       callbacks=[TrainingCheckpoint(tmp_path, keep_last=0)]).initialize()
+        "manifest.json",
+        "training-state-000002.pt",
+        "training-state-000004.pt",
+    ]
+    with pytest.raises(ValueError, match="keep_last must be at least 1"):
+        AcceleratedNet(
+            MLP, accelerator=net.accelerator, callbacks=[TrainingCheckpoint(tmp_path, keep_last=0)]
+        ).initialize()
 
 
 def test_a_params_file_is_not_a_training_state(data, tmp_path):
     net = AcceleratedNet(MLP, accelerator=Accelerator(cpu=True)).initialize()
-    net.save_params(f_params=tmp_path / 'params.pt')
-    with pytest.raises(CheckpointError, match='not a training state written by save_state'):
-        net.load_state(tmp_path / 'params.pt')
+    net.save_params(f_params=tmp_path / "params.pt")
+    with pytest.raises(CheckpointError, match="not a training state written by save_state"):
+        net.load_state(tmp_path / "params.pt")
 
 
 def fit_history(net, data):
     net.fit(*data)
-    return [{k: v for k, v in row.items() if k != 'dur'} for row in net.history]
+    return [{k: v for k, v in row.items() if k != "dur"} for row in net.history]
 
 
 def test_load_state_then_fit_goes_on_from_the_state(data, tmp_path):
@@ -202,21 +241,22 @@ def test_load_state_then_fit_goes_on_from_the_state(data, tmp_path):
 
     def make():
         torch.manual_seed(0)
-        return AcceleratedNet(MLP, accelerator=accelerator, max_epochs=4, verbose=0,
-                              iterator_train__shuffle=True)
+        return AcceleratedNet(
+            MLP, accelerator=accelerator, max_epochs=4, verbose=0, iterator_train__shuffle=True
+        )
 
     uninterrupted = fit_history(make(), data)
     first = make().set_params(max_epochs=2)
     first.fit(*data)
-    first.save_state(tmp_path / 'state.pt')
+    first.save_state(tmp_path / "state.pt")
 
     resumed = make()
-    resumed.load_state(tmp_path / 'state.pt')
+    resumed.load_state(tmp_path / "state.pt")
     assert fit_history(resumed, data) == uninterrupted  # fit did not start over
 
     # initialize() after load_state is a fresh start, as in skorch
     restarted = make()
-    restarted.load_state(tmp_path / 'state.pt')
+    restarted.load_state(tmp_path / "state.pt")
     restarted.initialize()
     torch.manual_seed(0)  # fit initializes again, as make() would have
     assert fit_history(restarted, data) == uninterrupted
@@ -229,18 +269,29 @@ def test_a_run_stopped_early_is_not_continued_by_a_rerun(data, tmp_path):
 
     def run():
         # no epoch after the first improves by 100: stops after epoch 3
-        stopper = EarlyStopping(monitor='train_loss', patience=2, threshold=100,
-                                threshold_mode='abs', sink=lambda *_: None)
-        net = AcceleratedNet(MLP, accelerator=Accelerator(cpu=True), max_epochs=10, verbose=0,
-                             callbacks=[stopper, TrainingCheckpoint(tmp_path),
-                                        ResumeTraining(tmp_path)])
+        stopper = EarlyStopping(
+            monitor="train_loss",
+            patience=2,
+            threshold=100,
+            threshold_mode="abs",
+            sink=lambda *_: None,
+        )
+        net = AcceleratedNet(
+            MLP,
+            accelerator=Accelerator(cpu=True),
+            max_epochs=10,
+            verbose=0,
+            callbacks=[stopper, TrainingCheckpoint(tmp_path), ResumeTraining(tmp_path)],
+        )
         return net.fit(*data)
 
     first = run()
     assert len(first.history) == 3
-    with pytest.warns(RuntimeWarning, match='EarlyStopping stopped training, after epoch 3'):
+    with pytest.warns(RuntimeWarning, match="EarlyStopping stopped training, after epoch 3"):
         rerun = run()
-    assert dict(rerun.callbacks_)['ResumeTraining'].resumed_from_.endswith('training-state-000003.pt')
+    assert dict(rerun.callbacks_)["ResumeTraining"].resumed_from_.endswith(
+        "training-state-000003.pt"
+    )
     # no epoch trained: EarlyStopping's restored misses_ == patience would
     # otherwise be passed by one and never stop again
     assert rerun.history == first.history
@@ -259,9 +310,13 @@ def test_a_stop_by_anything_but_early_stopping_is_resumed(data, tmp_path):
                 raise KeyboardInterrupt
 
     def run(*extra):
-        net = AcceleratedNet(MLP, accelerator=Accelerator(cpu=True), max_epochs=4, verbose=0,
-                             callbacks=[*extra, TrainingCheckpoint(tmp_path),
-                                        ResumeTraining(tmp_path)])
+        net = AcceleratedNet(
+            MLP,
+            accelerator=Accelerator(cpu=True),
+            max_epochs=4,
+            verbose=0,
+            callbacks=[*extra, TrainingCheckpoint(tmp_path), ResumeTraining(tmp_path)],
+        )
         return net.fit(*data)
 
     assert len(run(TimeBudget()).history) == 2
@@ -272,13 +327,13 @@ def test_a_failed_load_state_leaves_nothing_to_go_on_from(data, tmp_path):
     accelerator = Accelerator(cpu=True)
     net = AcceleratedNet(MLP, accelerator=accelerator, max_epochs=2, verbose=0)
     net.fit(*data)
-    net.save_state(tmp_path / 'state.pt')
-    net.save_params(f_params=tmp_path / 'params.pt')
+    net.save_state(tmp_path / "state.pt")
+    net.save_params(f_params=tmp_path / "params.pt")
 
     other = AcceleratedNet(MLP, accelerator=accelerator, max_epochs=3, verbose=0)
-    other.load_state(tmp_path / 'state.pt')
+    other.load_state(tmp_path / "state.pt")
     with pytest.raises(CheckpointError):
-        other.load_state(tmp_path / 'params.pt')
+        other.load_state(tmp_path / "params.pt")
     other.fit(*data)
     assert len(other.history) == 3  # started afresh, as skorch's fit does
 
@@ -289,20 +344,25 @@ def test_the_gradient_scaler_resumes(data, tmp_path):
     accelerator = Accelerator(cpu=True)
 
     def make(max_epochs):
-        accelerator.scaler = torch.amp.GradScaler('cpu', init_scale=2.0**10, growth_interval=3)
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
         torch.manual_seed(0)
-        return AcceleratedNet(MLP, accelerator=accelerator, max_epochs=max_epochs, verbose=0,
-                              iterator_train__shuffle=True)
+        return AcceleratedNet(
+            MLP,
+            accelerator=accelerator,
+            max_epochs=max_epochs,
+            verbose=0,
+            iterator_train__shuffle=True,
+        )
 
     uninterrupted = fit_history(make(4), data)
     scaler_after = accelerator.scaler.state_dict()
-    assert scaler_after['scale'] > 2.0**10  # it grew: there is a state to keep
+    assert scaler_after["scale"] > 2.0**10  # it grew: there is a state to keep
 
     first = make(2)
     first.fit(*data)
-    first.save_state(tmp_path / 'state.pt')
+    first.save_state(tmp_path / "state.pt")
     resumed = make(4)  # a fresh scaler
-    resumed.load_state(tmp_path / 'state.pt')
+    resumed.load_state(tmp_path / "state.pt")
     assert fit_history(resumed, data) == uninterrupted
     assert accelerator.scaler.state_dict() == scaler_after
 
@@ -310,10 +370,10 @@ def test_the_gradient_scaler_resumes(data, tmp_path):
 def test_an_asynchronous_write_in_flight_when_training_fails_is_finished(tmp_path):
     # the job dies of an exception while the last checkpoint is still being
     # written: the file must be complete, not cut off by the interpreter's exit
-    script = tmp_path / 'job.py'
-    script.write_text(f'''
+    script = tmp_path / "job.py"
+    script.write_text(f"""
 import sys, time
-sys.path.insert(0, {str(Path(__file__).parent / 'launched')!r})
+sys.path.insert(0, {str(Path(__file__).parent / "launched")!r})
 import torch
 from accelerate import Accelerator
 from skorch.callbacks import Callback
@@ -333,27 +393,33 @@ class Boom(Callback):
             raise RuntimeError('boom')
 
 net = AcceleratedNet(MLP, accelerator=Accelerator(cpu=True), max_epochs=3, verbose=0,
-                     callbacks=[TrainingCheckpoint({str(tmp_path / 'ckpt')!r}, asynchronous=True),
+                     callbacks=[TrainingCheckpoint({str(tmp_path / "ckpt")!r}, asynchronous=True),
                                 Boom()])
 net.fit(*make_data(100))
-''')
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=120, check=False)
-    assert out.returncode == 1 and 'RuntimeError: boom' in out.stderr
-    (state,) = (tmp_path / 'ckpt').glob('run-*/training-state-000001.pt')
-    assert torch.load(state, weights_only=True)['epoch'] == 1
+""")
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 1 and "RuntimeError: boom" in out.stderr
+    (state,) = (tmp_path / "ckpt").glob("run-*/training-state-000001.pt")
+    assert torch.load(state, weights_only=True)["epoch"] == 1
 
 
 def test_the_asynchronous_snapshot_is_freed_when_training_ends(data, tmp_path):
     from accel_mixin.callbacks import TrainingCheckpoint
 
-    net = AcceleratedNet(MLP, accelerator=Accelerator(cpu=True), max_epochs=2, verbose=0,
-                         callbacks=[TrainingCheckpoint(tmp_path, asynchronous=True)])
+    net = AcceleratedNet(
+        MLP,
+        accelerator=Accelerator(cpu=True),
+        max_epochs=2,
+        verbose=0,
+        callbacks=[TrainingCheckpoint(tmp_path, asynchronous=True)],
+    )
     net.fit(*data)
     assert net._process.snapshot is None  # pylint: disable=protected-access
 
 
-@pytest.mark.parametrize('callback', ['TrainingCheckpoint', 'ResumeTraining'])
+@pytest.mark.parametrize("callback", ["TrainingCheckpoint", "ResumeTraining"])
 def test_on_a_plain_skorch_net_the_callbacks_say_why_not(callback, data, tmp_path):
     from skorch import NeuralNetClassifier
 
@@ -361,5 +427,5 @@ def test_on_a_plain_skorch_net_the_callbacks_say_why_not(callback, data, tmp_pat
 
     cls = getattr(accel_mixin.callbacks, callback)
     net = NeuralNetClassifier(MLP, max_epochs=1, verbose=0, callbacks=[cls(tmp_path)])
-    with pytest.raises(TypeError, match='AccelerateMixin in front'):
+    with pytest.raises(TypeError, match="AccelerateMixin in front"):
         net.fit(*data)

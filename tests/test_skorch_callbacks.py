@@ -1,8 +1,18 @@
 """Which of skorch's callbacks run on the main process only."""
+
 import pytest
 from skorch.callbacks import (
-    Checkpoint, EarlyStopping, EpochScoring, EpochTimer, GradientNormClipping, LRScheduler,
-    PrintLog, ProgressBar, TensorBoard, WandbLogger)
+    Checkpoint,
+    EarlyStopping,
+    EpochScoring,
+    EpochTimer,
+    GradientNormClipping,
+    LRScheduler,
+    PrintLog,
+    ProgressBar,
+    TensorBoard,
+    WandbLogger,
+)
 from skorch.callbacks.logging import MlflowLogger, NeptuneLogger, SacredLogger
 
 from accel_mixin.skorch_callbacks import main_process_only
@@ -20,13 +30,27 @@ class Unflagged(TensorBoard):
     main_process_only = False
 
 
-@pytest.mark.parametrize('cls', [TensorBoard, WandbLogger, MlflowLogger, NeptuneLogger,
-                                 SacredLogger, HistogramBoard, Flagged])
+@pytest.mark.parametrize(
+    "cls",
+    [TensorBoard, WandbLogger, MlflowLogger, NeptuneLogger, SacredLogger, HistogramBoard, Flagged],
+)
 def test_loggers_run_on_the_main_process_only(cls):
     assert main_process_only(cls.__new__(cls))
 
 
-@pytest.mark.parametrize('cls', [EpochTimer, PrintLog, ProgressBar, EarlyStopping, Checkpoint,
-                                 EpochScoring, GradientNormClipping, LRScheduler, Unflagged])
+@pytest.mark.parametrize(
+    "cls",
+    [
+        EpochTimer,
+        PrintLog,
+        ProgressBar,
+        EarlyStopping,
+        Checkpoint,
+        EpochScoring,
+        GradientNormClipping,
+        LRScheduler,
+        Unflagged,
+    ],
+)
 def test_other_callbacks_run_on_every_rank(cls):
     assert not main_process_only(cls.__new__(cls))

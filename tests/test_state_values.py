@@ -1,4 +1,5 @@
 """The non-weight pieces of a training state, on their own."""
+
 import random
 
 import numpy as np
@@ -8,15 +9,22 @@ from skorch.callbacks import EarlyStopping
 from skorch.history import History
 
 from accel_mixin.state_values import (
-    _NotPlain, as_plain, callback_state, cpu_snapshot, history_state, restore_callback_state,
-    restore_rng, rng_state)
+    _NotPlain,
+    as_plain,
+    callback_state,
+    cpu_snapshot,
+    history_state,
+    restore_callback_state,
+    restore_rng,
+    rng_state,
+)
 
 
 def test_plain_converts_numpy_and_keeps_tensors():
-    value = {'a': np.float64(1.5), 'b': [np.int64(2), torch.ones(2)], 'c': np.arange(3)}
+    value = {"a": np.float64(1.5), "b": [np.int64(2), torch.ones(2)], "c": np.arange(3)}
     out = as_plain(value)
-    assert type(out['a']) is float and type(out['b'][0]) is int
-    assert torch.equal(out['c'], torch.arange(3))
+    assert type(out["a"]) is float and type(out["b"][0]) is int
+    assert torch.equal(out["c"], torch.arange(3))
     with pytest.raises(_NotPlain):
         as_plain(object())
 
@@ -24,27 +32,29 @@ def test_plain_converts_numpy_and_keeps_tensors():
 def test_history_state_is_a_plain_copy_that_loads_with_weights_only(tmp_path):
     history = History()
     history.new_epoch()
-    history.record('train_loss', np.float32(0.5))
-    history.record('event', ('lr', 0.1))
+    history.record("train_loss", np.float32(0.5))
+    history.record("event", ("lr", 0.1))
     history.new_batch()
-    history.record_batch('train_batch_size', np.int64(16))
+    history.record_batch("train_batch_size", np.int64(16))
     state = history_state(history)
-    assert state == [{'train_loss': 0.5, 'event': ('lr', 0.1),
-                      'batches': [{'train_batch_size': 16}]}]
-    assert type(state[0]['train_loss']) is float and type(state[0]['event']) is tuple
-    state[0]['batches'].append({})
-    assert len(history[-1, 'batches']) == 1  # a copy: the live history is untouched
-    torch.save(state, tmp_path / 'h.pt')
-    assert torch.load(tmp_path / 'h.pt', weights_only=True) == state
+    assert state == [
+        {"train_loss": 0.5, "event": ("lr", 0.1), "batches": [{"train_batch_size": 16}]}
+    ]
+    assert type(state[0]["train_loss"]) is float and type(state[0]["event"]) is tuple
+    state[0]["batches"].append({})
+    assert len(history[-1, "batches"]) == 1  # a copy: the live history is untouched
+    torch.save(state, tmp_path / "h.pt")
+    assert torch.load(tmp_path / "h.pt", weights_only=True) == state
 
 
-@pytest.mark.parametrize('value, kind', [
-    (object(), 'object'), (np.zeros(2), 'ndarray'), (torch.zeros(2), 'Tensor')])
+@pytest.mark.parametrize(
+    "value, kind", [(object(), "object"), (np.zeros(2), "ndarray"), (torch.zeros(2), "Tensor")]
+)
 def test_history_state_names_what_it_cannot_keep(value, kind):
     history = History()
     history.new_epoch()
-    history.record('value', value)
-    with pytest.raises(TypeError, match=f'The history holds a {kind}'):
+    history.record("value", value)
+    with pytest.raises(TypeError, match=f"The history holds a {kind}"):
         history_state(history)
 
 
@@ -60,19 +70,19 @@ def test_callback_state_keeps_plain_fitted_attributes():
     cb.misses_, cb.dynamic_threshold_, cb.best_epoch_ = 3, np.float64(0.25), 7
     cb.some_object_ = object()  # not state that a file can hold safely
     state = callback_state(cb)
-    assert state['misses_'] == 3 and state['dynamic_threshold_'] == 0.25
-    assert 'some_object_' not in state
+    assert state["misses_"] == 3 and state["dynamic_threshold_"] == 0.25
+    assert "some_object_" not in state
     fresh = EarlyStopping().initialize()
     restore_callback_state(fresh, state)
     assert (fresh.misses_, fresh.best_epoch_) == (3, 7)
 
 
 def test_snapshot_copies_and_reuses_memory():
-    live = {'w': torch.ones(3), 'opt': [torch.zeros(2)], 'step': 4}
+    live = {"w": torch.ones(3), "opt": [torch.zeros(2)], "step": 4}
     first = cpu_snapshot(live)
-    live['w'].add_(1)
-    assert first['w'].tolist() == [1.0, 1.0, 1.0]  # shares nothing with training
+    live["w"].add_(1)
+    assert first["w"].tolist() == [1.0, 1.0, 1.0]  # shares nothing with training
     second = cpu_snapshot(live, reuse=first)
-    assert second['w'] is first['w'] and second['w'].tolist() == [2.0, 2.0, 2.0]
-    live['w'] = torch.ones(5)  # another shape: a new tensor
-    assert cpu_snapshot(live, reuse=second)['w'].shape == (5,)
+    assert second["w"] is first["w"] and second["w"].tolist() == [2.0, 2.0, 2.0]
+    live["w"] = torch.ones(5)  # another shape: a new tensor
+    assert cpu_snapshot(live, reuse=second)["w"].shape == (5,)

@@ -5,6 +5,7 @@ accelerate's calls, which must give the same weights bit for bit (in one
 process here, in two through ``launched/stepping_check.py``); every
 configuration it does not cover must send each call through accelerate.
 """
+
 import contextlib
 import copy
 import functools
@@ -15,16 +16,16 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.state import PartialState
 from accelerate.utils import DistributedType
-
-from accel_mixin.stepping import COVERED_TYPES, Stepper
 from harness import run_processes
 from stepping_check import CONFIGURATIONS, compare
 
-ACCELERATOR_CALLS = ('accumulate', 'autocast', 'backward')
-OPTIMIZER_CALLS = ('step', 'zero_grad')
+from accel_mixin.stepping import COVERED_TYPES, Stepper
+
+ACCELERATOR_CALLS = ("accumulate", "autocast", "backward")
+OPTIMIZER_CALLS = ("step", "zero_grad")
 # each call of a training step, in order, where all go through accelerate;
 # zero_grad skips accelerate's in every configuration (stepping.py says why)
-THROUGH_ACCELERATE = [*ACCELERATOR_CALLS, 'step']
+THROUGH_ACCELERATE = [*ACCELERATOR_CALLS, "step"]
 
 
 def model_and_optimizer(accelerator):
@@ -39,7 +40,7 @@ def test_without_accumulation_every_step_syncs():
     accelerator.gradient_state._set_sync_gradients(False)
     stepper = Stepper(accelerator)
     assert stepper.plain and stepper.sync_gradients
-    with stepper.accumulate(lambda: pytest.fail('modules are not needed')):
+    with stepper.accumulate(lambda: pytest.fail("modules are not needed")):
         pass
 
 
@@ -54,11 +55,11 @@ def test_accumulation_skips_steps_and_zeroing_until_sync():
         stepper.zero_grad(optimizer)
     assert not stepper.sync_gradients
     assert model.weight.grad is not None  # kept for the next batch
-    torch.testing.assert_close(model.state_dict()['weight'], before['weight'])
+    torch.testing.assert_close(model.state_dict()["weight"], before["weight"])
 
 
 def test_autocast_follows_the_precision():
-    stepper = Stepper(Accelerator(cpu=True, mixed_precision='bf16'))
+    stepper = Stepper(Accelerator(cpu=True, mixed_precision="bf16"))
     with stepper.autocast():
         assert torch.nn.Linear(2, 2)(torch.ones(1, 2)).dtype == torch.bfloat16
     from conftest import reset_accelerate
@@ -79,32 +80,38 @@ def test_zero_grad_passes_set_to_none():
     assert model.weight.grad is None
 
 
-@pytest.mark.parametrize('mixed_precision', ['no', 'bf16', 'fp16'])  # fp16: no scaler on the CPU
-@pytest.mark.parametrize('plugin', [
-    dict(num_steps=1), dict(num_steps=3), dict(num_steps=3, sync_with_dataloader=False),
-], ids=['accum1', 'accum3', 'accum3-no_sync_with_dataloader'])
+@pytest.mark.parametrize("mixed_precision", ["no", "bf16", "fp16"])  # fp16: no scaler on the CPU
+@pytest.mark.parametrize(
+    "plugin",
+    [
+        dict(num_steps=1),
+        dict(num_steps=3),
+        dict(num_steps=3, sync_with_dataloader=False),
+    ],
+    ids=["accum1", "accum3", "accum3-no_sync_with_dataloader"],
+)
 def test_one_process_matches_accelerate_bit_for_bit(mixed_precision, plugin):
     result = compare(mixed_precision=mixed_precision, **plugin)
-    assert result['plain'] and result['moved']
-    assert result['equal'], result['max_difference']
+    assert result["plain"] and result["moved"]
+    assert result["equal"], result["max_difference"]
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope="module")
 def two_processes():
     """One launch for every 2-process configuration: each costs seconds to start."""
-    return run_processes('stepping_check.py', timeout=120).check()
+    return run_processes("stepping_check.py", timeout=120).check()
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize('name', list(CONFIGURATIONS))
+@pytest.mark.parametrize("name", list(CONFIGURATIONS))
 def test_two_processes_match_accelerate_bit_for_bit(two_processes, name):
-    results = [rank['configurations'][name] for rank in two_processes]
-    expected_type = CONFIGURATIONS[name]['relabel'] or DistributedType.MULTI_CPU
+    results = [rank["configurations"][name] for rank in two_processes]
+    expected_type = CONFIGURATIONS[name]["relabel"] or DistributedType.MULTI_CPU
     for result in results:
-        assert result['plain'] and result['moved']
-        assert result['distributed_type'] == expected_type.value
-        assert result['equal'], result['max_difference']
-    assert results[0]['digest'] == results[1]['digest']  # DDP kept the ranks in step
+        assert result["plain"] and result["moved"]
+        assert result["distributed_type"] == expected_type.value
+        assert result["equal"], result["max_difference"]
+    assert results[0]["digest"] == results[1]["digest"]  # DDP kept the ranks in step
 
 
 @pytest.fixture
@@ -118,7 +125,9 @@ def accelerate_calls(monkeypatch):
         def record(*args, **kwargs):
             calls.append(name)
             return contextlib.nullcontext()
+
         return record
+
     for name in ACCELERATOR_CALLS:
         monkeypatch.setattr(Accelerator, name, recorder(name))
     for name in OPTIMIZER_CALLS:
@@ -157,56 +166,58 @@ def test_the_plain_path_makes_none_of_the_calls(accelerate_calls):
 
 def test_a_gradient_scaler_sends_everything_through_accelerate(accelerate_calls, monkeypatch):
     accelerator = Accelerator(cpu=True)
-    monkeypatch.setattr(accelerator, 'scaler', object())  # as with fp16 on a GPU
+    monkeypatch.setattr(accelerator, "scaler", object())  # as with fp16 on a GPU
     assert fallback_calls(accelerator, accelerate_calls) == THROUGH_ACCELERATE
 
 
-@pytest.mark.parametrize('distributed_type', sorted(set(DistributedType) - COVERED_TYPES))
-def test_an_uncovered_distributed_type_falls_back(accelerate_calls, monkeypatch,
-                                                   distributed_type):
+@pytest.mark.parametrize("distributed_type", sorted(set(DistributedType) - COVERED_TYPES))
+def test_an_uncovered_distributed_type_falls_back(accelerate_calls, monkeypatch, distributed_type):
     accelerator = Accelerator(cpu=True)
 
     def relabel():  # after prepare, which would prepare for that type
         for state in (PartialState(), accelerator.state):
-            monkeypatch.setattr(state, 'distributed_type', distributed_type)
+            monkeypatch.setattr(state, "distributed_type", distributed_type)
+
     assert fallback_calls(accelerator, accelerate_calls, relabel) == THROUGH_ACCELERATE
 
 
 def test_fp8_falls_back(accelerate_calls, monkeypatch):
     accelerator = Accelerator(cpu=True)
-    monkeypatch.setattr(accelerator.state, '_mixed_precision', 'fp8')
+    monkeypatch.setattr(accelerator.state, "_mixed_precision", "fp8")
     assert fallback_calls(accelerator, accelerate_calls) == THROUGH_ACCELERATE
 
 
 def test_a_lomo_optimizer_falls_back(accelerate_calls, monkeypatch):
     accelerator = Accelerator(cpu=True)
-    monkeypatch.setattr(accelerator, 'has_lomo_optimizer', True)  # as prepare sets it
+    monkeypatch.setattr(accelerator, "has_lomo_optimizer", True)  # as prepare sets it
     assert fallback_calls(accelerator, accelerate_calls) == THROUGH_ACCELERATE
 
 
-@pytest.mark.parametrize('name', ACCELERATOR_CALLS)
+@pytest.mark.parametrize("name", ACCELERATOR_CALLS)
 def test_an_accelerator_subclass_overriding_a_call_falls_back(accelerate_calls, name):
     def override(self, *args, **kwargs):
         return getattr(Accelerator, name)(self, *args, **kwargs)
-    accelerator = type('CustomAccelerator', (Accelerator,), {name: override})(cpu=True)
+
+    accelerator = type("CustomAccelerator", (Accelerator,), {name: override})(cpu=True)
     assert fallback_calls(accelerator, accelerate_calls) == THROUGH_ACCELERATE
 
 
-@pytest.mark.parametrize('name', ACCELERATOR_CALLS)
+@pytest.mark.parametrize("name", ACCELERATOR_CALLS)
 def test_a_call_replaced_on_the_accelerator_falls_back(accelerate_calls, monkeypatch, name):
     accelerator = Accelerator(cpu=True)
-    monkeypatch.setattr(accelerator, name,
-                        functools.partial(getattr(Accelerator, name), accelerator))
+    monkeypatch.setattr(
+        accelerator, name, functools.partial(getattr(Accelerator, name), accelerator)
+    )
     assert fallback_calls(accelerator, accelerate_calls) == THROUGH_ACCELERATE
 
 
-@pytest.mark.parametrize('name', OPTIMIZER_CALLS)
-def test_an_optimizer_call_replaced_on_the_instance_is_made(accelerate_calls, monkeypatch,
-                                                            name):
+@pytest.mark.parametrize("name", OPTIMIZER_CALLS)
+def test_an_optimizer_call_replaced_on_the_instance_is_made(accelerate_calls, monkeypatch, name):
     accelerator = Accelerator(cpu=True)
     model, optimizer = model_and_optimizer(accelerator)
-    monkeypatch.setattr(optimizer, name,
-                        functools.partial(getattr(AcceleratedOptimizer, name), optimizer))
+    monkeypatch.setattr(
+        optimizer, name, functools.partial(getattr(AcceleratedOptimizer, name), optimizer)
+    )
     stepper = Stepper(accelerator)
     assert stepper.plain  # the other optimizers keep the plain path
     one_step(stepper, model, optimizer)

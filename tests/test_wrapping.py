@@ -1,4 +1,5 @@
 """PreparedObjects on its own: prepare once, swap, keep the lists exact."""
+
 import gc
 import pickle
 from types import SimpleNamespace
@@ -17,21 +18,19 @@ def make_owner():
     criterion = torch.nn.NLLLoss()
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
-    owner = SimpleNamespace(
-        module_=module, criterion_=criterion, optimizer_=optimizer)
+    owner = SimpleNamespace(module_=module, criterion_=criterion, optimizer_=optimizer)
     callback = SimpleNamespace(lr_scheduler_=scheduler)
     slots = [
-        Slot('module_', owner, 'module_', 'module'),
-        Slot('criterion_', owner, 'criterion_', 'criterion'),
-        Slot('optimizer_', owner, 'optimizer_', 'optimizer'),
-        Slot('cb__lr_scheduler_', callback, 'lr_scheduler_', 'scheduler', step_once=True),
+        Slot("module_", owner, "module_", "module"),
+        Slot("criterion_", owner, "criterion_", "criterion"),
+        Slot("optimizer_", owner, "optimizer_", "optimizer"),
+        Slot("cb__lr_scheduler_", callback, "lr_scheduler_", "scheduler", step_once=True),
     ]
     return owner, callback, slots
 
 
 def lengths(accelerator):
-    return (len(accelerator._models), len(accelerator._optimizers),
-            len(accelerator._schedulers))
+    return (len(accelerator._models), len(accelerator._optimizers), len(accelerator._schedulers))
 
 
 def test_prepare_wraps_every_kind():
@@ -52,11 +51,13 @@ def test_prepare_twice_prepares_once(monkeypatch):
     accelerator = Accelerator(cpu=True)
     owner, callback, slots = make_owner()
     calls = []
-    for name in ('prepare_model', 'prepare_optimizer', 'prepare_scheduler'):
+    for name in ("prepare_model", "prepare_optimizer", "prepare_scheduler"):
         original = getattr(accelerator, name)
         monkeypatch.setattr(
-            accelerator, name,
-            lambda *a, _orig=original, _name=name, **kw: calls.append(_name) or _orig(*a, **kw))
+            accelerator,
+            name,
+            lambda *a, _orig=original, _name=name, **kw: calls.append(_name) or _orig(*a, **kw),
+        )
     prepared = PreparedObjects()
     prepared.prepare(accelerator, slots)
     first = (owner.module_, owner.optimizer_, callback.lr_scheduler_)
@@ -83,27 +84,29 @@ def test_unwrap_and_wrap_only_swap():
         assert (owner.module_, owner.optimizer_, callback.lr_scheduler_) == raw
         assert lengths(accelerator) == (0, 0, 0)
         prepared.wrap(accelerator)
-        assert all(a is b for a, b in zip(
-            (owner.module_, owner.optimizer_, callback.lr_scheduler_), wrapped))
+        assert all(
+            a is b
+            for a, b in zip((owner.module_, owner.optimizer_, callback.lr_scheduler_), wrapped)
+        )
         assert lengths(accelerator) == (2, 1, 1)
 
 
 def test_autocast_patch_is_stashed_while_unwrapped():
-    accelerator = Accelerator(cpu=True, mixed_precision='bf16')
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
     owner, _, slots = make_owner()
     prepared = PreparedObjects()
     prepared.prepare(accelerator, slots)
     module = owner.module_
     x = torch.randn(4, 3)
-    assert '_original_forward' in vars(module)
+    assert "_original_forward" in vars(module)
     assert module(x).dtype == torch.float32  # autocast, then back to fp32
 
     prepared.unwrap()
-    assert 'forward' not in vars(module)
+    assert "forward" not in vars(module)
     pickle.dumps(module)  # the patch is a closure that cannot be pickled
 
     prepared.wrap(accelerator)
-    assert '_original_forward' in vars(module)
+    assert "_original_forward" in vars(module)
     seen = []
     hook = module[0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
     module(x)
@@ -149,7 +152,7 @@ def test_garbage_collected_registry_releases_the_lists():
 
 def test_module_without_trainable_parameters_skips_ddp(monkeypatch):
     accelerator = Accelerator(cpu=True)
-    owner, _, slots = make_owner()
+    _, _, slots = make_owner()
     modes = {}
     original = accelerator.prepare_model
 
@@ -157,25 +160,25 @@ def test_module_without_trainable_parameters_skips_ddp(monkeypatch):
         modes[type(model).__name__] = evaluation_mode
         return original(model, *args, evaluation_mode=evaluation_mode, **kwargs)
 
-    monkeypatch.setattr(accelerator, 'prepare_model', recording)
+    monkeypatch.setattr(accelerator, "prepare_model", recording)
     PreparedObjects().prepare(accelerator, slots)
-    assert modes == {'Sequential': False, 'NLLLoss': True}
+    assert modes == {"Sequential": False, "NLLLoss": True}
 
 
 def test_stale_marks_do_not_skip_preparation():
-    accelerator = Accelerator(cpu=True, mixed_precision='bf16')
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
     owner, _, slots = make_owner()
     # e.g. a module copied from another net while it was prepared
     owner.module_._is_accelerate_prepared = True
     PreparedObjects().prepare(accelerator, slots[:1])
-    assert '_original_forward' in vars(owner.module_)
+    assert "_original_forward" in vars(owner.module_)
 
 
-@pytest.mark.parametrize('step_once', [True, False])
+@pytest.mark.parametrize("step_once", [True, False])
 def test_schedulers_step_once_per_call_when_asked(step_once):
     # what this does in several processes: test_multiprocess.py
     accelerator = Accelerator(cpu=True)
-    owner, callback, slots = make_owner()
+    _, callback, slots = make_owner()
     slots[3] = slots[3]._replace(step_once=step_once)
     PreparedObjects().prepare(accelerator, slots)
     assert callback.lr_scheduler_.split_batches is step_once
@@ -185,7 +188,8 @@ def test_plateau_scheduler_still_passes_for_one():
     accelerator = Accelerator(cpu=True)
     owner, callback, slots = make_owner()
     callback.lr_scheduler_ = torch.optim.lr_scheduler.ReduceLROnPlateau(
-        owner.optimizer_, patience=0, factor=0.5)
+        owner.optimizer_, patience=0, factor=0.5
+    )
     slots[3] = slots[3]._replace(step_once=False)
     PreparedObjects().prepare(accelerator, slots)
     scheduler = callback.lr_scheduler_
@@ -193,7 +197,7 @@ def test_plateau_scheduler_still_passes_for_one():
     assert isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
     for _ in range(3):
         scheduler.step(1.0)  # no improvement after the first
-    assert owner.optimizer_.param_groups[0]['lr'] == pytest.approx(0.1 * 0.5 ** 2)
+    assert owner.optimizer_.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**2)
 
 
 def test_wrap_leaves_emptied_slots_alone():
@@ -209,21 +213,21 @@ def test_wrap_leaves_emptied_slots_alone():
 
 
 def test_compiled_module_is_stripped_of_every_mark():
-    accelerator = Accelerator(cpu=True, mixed_precision='bf16')
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
     owner, _, slots = make_owner()
-    owner.module_ = torch.compile(owner.module_, backend='eager')
-    compiled_forward = vars(owner.module_)['forward']  # torch.compile's own
+    owner.module_ = torch.compile(owner.module_, backend="eager")
+    compiled_forward = vars(owner.module_)["forward"]  # torch.compile's own
     prepared = PreparedObjects()
     prepared.prepare(accelerator, slots[:1])
-    assert vars(owner.module_)['forward'] is not compiled_forward
+    assert vars(owner.module_)["forward"] is not compiled_forward
     prepared.unwrap()
-    assert vars(owner.module_)['forward'] is compiled_forward
+    assert vars(owner.module_)["forward"] is compiled_forward
     for target in (owner.module_, owner.module_._orig_mod):
-        assert not set(vars(target)) & {'_original_forward', '_is_accelerate_prepared'}
-    assert 'forward' not in vars(owner.module_._orig_mod)
+        assert not set(vars(target)) & {"_original_forward", "_is_accelerate_prepared"}
+    assert "forward" not in vars(owner.module_._orig_mod)
     pickle.dumps(owner.module_)
     prepared.wrap(accelerator)
-    assert vars(owner.module_)['forward'] is not compiled_forward
+    assert vars(owner.module_)["forward"] is not compiled_forward
 
 
 def test_requires_closure():

@@ -9,6 +9,7 @@ fsync, which accel_mixin's atomic writes pay and a raw save does not
 with all ranks in step. Also times unwrap plus rewrap alone, for a small and
 the large model.
 """
+
 import argparse
 import gc
 import os
@@ -25,10 +26,10 @@ from skorch.hf import AccelerateMixin as IncumbentMixin
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # pylint: disable=wrong-import-position
-from common import Timer, alternate, barrier, is_main, summarize, write_result  # noqa: E402
-from fit import ParamNLLLoss  # noqa: E402
+from common import Timer, alternate, barrier, is_main, summarize, write_result
+from fit import ParamNLLLoss
 
-from accel_mixin import AccelerateMixin  # noqa: E402
+from accel_mixin import AccelerateMixin
 
 
 class OursNet(AccelerateMixin, NeuralNetClassifier):
@@ -52,8 +53,8 @@ class Stack(torch.nn.Module):
         return torch.softmax(self.out(self.hidden(self.inp(X))), dim=-1)
 
 
-DURABLE = 'torch.save + fsync'
-OVERWRITING = ', overwriting'
+DURABLE = "torch.save + fsync"
+OVERWRITING = ", overwriting"
 
 
 def n_params(module):
@@ -61,12 +62,13 @@ def n_params(module):
 
 
 def make_nets(accelerator, width, depth):
-    workaround = {'criterion': ParamNLLLoss} if accelerator.num_processes > 1 else {}
-    common = dict(module=Stack, module__width=width, module__depth=depth,
-                  accelerator=accelerator, verbose=0)
+    workaround = {"criterion": ParamNLLLoss} if accelerator.num_processes > 1 else {}
+    common = dict(
+        module=Stack, module__width=width, module__depth=depth, accelerator=accelerator, verbose=0
+    )
     return {
-        'accel_mixin': OursNet(**common).initialize(),
-        'incumbent': IncumbentNet(**common, **workaround).initialize(),
+        "accel_mixin": OursNet(**common).initialize(),
+        "incumbent": IncumbentNet(**common, **workaround).initialize(),
     }
 
 
@@ -89,7 +91,7 @@ def peak_extra_rss(fn, repeats=3):
         peak = [start]
         done = threading.Event()
 
-        def sample():
+        def sample(done=done, peak=peak):
             while not done.is_set():
                 peak[0] = max(peak[0], process.memory_info().rss)
                 time.sleep(0.001)
@@ -108,8 +110,14 @@ def peak_extra_rss(fn, repeats=3):
 def training_net(accelerator, width, depth):
     """An initialized net of ``Stack`` that stays wrapped, in an epoch, ready
     for ``train_step``."""
-    net = OursNet(module=Stack, module__width=width, module__depth=depth,
-                  accelerator=accelerator, verbose=0, unwrap_after_train=False).initialize()
+    net = OursNet(
+        module=Stack,
+        module__width=width,
+        module__depth=depth,
+        accelerator=accelerator,
+        verbose=0,
+        unwrap_after_train=False,
+    ).initialize()
     net.history.new_epoch()
     return net
 
@@ -126,26 +134,26 @@ def time_rewrap(net, calls):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    parser.add_argument('--out', required=True)
-    parser.add_argument('--width', type=int, default=3584)
-    parser.add_argument('--depth', type=int, default=4)
-    parser.add_argument('--repeats', type=int, default=7)
-    parser.add_argument('--dir', default=None, help='where to write the files')
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--width", type=int, default=3584)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--dir", default=None, help="where to write the files")
     args = parser.parse_args()
 
     accelerator = Accelerator()
     nets = make_nets(accelerator, args.width, args.depth)
-    reference = raw_module(nets['accel_mixin'])
+    reference = raw_module(nets["accel_mixin"])
 
-    workdir = Path(args.dir or tempfile.gettempdir()) / 'accel_mixin_bench'
+    workdir = Path(args.dir or tempfile.gettempdir()) / "accel_mixin_bench"
     if is_main():
         workdir.mkdir(parents=True, exist_ok=True)
-    path = str(workdir / 'params.pt')
+    path = str(workdir / "params.pt")
 
     def save(name):
-        name = name.replace(OVERWRITING, '')
-        if name == 'torch.save':
+        name = name.replace(OVERWRITING, "")
+        if name == "torch.save":
             if is_main():
                 torch.save(reference.state_dict(), path)
         elif name == DURABLE:
@@ -158,8 +166,8 @@ def main():
             nets[name].save_params(f_params=path)
 
     def load(name):
-        if name == 'torch.load':
-            reference.load_state_dict(torch.load(path, map_location='cpu', weights_only=True))
+        if name == "torch.load":
+            reference.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
         else:
             nets[name].load_params(f_params=path)
 
@@ -173,6 +181,7 @@ def main():
             with Timer() as timer:
                 operation(name)
             return timer.seconds
+
         return measure
 
     def start_save(name):
@@ -185,46 +194,54 @@ def main():
             if not name.endswith(OVERWRITING) and os.path.exists(path):
                 os.unlink(path)
             deadline = time.monotonic() + 60
-            while any('-previous' in entry for entry in os.listdir(workdir)):
+            while any("-previous" in entry for entry in os.listdir(workdir)):
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f'a replaced file in {workdir} is not freed after 60 s')
+                    raise RuntimeError(f"a replaced file in {workdir} is not freed after 60 s")
                 time.sleep(0.01)
         barrier()
 
-    save('torch.save')  # warm-up, and a file to load from
-    variants_save = ['torch.save', DURABLE, 'accel_mixin', 'incumbent',
-                     'torch.save' + OVERWRITING, 'accel_mixin' + OVERWRITING]
-    variants_load = ['torch.load', 'accel_mixin', 'incumbent']
+    save("torch.save")  # warm-up, and a file to load from
+    variants_save = [
+        "torch.save",
+        DURABLE,
+        "accel_mixin",
+        "incumbent",
+        "torch.save" + OVERWRITING,
+        "accel_mixin" + OVERWRITING,
+    ]
+    variants_load = ["torch.load", "accel_mixin", "incumbent"]
     save_times = alternate(variants_save, args.repeats, measure_with(save))
     load_times = alternate(variants_load, args.repeats, measure_with(load))
 
     file_bytes = Path(path).stat().st_size
     memory = {
-        name: peak_extra_rss(lambda name=name: load(name)) / file_bytes
-        for name in variants_load
+        name: peak_extra_rss(lambda name=name: load(name)) / file_bytes for name in variants_load
     }
 
     small = make_nets(accelerator, 64, 1)
     rewrap = {}
-    for size_name, group in (('small', small), ('large', nets)):
+    for size_name, group in (("small", small), ("large", nets)):
         rewrap[size_name] = {
-            'params': n_params(raw_module(group['accel_mixin'])),
-            'accel_mixin_ms': 1e3 * time_rewrap(group['accel_mixin'], 50),
-            'incumbent_ms': 1e3 * time_rewrap(group['incumbent'], 3),
+            "params": n_params(raw_module(group["accel_mixin"])),
+            "accel_mixin_ms": 1e3 * time_rewrap(group["accel_mixin"], 50),
+            "incumbent_ms": 1e3 * time_rewrap(group["incumbent"], 3),
         }
 
-    write_result(args.out, {
-        'benchmark': 'checkpoint',
-        'processes': accelerator.num_processes,
-        'params': n_params(reference),
-        'file_mb': Path(path).stat().st_size / 2**20 if is_main() else None,
-        'save': summarize(save_times, 'torch.save'),
-        'load': summarize(load_times, 'torch.load'),
-        'rewrap': rewrap,
-        'load_memory_over_file_size': memory,
-        'incumbent_workaround': accelerator.num_processes > 1,
-    })
+    write_result(
+        args.out,
+        {
+            "benchmark": "checkpoint",
+            "processes": accelerator.num_processes,
+            "params": n_params(reference),
+            "file_mb": Path(path).stat().st_size / 2**20 if is_main() else None,
+            "save": summarize(save_times, "torch.save"),
+            "load": summarize(load_times, "torch.load"),
+            "rewrap": rewrap,
+            "load_memory_over_file_size": memory,
+            "incumbent_workaround": accelerator.num_processes > 1,
+        },
+    )
 
 
-if __name__ == '__main__':
+if __name__ == "__main__":
     main()

@@ -1,4 +1,5 @@
 """Timing helpers shared by the benchmarks: alternation, medians, ranks."""
+
 import json
 import os
 import statistics
@@ -8,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ['Timer', 'alternate', 'barrier', 'is_main', 'summarize', 'write_result']
+__all__ = ["Timer", "alternate", "barrier", "is_main", "summarize", "write_result"]
 
 
 def is_main():
-    return int(os.environ.get('RANK', '0')) == 0
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 def barrier():
@@ -61,11 +62,10 @@ def summarize(times, baseline):
     medians = {name: statistics.median(values) for name, values in times.items()}
     return {
         name: {
-            'median_s': medians[name],
-            'ratio': medians[name] / medians[baseline],
-            'paired_ratio': statistics.median(
-                v / b for v, b in zip(values, times[baseline])),
-            'runs_s': values,
+            "median_s": medians[name],
+            "ratio": medians[name] / medians[baseline],
+            "paired_ratio": statistics.median(v / b for v, b in zip(values, times[baseline])),
+            "runs_s": values,
         }
         for name, values in times.items()
     }

@@ -9,6 +9,7 @@ With several processes, plain skorch is left out (it would train one model
 per process), and the incumbent uses the criterion workaround it needs to fit
 at all (a criterion with a dummy trainable parameter; see FIELD_NOTES).
 """
+
 import argparse
 import sys
 from pathlib import Path
@@ -23,9 +24,9 @@ from skorch.hf import AccelerateMixin as IncumbentMixin
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # pylint: disable=wrong-import-position
-from common import Timer, alternate, seed_everything, summarize, write_result  # noqa: E402
+from common import Timer, alternate, seed_everything, summarize, write_result
 
-from accel_mixin import AccelerateMixin  # noqa: E402
+from accel_mixin import AccelerateMixin
 
 
 class OursNet(AccelerateMixin, NeuralNetClassifier):
@@ -39,19 +40,23 @@ class IncumbentNet(IncumbentMixin, NeuralNetClassifier):
 class NoSyncNet(OursNet):
     """accel_mixin without history sync (no padding accounting, no merge at
     the end of an epoch): what the sync costs."""
+
     run_single_epoch = NeuralNet.run_single_epoch
 
     def _end_epoch(self, **cb_kwargs):
-        NeuralNet.notify(self, 'on_epoch_end', **cb_kwargs)
+        NeuralNet.notify(self, "on_epoch_end", **cb_kwargs)
 
 
 class MLP(torch.nn.Module):
     def __init__(self, n_features=100, hidden=256, n_classes=2):
         super().__init__()
         self.layers = torch.nn.Sequential(
-            torch.nn.Linear(n_features, hidden), torch.nn.ReLU(),
-            torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
-            torch.nn.Linear(hidden, n_classes), torch.nn.Softmax(dim=-1),
+            torch.nn.Linear(n_features, hidden),
+            torch.nn.ReLU(),
+            torch.nn.Linear(hidden, hidden),
+            torch.nn.ReLU(),
+            torch.nn.Linear(hidden, n_classes),
+            torch.nn.Softmax(dim=-1),
         )
 
     def forward(self, X):
@@ -71,31 +76,32 @@ class ParamNLLLoss(torch.nn.NLLLoss):
         return super().forward(torch.log(y_pred + 1e-7), y_true) + 0.0 * self.dummy.sum()
 
 
-NO_SYNC = 'accel_mixin, no history sync'
+NO_SYNC = "accel_mixin, no history sync"
 
 
 def skorch_fit(net_cls, X, y, args, **kwargs):
     net = net_cls(
-        MLP, max_epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
-        verbose=0, **kwargs)
+        MLP, max_epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, verbose=0, **kwargs
+    )
     net.fit(X, y)
-    return net.history[-1, 'valid_acc']
+    return net.history[-1, "valid_acc"]
 
 
 def loop_fit(accelerator, X, y, args):
     """What a user writes by hand with accelerate for the same work."""
     X_train, X_valid, y_train, y_valid = train_test_split(
-        X, y, test_size=0.2, stratify=y, random_state=0)
+        X, y, test_size=0.2, stratify=y, random_state=0
+    )
     loaders = [
         torch.utils.data.DataLoader(
             torch.utils.data.TensorDataset(torch.as_tensor(Xs), torch.as_tensor(ys)),
-            batch_size=args.batch_size)
+            batch_size=args.batch_size,
+        )
         for Xs, ys in ((X_train, y_train), (X_valid, y_valid))
     ]
     model = MLP()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
-    model, optimizer, train_loader, valid_loader = accelerator.prepare(
-        model, optimizer, *loaders)
+    model, optimizer, train_loader, valid_loader = accelerator.prepare(model, optimizer, *loaders)
     criterion = torch.nn.NLLLoss()
     history = []
     for _ in range(args.epochs):
@@ -119,20 +125,20 @@ def loop_fit(accelerator, X, y, args):
                 seen += len(targets)
         history.append((np.mean(train_losses), np.mean(valid_losses), correct / seen))
     # without this the loop's objects would pile up over the repeats
-    for name in ('_models', '_optimizers', '_schedulers', '_dataloaders'):
+    for name in ("_models", "_optimizers", "_schedulers", "_dataloaders"):
         getattr(accelerator, name).clear()
     return history[-1][2]
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    parser.add_argument('--out', required=True)
-    parser.add_argument('--samples', type=int, default=20000)
-    parser.add_argument('--epochs', type=int, default=5)
-    parser.add_argument('--batch-size', type=int, default=128)
-    parser.add_argument('--lr', type=float, default=0.05)
-    parser.add_argument('--repeats', type=int, default=9)
-    parser.add_argument('--only', nargs='*', default=None, help='run only these variants')
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--samples", type=int, default=20000)
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--only", nargs="*", default=None, help="run only these variants")
     args = parser.parse_args()
 
     accelerator = Accelerator()
@@ -141,14 +147,19 @@ def main():
     X = X.astype(np.float32)
 
     variants = {
-        'accel_mixin': lambda: skorch_fit(OursNet, X, y, args, accelerator=accelerator),
-        'incumbent': lambda: skorch_fit(
-            IncumbentNet, X, y, args, accelerator=accelerator,
-            **({'criterion': ParamNLLLoss} if processes > 1 else {})),
-        'accelerate loop': lambda: loop_fit(accelerator, X, y, args),
+        "accel_mixin": lambda: skorch_fit(OursNet, X, y, args, accelerator=accelerator),
+        "incumbent": lambda: skorch_fit(
+            IncumbentNet,
+            X,
+            y,
+            args,
+            accelerator=accelerator,
+            **({"criterion": ParamNLLLoss} if processes > 1 else {}),
+        ),
+        "accelerate loop": lambda: loop_fit(accelerator, X, y, args),
     }
     if processes == 1:
-        variants = {'skorch': lambda: skorch_fit(NeuralNetClassifier, X, y, args), **variants}
+        variants = {"skorch": lambda: skorch_fit(NeuralNetClassifier, X, y, args), **variants}
     else:
         variants[NO_SYNC] = lambda: skorch_fit(NoSyncNet, X, y, args, accelerator=accelerator)
     if args.only:
@@ -169,17 +180,22 @@ def main():
         return timer.seconds
 
     times = alternate(variants, args.repeats, measure)
-    write_result(args.out, {
-        'benchmark': 'fit',
-        'processes': processes,
-        'setup': (f'{args.samples} x 100 MLP (2 hidden layers of 256), {args.epochs} epochs, '
-                  f'batch {args.batch_size} per process, 20% validation'),
-        'baseline': baseline,
-        'incumbent_workaround': processes > 1,
-        'valid_acc': accuracy,
-        'results': summarize(times, baseline),
-    })
+    write_result(
+        args.out,
+        {
+            "benchmark": "fit",
+            "processes": processes,
+            "setup": (
+                f"{args.samples} x 100 MLP (2 hidden layers of 256), {args.epochs} epochs, "
+                f"batch {args.batch_size} per process, 20% validation"
+            ),
+            "baseline": baseline,
+            "incumbent_workaround": processes > 1,
+            "valid_acc": accuracy,
+            "results": summarize(times, baseline),
+        },
+    )
 
 
-if __name__ == '__main__':
+if __name__ == "__main__":
     main()

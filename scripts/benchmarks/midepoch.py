@@ -12,6 +12,7 @@ batch when the first ``k`` batches are skipped: by their indices
 and dropping them, the baseline of a resume that reads what it skips. Each
 sample costs ``--load-us`` microseconds to load.
 """
+
 import argparse
 import statistics
 import sys
@@ -25,11 +26,11 @@ from accelerate import Accelerator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # pylint: disable=wrong-import-position
-from checkpoint import OursNet, Stack, n_params  # noqa: E402
-from common import alternate, barrier, write_result  # noqa: E402
+from checkpoint import OursNet, Stack, n_params
+from common import alternate, barrier, write_result
 
-from accel_mixin.callbacks import TrainingCheckpoint  # noqa: E402
-from accel_mixin.mid_epoch import skipping_batches  # noqa: E402
+from accel_mixin.callbacks import TrainingCheckpoint
+from accel_mixin.mid_epoch import skipping_batches
 
 
 class TimedCheckpoint(TrainingCheckpoint):
@@ -66,13 +67,26 @@ def stalls(accelerator, args):
     X = np.random.RandomState(0).randn(args.samples, 100).astype(np.float32)
     y = (X[:, 0] > 0).astype(np.int64)
     out = {}
-    for name in ('synchronous', 'asynchronous'):
+    for name in ("synchronous", "asynchronous"):
         with tempfile.TemporaryDirectory() as tmp:
-            checkpoint = TimedCheckpoint(tmp, every_n_epochs=100, every_n_batches=args.every,
-                                         asynchronous=name == 'asynchronous', keep_last=1)
-            net = OursNet(Stack, module__width=args.width, module__depth=args.depth,
-                          accelerator=accelerator, max_epochs=1, batch_size=32, verbose=0,
-                          train_split=None, callbacks=[checkpoint])
+            checkpoint = TimedCheckpoint(
+                tmp,
+                every_n_epochs=100,
+                every_n_batches=args.every,
+                asynchronous=name == "asynchronous",
+                keep_last=1,
+            )
+            net = OursNet(
+                Stack,
+                module__width=args.width,
+                module__depth=args.depth,
+                accelerator=accelerator,
+                max_epochs=1,
+                batch_size=32,
+                verbose=0,
+                train_split=None,
+                callbacks=[checkpoint],
+            )
             net.fit(X, y)
             out[name] = checkpoint.stalls_
             params = n_params(net.module_)
@@ -82,13 +96,14 @@ def stalls(accelerator, args):
 def time_to_first_batch(accelerator, args):
     dataset = SlowDataset(32 * accelerator.num_processes * (max(args.skips) + 1), args.load_us)
     loader = accelerator.prepare_data_loader(
-        torch.utils.data.DataLoader(dataset, batch_size=32, shuffle=True))
+        torch.utils.data.DataLoader(dataset, batch_size=32, shuffle=True)
+    )
 
     def measure(variant):
         how, skip = variant
         barrier()
         start = time.perf_counter()
-        if how == 'indices':
+        if how == "indices":
             with skipping_batches(loader, skip):
                 batches = iter(loader)
                 next(batches)
@@ -100,39 +115,46 @@ def time_to_first_batch(accelerator, args):
         del batches
         return seconds
 
-    variants = [(how, skip) for how in ('indices', 'loaded') for skip in args.skips]
+    variants = [(how, skip) for how in ("indices", "loaded") for skip in args.skips]
     times = alternate(variants, args.repeats, measure)
-    return {f'{how} {skip}': values for (how, skip), values in times.items()}
+    return {f"{how} {skip}": values for (how, skip), values in times.items()}
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    parser.add_argument('--out', required=True)
-    parser.add_argument('--width', type=int, default=2048)
-    parser.add_argument('--depth', type=int, default=4)
-    parser.add_argument('--samples', type=int, default=3200)
-    parser.add_argument('--every', type=int, default=10)
-    parser.add_argument('--skips', type=int, nargs='+', default=[0, 30, 300, 1000])
-    parser.add_argument('--load-us', type=float, default=50.0)
-    parser.add_argument('--repeats', type=int, default=5)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--samples", type=int, default=3200)
+    parser.add_argument("--every", type=int, default=10)
+    parser.add_argument("--skips", type=int, nargs="+", default=[0, 30, 300, 1000])
+    parser.add_argument("--load-us", type=float, default=50.0)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
     accelerator = Accelerator()
     saves, params = stalls(accelerator, args)
     skips = time_to_first_batch(accelerator, args)
-    write_result(args.out, {
-        'benchmark': 'midepoch',
-        'processes': accelerator.num_processes,
-        'params': params,
-        'every_n_batches': args.every,
-        'stall_s': {name: {'median_s': statistics.median(values), 'runs_s': values}
-                    for name, values in saves.items()},
-        'load_us': args.load_us,
-        'first_batch_s': {name: {'median_s': statistics.median(values), 'runs_s': values}
-                          for name, values in skips.items()},
-        'skips': args.skips,
-    })
+    write_result(
+        args.out,
+        {
+            "benchmark": "midepoch",
+            "processes": accelerator.num_processes,
+            "params": params,
+            "every_n_batches": args.every,
+            "stall_s": {
+                name: {"median_s": statistics.median(values), "runs_s": values}
+                for name, values in saves.items()
+            },
+            "load_us": args.load_us,
+            "first_batch_s": {
+                name: {"median_s": statistics.median(values), "runs_s": values}
+                for name, values in skips.items()
+            },
+            "skips": args.skips,
+        },
+    )
 
 
-if __name__ == '__main__':
+if __name__ == "__main__":
     main()

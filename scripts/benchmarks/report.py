@@ -1,41 +1,48 @@
 """Turn the benchmarks' JSON into a markdown table, a PNG chart, and the
 README's benchmark section."""
+
 import argparse
 import json
 import re
 import statistics
 from pathlib import Path
 
-README_START = '<!-- bench:start -->'
-README_END = '<!-- bench:end -->'
+README_START = "<!-- bench:start -->"
+README_END = "<!-- bench:end -->"
 
 
 def load(raw, name):
-    path = Path(raw) / f'{name}.json'
+    path = Path(raw) / f"{name}.json"
     return json.loads(path.read_text()) if path.exists() else None
 
 
 def verdict(ok):
-    return 'met' if ok else '**missed**'
+    return "met" if ok else "**missed**"
 
 
 def fit_table(result, title):
-    res = result['results']
+    res = result["results"]
     lines = [
         f"**{title}** ({result['setup']}; median of {len(next(iter(res.values()))['runs_s'])} "
         "runs in rotating order, after a warm-up; 'paired rounds' is the median of the "
         "ratios within each round)",
-        '',
-        '| variant | median fit (s) | vs ' + result['baseline'] + ' | paired rounds | vs incumbent | valid_acc |',
-        '|---|---:|---:|---:|---:|---:|',
+        "",
+        "| variant | median fit (s) | vs "
+        + result["baseline"]
+        + " | paired rounds | vs incumbent | valid_acc |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
-    incumbent = res['incumbent']['median_s']
+    incumbent = res["incumbent"]["median_s"]
     for name, row in res.items():
-        shown = name + (' (criterion workaround)' if name == 'incumbent'
-                        and result['incumbent_workaround'] else '')
+        shown = name + (
+            " (criterion workaround)"
+            if name == "incumbent" and result["incumbent_workaround"]
+            else ""
+        )
         lines.append(
             f"| {shown} | {row['median_s']:.3f} | {row['ratio']:.3f} | {row['paired_ratio']:.3f} | "
-            f"{row['median_s'] / incumbent:.3f} | {result['valid_acc'][name]:.4f} |")
+            f"{row['median_s'] / incumbent:.3f} | {result['valid_acc'][name]:.4f} |"
+        )
     return lines
 
 
@@ -46,96 +53,112 @@ def checkpoint_tables(result):
         "baseline is a raw torch.save of the same state dict on rank 0, or torch.load "
         "plus load_state_dict on every rank; saves write a new file, except the "
         "overwriting ones, which replace the file of the same name)",
-        '',
-        '| operation | variant | median (s) | vs raw torch |',
-        '|---|---|---:|---:|',
+        "",
+        "| operation | variant | median (s) | vs raw torch |",
+        "|---|---|---:|---:|",
     ]
-    for operation in ('save', 'load'):
+    for operation in ("save", "load"):
         for name, row in result[operation].items():
             lines.append(f"| {operation} | {name} | {row['median_s']:.3f} | {row['ratio']:.2f} |")
-    memory = result.get('load_memory_over_file_size')
+    memory = result.get("load_memory_over_file_size")
     if memory:
         lines += [
-            '',
-            '**Peak memory of loading** (peak RSS above the start of load_params, sampled '
-            'every millisecond on rank 0, over the file size)',
-            '',
-            '| variant | peak extra memory / file size |',
-            '|---|---:|',
-        ] + [f'| {name} | {ratio:.2f} |' for name, ratio in memory.items()]
+            "",
+            "**Peak memory of loading** (peak RSS above the start of load_params, sampled "
+            "every millisecond on rank 0, over the file size)",
+            "",
+            "| variant | peak extra memory / file size |",
+            "|---|---:|",
+        ] + [f"| {name} | {ratio:.2f} |" for name, ratio in memory.items()]
     lines += [
-        '',
-        '**unwrap + rewrap** (median of one call, rank 0)',
-        '',
-        '| model | parameters | accel_mixin (ms) | incumbent (ms) |',
-        '|---|---:|---:|---:|',
+        "",
+        "**unwrap + rewrap** (median of one call, rank 0)",
+        "",
+        "| model | parameters | accel_mixin (ms) | incumbent (ms) |",
+        "|---|---:|---:|---:|",
     ]
-    for size, row in result['rewrap'].items():
-        lines.append(f"| {size} | {row['params']:,} | {row['accel_mixin_ms']:.3f} | "
-                     f"{row['incumbent_ms']:.1f} |")
+    for size, row in result["rewrap"].items():
+        lines.append(
+            f"| {size} | {row['params']:,} | {row['accel_mixin_ms']:.3f} | "
+            f"{row['incumbent_ms']:.1f} |"
+        )
     return lines
 
 
 def paired(results, variant, baseline):
     """Median over rounds of variant / baseline: rounds ran side by side."""
     return statistics.median(
-        v / b for v, b in zip(results[variant]['runs_s'], results[baseline]['runs_s']))
+        v / b for v, b in zip(results[variant]["runs_s"], results[baseline]["runs_s"])
+    )
 
 
 def stall_table(result):
-    stall = result['stall_s']
+    stall = result["stall_s"]
     return [
         f"**Checkpoint stall** ({result['processes']} processes, {result['params'] / 1e6:.1f}M "
         f"parameters, {result['file_mb']:.0f} MB training state; training runs "
         f"{result['train_seconds_between']:.1f} s between checkpoints; the time save_state "
         "blocks training on rank 0)",
-        '',
-        '| TrainingCheckpoint | median stall (s) | runs (s) |',
-        '|---|---:|---|',
-    ] + [f"| {name} | {row['median_s']:.3f} | {', '.join(f'{x:.3f}' for x in row['runs_s'])} |"
-         for name, row in stall.items()]
+        "",
+        "| TrainingCheckpoint | median stall (s) | runs (s) |",
+        "|---|---:|---|",
+    ] + [
+        f"| {name} | {row['median_s']:.3f} | {', '.join(f'{x:.3f}' for x in row['runs_s'])} |"
+        for name, row in stall.items()
+    ]
 
 
 def midepoch_table(result):
-    stall, first = result['stall_s'], result['first_batch_s']
+    stall, first = result["stall_s"], result["first_batch_s"]
     lines = [
         f"**Inside an epoch** ({result['processes']} processes, {result['params'] / 1e6:.1f}M "
         f"parameters; a save every {result['every_n_batches']} batches of one epoch; the time "
         "each save blocks training on rank 0)",
-        '',
-        '| TrainingCheckpoint(every_n_batches) | median stall (s) | runs (s) |',
-        '|---|---:|---|',
-    ] + [f"| {name} | {row['median_s']:.3f} | {', '.join(f'{x:.3f}' for x in row['runs_s'])} |"
-         for name, row in stall.items()]
+        "",
+        "| TrainingCheckpoint(every_n_batches) | median stall (s) | runs (s) |",
+        "|---|---:|---|",
+    ] + [
+        f"| {name} | {row['median_s']:.3f} | {', '.join(f'{x:.3f}' for x in row['runs_s'])} |"
+        for name, row in stall.items()
+    ]
     lines += [
-        '',
+        "",
         f"**Restart to the first trained batch** (a shuffled dataloader, {result['load_us']:.0f} "
         "µs to load a sample, batches of 32; skipping by indices, as a resumed epoch does, "
         "against loading and dropping the skipped batches)",
-        '',
-        '| batches skipped | by indices (s) | loaded and dropped (s) |',
-        '|---:|---:|---:|',
-    ] + [f"| {skip} | {first[f'indices {skip}']['median_s']:.4f} | "
-         f"{first[f'loaded {skip}']['median_s']:.4f} |" for skip in result['skips']]
+        "",
+        "| batches skipped | by indices (s) | loaded and dropped (s) |",
+        "|---:|---:|---:|",
+    ] + [
+        f"| {skip} | {first[f'indices {skip}']['median_s']:.4f} | "
+        f"{first[f'loaded {skip}']['median_s']:.4f} |"
+        for skip in result["skips"]
+    ]
     return lines
 
 
 def replicas_table(result):
-    times = result['times_s']
-    return [
-        f"**Replica check** ({result['processes']} processes, {result['params'] / 1e6:.1f}M "
-        f"parameters in {result['tensors']} tensors; an epoch is {result['steps_per_epoch']} "
-        f"training steps: {result['epoch_samples']} samples, batch {result['batch_size']} per "
-        "process; medians on rank 0)",
-        '',
-        '| | median (s) | runs (s) |',
-        '|---|---:|---|',
-    ] + [f"| {name} | {row['median_s']:.4f} | {', '.join(f'{x:.4f}' for x in row['runs_s'])} |"
-         for name, row in times.items()] + [
-        '',
-        f"The check costs {result['check_over_step']:.3f} of one training step, "
-        f"{100 * result['check_over_epoch']:.3f}% of an epoch.",
-    ]
+    times = result["times_s"]
+    return (
+        [
+            f"**Replica check** ({result['processes']} processes, {result['params'] / 1e6:.1f}M "
+            f"parameters in {result['tensors']} tensors; an epoch is {result['steps_per_epoch']} "
+            f"training steps: {result['epoch_samples']} samples, batch {result['batch_size']} per "
+            "process; medians on rank 0)",
+            "",
+            "| | median (s) | runs (s) |",
+            "|---|---:|---|",
+        ]
+        + [
+            f"| {name} | {row['median_s']:.4f} | {', '.join(f'{x:.4f}' for x in row['runs_s'])} |"
+            for name, row in times.items()
+        ]
+        + [
+            "",
+            f"The check costs {result['check_over_step']:.3f} of one training step, "
+            f"{100 * result['check_over_epoch']:.3f}% of an epoch.",
+        ]
+    )
 
 
 def small_save_table(result):
@@ -143,98 +166,143 @@ def small_save_table(result):
         f"**save_params of a small model** ({result['processes']} processes, "
         f"{result['params'] / 1e6:.2f}M parameters, {result['file_mb']:.1f} MB file: fixed "
         "costs such as barriers show most here)",
-        '',
-        '| variant | median (s) | vs raw torch |',
-        '|---|---:|---:|',
-    ] + [f"| {name} | {row['median_s']:.4f} | {row['ratio']:.2f} |"
-         for name, row in result['save'].items()]
+        "",
+        "| variant | median (s) | vs raw torch |",
+        "|---|---:|---:|",
+    ] + [
+        f"| {name} | {row['median_s']:.4f} | {row['ratio']:.2f} |"
+        for name, row in result["save"].items()
+    ]
 
 
 def _durable_ratio(checkpoint):
-    save = checkpoint['save']
-    return save['accel_mixin']['median_s'] / save['torch.save + fsync']['median_s']
+    save = checkpoint["save"]
+    return save["accel_mixin"]["median_s"] / save["torch.save + fsync"]["median_s"]
 
 
-def targets(fit1, fit2, checkpoint, stall=None, replicas=None, checkpoint_small=None,
-            midepoch=None):
+def targets(
+    fit1, fit2, checkpoint, stall=None, replicas=None, checkpoint_small=None, midepoch=None
+):
     """Fit targets use paired rounds: the machine drifts more between rounds
     than the differences measured."""
     rows = []
     if fit1:
-        res = fit1['results']
-        ratio = paired(res, 'accel_mixin', 'skorch')
-        rows.append(('fit, 1 process: at most 1.05 x plain skorch', f'{ratio:.3f}', ratio <= 1.05))
-        ratio = paired(res, 'accel_mixin', 'incumbent')
-        rows.append(('fit, 1 process: no slower than the incumbent', f'{ratio:.3f}', ratio <= 1.0))
+        res = fit1["results"]
+        ratio = paired(res, "accel_mixin", "skorch")
+        rows.append(("fit, 1 process: at most 1.05 x plain skorch", f"{ratio:.3f}", ratio <= 1.05))
+        ratio = paired(res, "accel_mixin", "incumbent")
+        rows.append(("fit, 1 process: no slower than the incumbent", f"{ratio:.3f}", ratio <= 1.0))
     if fit2:
-        res = fit2['results']
-        ratio = paired(res, 'accel_mixin', 'incumbent')
-        rows.append(('fit, 2 processes: no slower than the incumbent', f'{ratio:.3f}', ratio <= 1.0))
-        no_sync = 'accel_mixin, no history sync'
+        res = fit2["results"]
+        ratio = paired(res, "accel_mixin", "incumbent")
+        rows.append(
+            ("fit, 2 processes: no slower than the incumbent", f"{ratio:.3f}", ratio <= 1.0)
+        )
+        no_sync = "accel_mixin, no history sync"
         if no_sync in res:
-            ratio = paired(res, 'accel_mixin', no_sync)
-            rows.append(('history sync: at most 1.05 x fit without it', f'{ratio:.3f}',
-                         ratio <= 1.05))
+            ratio = paired(res, "accel_mixin", no_sync)
+            rows.append(
+                ("history sync: at most 1.05 x fit without it", f"{ratio:.3f}", ratio <= 1.05)
+            )
     if checkpoint:
-        save = checkpoint['save']
-        ratio = save['accel_mixin']['ratio']
-        rows.append(('save_params: at most 1.15 x raw torch.save', f'{ratio:.2f}', ratio <= 1.15))
-        if 'torch.save + fsync' in save:
+        save = checkpoint["save"]
+        ratio = save["accel_mixin"]["ratio"]
+        rows.append(("save_params: at most 1.15 x raw torch.save", f"{ratio:.2f}", ratio <= 1.15))
+        if "torch.save + fsync" in save:
             ratio = _durable_ratio(checkpoint)
-            rows.append(('save_params: at most 1.15 x torch.save + fsync (atomic writes fsync)',
-                         f'{ratio:.2f}', ratio <= 1.15))
-        memory = checkpoint.get('load_memory_over_file_size')
+            rows.append(
+                (
+                    "save_params: at most 1.15 x torch.save + fsync (atomic writes fsync)",
+                    f"{ratio:.2f}",
+                    ratio <= 1.15,
+                )
+            )
+        memory = checkpoint.get("load_memory_over_file_size")
         if memory:
-            ratio = memory['accel_mixin']
-            rows.append(('loading: peak extra memory at most 1.1 x the file size',
-                         f'{ratio:.2f}', ratio <= 1.1))
-        worst = max(row['accel_mixin_ms'] for row in checkpoint['rewrap'].values())
-        rows.append(('unwrap + rewrap: under 1 ms at every size', f'{worst:.3f} ms', worst < 1.0))
+            ratio = memory["accel_mixin"]
+            rows.append(
+                (
+                    "loading: peak extra memory at most 1.1 x the file size",
+                    f"{ratio:.2f}",
+                    ratio <= 1.1,
+                )
+            )
+        worst = max(row["accel_mixin_ms"] for row in checkpoint["rewrap"].values())
+        rows.append(("unwrap + rewrap: under 1 ms at every size", f"{worst:.3f} ms", worst < 1.0))
     if checkpoint_small:
         ratio = _durable_ratio(checkpoint_small)
-        rows.append((f"save_params, small model ({checkpoint_small['file_mb']:.1f} MB): at most "
-                     "1.15 x torch.save + fsync", f'{ratio:.2f}', ratio <= 1.15))
+        rows.append(
+            (
+                f"save_params, small model ({checkpoint_small['file_mb']:.1f} MB): at most "
+                "1.15 x torch.save + fsync",
+                f"{ratio:.2f}",
+                ratio <= 1.15,
+            )
+        )
     if stall:
-        ratio = stall['ratio']
-        rows.append(('asynchronous checkpoint: stall at most 1/4 of the synchronous save',
-                     f'{ratio:.2f}', ratio <= 0.25))
+        ratio = stall["ratio"]
+        rows.append(
+            (
+                "asynchronous checkpoint: stall at most 1/4 of the synchronous save",
+                f"{ratio:.2f}",
+                ratio <= 0.25,
+            )
+        )
     if midepoch:
-        first, skips = midepoch['first_batch_s'], midepoch['skips']
-        ratio = (first[f'indices {max(skips)}']['median_s']
-                 / first[f'indices {min(skips)}']['median_s'])
-        rows.append((f'restart to the first batch: flat in the batches skipped ({max(skips)} '
-                     f'against {min(skips)}: at most 2 x)', f'{ratio:.2f}', ratio <= 2))
+        first, skips = midepoch["first_batch_s"], midepoch["skips"]
+        ratio = (
+            first[f"indices {max(skips)}"]["median_s"] / first[f"indices {min(skips)}"]["median_s"]
+        )
+        rows.append(
+            (
+                f"restart to the first batch: flat in the batches skipped ({max(skips)} "
+                f"against {min(skips)}: at most 2 x)",
+                f"{ratio:.2f}",
+                ratio <= 2,
+            )
+        )
     if replicas:
-        share = replicas['check_over_epoch']
-        rows.append(('replica check: at most 1% of an epoch', f'{100 * share:.3f}%', share <= 0.01))
-    lines = ['| target | measured | |', '|---|---:|---|']
-    lines += [f'| {name} | {value} | {verdict(ok)} |' for name, value, ok in rows]
-    save = checkpoint and checkpoint['save']
-    if save and 'torch.save + fsync' in save:
-        fsync = save['torch.save + fsync']['median_s'] / save['torch.save']['median_s']
-        lines += ['', f'save_params fsyncs each file before renaming it into place, as an '
-                      'atomic write must for the previous checkpoint to survive a crash of '
-                      'the machine; a raw torch.save only fills the page cache. Here the '
-                      f'fsync alone makes torch.save take {fsync:.2f} x as long, so where '
-                      'that exceeds 1.15 the target against raw torch.save cannot be met '
-                      'by a durable write: torch.save + fsync is the I/O limit that applies.']
+        share = replicas["check_over_epoch"]
+        rows.append(("replica check: at most 1% of an epoch", f"{100 * share:.3f}%", share <= 0.01))
+    lines = ["| target | measured | |", "|---|---:|---|"]
+    lines += [f"| {name} | {value} | {verdict(ok)} |" for name, value, ok in rows]
+    save = checkpoint and checkpoint["save"]
+    if save and "torch.save + fsync" in save:
+        fsync = save["torch.save + fsync"]["median_s"] / save["torch.save"]["median_s"]
+        lines += [
+            "",
+            f"save_params fsyncs each file before renaming it into place, as an "
+            "atomic write must for the previous checkpoint to survive a crash of "
+            "the machine; a raw torch.save only fills the page cache. Here the "
+            f"fsync alone makes torch.save take {fsync:.2f} x as long, so where "
+            "that exceeds 1.15 the target against raw torch.save cannot be met "
+            "by a durable write: torch.save + fsync is the I/O limit that applies.",
+        ]
     if checkpoint_small and _durable_ratio(checkpoint_small) > 1.15:
-        extra = 1e3 * (checkpoint_small['save']['accel_mixin']['median_s']
-                       - checkpoint_small['save']['torch.save + fsync']['median_s'])
-        lines += ['', f'A small save_params costs {extra:.1f} ms more than a durable write '
-                      'of the same state. What a coordinated atomic save adds to it, timed '
-                      'per phase on this machine: the writer announces its arrival (one '
-                      'round trip to the process group\'s store) and prepares the state '
-                      'before writing; the rename is made durable with an fsync of the '
-                      'directory (a second journal commit, which a plain write of a new '
-                      'file skips); the other rank learns of the end of the write by '
-                      'polling, and waking from a 0.1 ms sleep takes about 0.2 ms here. '
-                      'The writer already prepares its file while the others arrive, and '
-                      'the last rank at a barrier makes one round trip.']
+        extra = 1e3 * (
+            checkpoint_small["save"]["accel_mixin"]["median_s"]
+            - checkpoint_small["save"]["torch.save + fsync"]["median_s"]
+        )
+        lines += [
+            "",
+            f"A small save_params costs {extra:.1f} ms more than a durable write "
+            "of the same state. What a coordinated atomic save adds to it, timed "
+            "per phase on this machine: the writer announces its arrival (one "
+            "round trip to the process group's store) and prepares the state "
+            "before writing; the rename is made durable with an fsync of the "
+            "directory (a second journal commit, which a plain write of a new "
+            "file skips); the other rank learns of the end of the write by "
+            "polling, and waking from a 0.1 ms sleep takes about 0.2 ms here. "
+            "The writer already prepares its file while the others arrive, and "
+            "the last rank at a barrier makes one round trip.",
+        ]
     if fit1 or fit2:
-        lines += ['', 'Fit ratios are the median of the per-round ratios ("paired rounds" '
-                      'above): the machine drifts more between rounds than the differences '
-                      'measured, so the ratio of overall medians can differ.']
+        lines += [
+            "",
+            'Fit ratios are the median of the per-round ratios ("paired rounds" '
+            "above): the machine drifts more between rounds than the differences "
+            "measured, so the ratio of overall medians can differ.",
+        ]
     return lines
 
 
@@ -243,23 +311,30 @@ def chart(fit1, fit2, checkpoint, path):
         import matplotlib
     except ImportError:
         return False
-    matplotlib.use('Agg')
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [p for p in (
-        ('fit, 1 process (s)', fit1 and fit1['results']),
-        ('fit, 2 processes (s)', fit2 and fit2['results']),
-        ('save_params, 2 processes (s)', checkpoint and checkpoint['save']),
-        ('load_params, 2 processes (s)', checkpoint and checkpoint['load']),
-    ) if p[1]]
+    panels = [
+        p
+        for p in (
+            ("fit, 1 process (s)", fit1 and fit1["results"]),
+            ("fit, 2 processes (s)", fit2 and fit2["results"]),
+            ("save_params, 2 processes (s)", checkpoint and checkpoint["save"]),
+            ("load_params, 2 processes (s)", checkpoint and checkpoint["load"]),
+        )
+        if p[1]
+    ]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.5), squeeze=False)
     for ax, (title, res) in zip(axes[0], panels):
         names = list(res)
-        ax.bar(range(len(names)), [res[n]['median_s'] for n in names],
-               color=['#d62728' if n == 'accel_mixin' else '#7f7f7f' for n in names])
+        ax.bar(
+            range(len(names)),
+            [res[n]["median_s"] for n in names],
+            color=["#d62728" if n == "accel_mixin" else "#7f7f7f" for n in names],
+        )
         for i, name in enumerate(names):
-            ax.plot([i] * len(res[name]['runs_s']), res[name]['runs_s'], 'k.', ms=3)
-        ax.set_xticks(range(len(names)), names, rotation=30, ha='right')
+            ax.plot([i] * len(res[name]["runs_s"]), res[name]["runs_s"], "k.", ms=3)
+        ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
         ax.set_title(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -268,46 +343,55 @@ def chart(fit1, fit2, checkpoint, path):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    parser.add_argument('--raw', required=True)
-    parser.add_argument('--out', required=True)
-    parser.add_argument('--readme', default=None)
-    parser.add_argument('--command', default='scripts/bench')
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--raw", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--readme", default=None)
+    parser.add_argument("--command", default="scripts/bench")
     args = parser.parse_args()
 
     fit1, fit2, checkpoint, checkpoint_small, stall, replicas, midepoch = (
-        load(args.raw, n) for n in ('fit_1', 'fit_2', 'checkpoint_2', 'checkpoint_small_2',
-                                    'stall_2', 'replicas_2', 'midepoch_2'))
-    lines = [f'Reproduce with `{args.command}`. Bars are medians, dots single runs.', '']
-    for result, title in ((fit1, 'fit, 1 process'), (fit2, 'fit, 2 processes')):
+        load(args.raw, n)
+        for n in (
+            "fit_1",
+            "fit_2",
+            "checkpoint_2",
+            "checkpoint_small_2",
+            "stall_2",
+            "replicas_2",
+            "midepoch_2",
+        )
+    )
+    lines = [f"Reproduce with `{args.command}`. Bars are medians, dots single runs.", ""]
+    for result, title in ((fit1, "fit, 1 process"), (fit2, "fit, 2 processes")):
         if result:
-            lines += fit_table(result, title) + ['']
+            lines += fit_table(result, title) + [""]
     if checkpoint:
-        lines += checkpoint_tables(checkpoint) + ['']
+        lines += checkpoint_tables(checkpoint) + [""]
     if checkpoint_small:
-        lines += small_save_table(checkpoint_small) + ['']
+        lines += small_save_table(checkpoint_small) + [""]
     if stall:
-        lines += stall_table(stall) + ['']
+        lines += stall_table(stall) + [""]
     if midepoch:
-        lines += midepoch_table(midepoch) + ['']
+        lines += midepoch_table(midepoch) + [""]
     if replicas:
-        lines += replicas_table(replicas) + ['']
+        lines += replicas_table(replicas) + [""]
     lines += targets(fit1, fit2, checkpoint, stall, replicas, checkpoint_small, midepoch)
-    text = '\n'.join(lines) + '\n'
+    text = "\n".join(lines) + "\n"
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / 'bench.md').write_text(text)
-    has_chart = chart(fit1, fit2, checkpoint, out / 'bench.png')
+    (out / "bench.md").write_text(text)
+    has_chart = chart(fit1, fit2, checkpoint, out / "bench.png")
     print(text)
 
     if args.readme:
         readme = Path(args.readme)
-        block = text + ('\n![benchmarks](results/bench.png)\n' if has_chart else '')
-        pattern = re.compile(re.escape(README_START) + '.*?' + re.escape(README_END), re.S)
-        new = pattern.sub(lambda _: f'{README_START}\n{block}{README_END}', readme.read_text())
+        block = text + ("\n![benchmarks](results/bench.png)\n" if has_chart else "")
+        pattern = re.compile(re.escape(README_START) + ".*?" + re.escape(README_END), re.S)
+        new = pattern.sub(lambda _: f"{README_START}\n{block}{README_END}", readme.read_text())
         readme.write_text(new)
 
 
-if __name__ == '__main__':
+if __name__ == "__main__":
     main()

@@ -1,7 +1,8 @@
 """Run every benchmark, each in its own launch, then write the report.
 
-    python scripts/benchmarks/run.py [--quick] [--out results] [--readme README.md]
+python scripts/benchmarks/run.py [--quick] [--out results] [--readme README.md]
 """
+
 import argparse
 import os
 import socket
@@ -14,32 +15,50 @@ sys.path.insert(0, str(HERE.parent))
 from jobs import kill_job  # noqa: E402  pylint: disable=wrong-import-position
 
 QUICK = {
-    'fit': ['--samples', '600', '--epochs', '1', '--repeats', '2'],
-    'checkpoint': ['--width', '256', '--depth', '2', '--repeats', '2'],
-    'checkpoint_small': ['--width', '64', '--depth', '1', '--repeats', '2'],
-    'stall': ['--width', '256', '--depth', '2', '--repeats', '2', '--train-seconds', '0.2'],
-    'replicas': ['--width', '256', '--depth', '2', '--repeats', '2'],
-    'midepoch': ['--width', '256', '--depth', '2', '--repeats', '2', '--samples', '640',
-                 '--every', '3', '--skips', '0', '30'],
+    "fit": ["--samples", "600", "--epochs", "1", "--repeats", "2"],
+    "checkpoint": ["--width", "256", "--depth", "2", "--repeats", "2"],
+    "checkpoint_small": ["--width", "64", "--depth", "1", "--repeats", "2"],
+    "stall": ["--width", "256", "--depth", "2", "--repeats", "2", "--train-seconds", "0.2"],
+    "replicas": ["--width", "256", "--depth", "2", "--repeats", "2"],
+    "midepoch": [
+        "--width",
+        "256",
+        "--depth",
+        "2",
+        "--repeats",
+        "2",
+        "--samples",
+        "640",
+        "--every",
+        "3",
+        "--skips",
+        "0",
+        "30",
+    ],
 }
 
 
 def free_port():
     with socket.socket() as sock:
-        sock.bind(('127.0.0.1', 0))
+        sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
 def launch(script, out, processes, extra, timeout):
-    cmd = [sys.executable, str(HERE / script), '--out', str(out), *extra]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get('OMP_NUM_THREADS', '1'))
+    cmd = [sys.executable, str(HERE / script), "--out", str(out), *extra]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     if processes > 1:
-        cmd[1:1] = ['-m', 'torch.distributed.run', f'--nproc_per_node={processes}',
-                    '--master_addr=127.0.0.1', f'--master_port={free_port()}']
-        env['ACCELERATE_USE_CPU'] = 'true'
+        cmd[1:1] = [
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={processes}",
+            "--master_addr=127.0.0.1",
+            f"--master_port={free_port()}",
+        ]
+        env["ACCELERATE_USE_CPU"] = "true"
     else:
-        env.pop('OMP_NUM_THREADS')
-    print(f'== {script} on {processes} process(es)', flush=True)
+        env.pop("OMP_NUM_THREADS")
+    print(f"== {script} on {processes} process(es)", flush=True)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, start_new_session=True)
     try:
         returncode = proc.wait(timeout=timeout)
@@ -51,30 +70,35 @@ def launch(script, out, processes, extra, timeout):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    parser.add_argument('--out', default='results')
-    parser.add_argument('--quick', action='store_true', help='tiny sizes, to check that it runs')
-    parser.add_argument('--readme', default=None, help='README whose benchmark section to update')
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="results")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, to check that it runs")
+    parser.add_argument("--readme", default=None, help="README whose benchmark section to update")
     args = parser.parse_args()
 
-    raw = Path(args.out) / 'raw'
+    raw = Path(args.out) / "raw"
     timeout = 300 if args.quick else 3600
     extra = QUICK if args.quick else {}
-    launch('fit.py', raw / 'fit_1.json', 1, extra.get('fit', []), timeout)
-    launch('fit.py', raw / 'fit_2.json', 2, extra.get('fit', []), timeout)
-    launch('checkpoint.py', raw / 'checkpoint_2.json', 2, extra.get('checkpoint', []), timeout)
+    launch("fit.py", raw / "fit_1.json", 1, extra.get("fit", []), timeout)
+    launch("fit.py", raw / "fit_2.json", 2, extra.get("fit", []), timeout)
+    launch("checkpoint.py", raw / "checkpoint_2.json", 2, extra.get("checkpoint", []), timeout)
     # a small model too (0.85M parameters, 3.4 MB), where fixed costs such as
     # barriers show most
-    launch('checkpoint.py', raw / 'checkpoint_small_2.json', 2,
-           extra.get('checkpoint_small', ['--width', '448', '--depth', '4']), timeout)
-    launch('stall.py', raw / 'stall_2.json', 2, extra.get('stall', []), timeout)
-    launch('replicas.py', raw / 'replicas_2.json', 2, extra.get('replicas', []), timeout)
-    launch('midepoch.py', raw / 'midepoch_2.json', 2, extra.get('midepoch', []), timeout)
-    report = [sys.executable, str(HERE / 'report.py'), '--raw', str(raw), '--out', args.out]
+    launch(
+        "checkpoint.py",
+        raw / "checkpoint_small_2.json",
+        2,
+        extra.get("checkpoint_small", ["--width", "448", "--depth", "4"]),
+        timeout,
+    )
+    launch("stall.py", raw / "stall_2.json", 2, extra.get("stall", []), timeout)
+    launch("replicas.py", raw / "replicas_2.json", 2, extra.get("replicas", []), timeout)
+    launch("midepoch.py", raw / "midepoch_2.json", 2, extra.get("midepoch", []), timeout)
+    report = [sys.executable, str(HERE / "report.py"), "--raw", str(raw), "--out", args.out]
     if args.readme:
-        report += ['--readme', args.readme]
+        report += ["--readme", args.readme]
     subprocess.run(report, check=True)
 
 
-if __name__ == '__main__':
+if __name__ == "__main__":
     main()

@@ -7,6 +7,7 @@ Between checkpoints the net trains for a while, so that an asynchronous write
 overlaps training as it would in a real run; the stall is the time the
 ``save_state`` call blocks, on rank 0.
 """
+
 import argparse
 import os
 import statistics
@@ -21,28 +22,28 @@ from accelerate.utils import gather_object
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # pylint: disable=wrong-import-position
-from checkpoint import n_params, training_net  # noqa: E402
-from common import alternate, barrier, is_main, write_result  # noqa: E402
+from checkpoint import n_params, training_net
+from common import alternate, barrier, is_main, write_result
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    parser.add_argument('--out', required=True)
-    parser.add_argument('--width', type=int, default=3584)
-    parser.add_argument('--depth', type=int, default=4)
-    parser.add_argument('--repeats', type=int, default=5)
-    parser.add_argument('--train-seconds', type=float, default=2.0)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--width", type=int, default=3584)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--train-seconds", type=float, default=2.0)
     args = parser.parse_args()
 
     accelerator = Accelerator()
     net = training_net(accelerator, args.width, args.depth)
     X = torch.randn(64, 100)
     y = torch.randint(0, 2, (64,))
-    workdir = Path(tempfile.gettempdir()) / 'accel_mixin_bench_stall'
+    workdir = Path(tempfile.gettempdir()) / "accel_mixin_bench_stall"
     if is_main():
         workdir.mkdir(parents=True, exist_ok=True)
     barrier()
-    path = str(workdir / 'state.pt')
+    path = str(workdir / "state.pt")
 
     def train(steps):
         for _ in range(steps):
@@ -60,26 +61,31 @@ def main():
         train(steps)
         barrier()
         start = time.perf_counter()
-        net.save_state(path, asynchronous=name == 'asynchronous')
+        net.save_state(path, asynchronous=name == "asynchronous")
         stall = time.perf_counter() - start
         barrier()
         return stall
 
-    measure('synchronous')  # warm-up
-    times = alternate(['synchronous', 'asynchronous'], args.repeats, measure)
+    measure("synchronous")  # warm-up
+    times = alternate(["synchronous", "asynchronous"], args.repeats, measure)
     net.wait_for_saves()
     medians = {name: statistics.median(values) for name, values in times.items()}
-    write_result(args.out, {
-        'benchmark': 'stall',
-        'processes': accelerator.num_processes,
-        'params': n_params(accelerator.unwrap_model(net.module_)),
-        'file_mb': os.path.getsize(path) / 2**20 if is_main() else None,
-        'train_seconds_between': args.train_seconds,
-        'stall_s': {name: {'median_s': medians[name], 'runs_s': values}
-                    for name, values in times.items()},
-        'ratio': medians['asynchronous'] / medians['synchronous'],
-    })
+    write_result(
+        args.out,
+        {
+            "benchmark": "stall",
+            "processes": accelerator.num_processes,
+            "params": n_params(accelerator.unwrap_model(net.module_)),
+            "file_mb": os.path.getsize(path) / 2**20 if is_main() else None,
+            "train_seconds_between": args.train_seconds,
+            "stall_s": {
+                name: {"median_s": medians[name], "runs_s": values}
+                for name, values in times.items()
+            },
+            "ratio": medians["asynchronous"] / medians["synchronous"],
+        },
+    )
 
 
-if __name__ == '__main__':
+if __name__ == "__main__":
     main()

@@ -1,4 +1,5 @@
 """Shared pieces of the scripts that tests launch under several processes."""
+
 import json
 import os
 import sys
@@ -17,18 +18,18 @@ from skorch.hf import AccelerateMixin as IncumbentMixin
 from accel_mixin import AccelerateMixin
 
 __all__ = [
-    'AcceleratedNet',
-    'Checks',
-    'DropoutMLP',
-    'IncumbentNet',
-    'LogitMLP',
-    'MLP',
-    'ParamNLLLoss',
-    'TwoStageNet',
-    'error_and_seconds',
-    'make_accelerator',
-    'make_data',
-    'report',
+    "MLP",
+    "AcceleratedNet",
+    "Checks",
+    "DropoutMLP",
+    "IncumbentNet",
+    "LogitMLP",
+    "ParamNLLLoss",
+    "TwoStageNet",
+    "error_and_seconds",
+    "make_accelerator",
+    "make_data",
+    "report",
 ]
 
 
@@ -54,7 +55,7 @@ class TwoStageNet(AcceleratedNet):
 
 def make_accelerator(**kwargs):
     """An Accelerator whose collectives give up after 30 s instead of 30 min."""
-    handlers = kwargs.pop('kwargs_handlers', [])
+    handlers = kwargs.pop("kwargs_handlers", [])
     handlers.append(InitProcessGroupKwargs(timeout=timedelta(seconds=30)))
     return Accelerator(kwargs_handlers=handlers, **kwargs)
 
@@ -63,8 +64,7 @@ def make_data(n=600, n_features=20, seed=0, noise=0.0):
     """A classification problem, the same on every rank."""
     from sklearn.datasets import make_classification
 
-    X, y = make_classification(
-        n, n_features, n_informative=10, random_state=seed, flip_y=noise)
+    X, y = make_classification(n, n_features, n_informative=10, random_state=seed, flip_y=noise)
     return X.astype(np.float32), y.astype(np.int64)
 
 
@@ -74,8 +74,12 @@ class DropoutMLP(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.layers = torch.nn.Sequential(
-            torch.nn.Linear(20, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3),
-            torch.nn.Linear(32, 2), torch.nn.Softmax(dim=-1))
+            torch.nn.Linear(20, 32),
+            torch.nn.ReLU(),
+            torch.nn.Dropout(0.3),
+            torch.nn.Linear(32, 2),
+            torch.nn.Softmax(dim=-1),
+        )
 
     def forward(self, X):
         return self.layers(X)
@@ -114,15 +118,15 @@ class ParamNLLLoss(torch.nn.NLLLoss):
 
 
 def _rank():
-    return int(os.environ.get('RANK', '0'))
+    return int(os.environ.get("RANK", "0"))
 
 
 def report(payload):
     """Write this rank's results for the test to read."""
-    out = Path(os.environ.get('ACCEL_RESULTS_DIR', '.'))
-    tmp = out / f'rank{_rank()}.json.tmp'
+    out = Path(os.environ.get("ACCEL_RESULTS_DIR", "."))
+    tmp = out / f"rank{_rank()}.json.tmp"
     tmp.write_text(json.dumps(payload, default=str))
-    os.replace(tmp, out / f'rank{_rank()}.json')
+    os.replace(tmp, out / f"rank{_rank()}.json")
     # Left to the interpreter's exit, gloo's worker threads can abort the
     # process ("terminate called without an active exception"); tearing the
     # group down here, as accelerator.end_training() does, avoids that.
@@ -136,8 +140,8 @@ def error_and_seconds(fn):
     try:
         fn()
     except Exception as exc:  # pylint: disable=broad-except
-        return {'error': f'{type(exc).__name__}: {exc}', 'seconds': time.monotonic() - start}
-    return {'error': None, 'seconds': time.monotonic() - start}
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - start}
+    return {"error": None, "seconds": time.monotonic() - start}
 
 
 class Checks:
@@ -153,10 +157,9 @@ class Checks:
     def __call__(self, fn):
         start = time.monotonic()
         try:
-            self.results[fn.__name__] = {'ok': True, 'value': fn()}
+            self.results[fn.__name__] = {"ok": True, "value": fn()}
         except Exception as exc:  # pylint: disable=broad-except
             traceback.print_exc(file=sys.stdout)
-            self.results[fn.__name__] = {
-                'ok': False, 'error': f'{type(exc).__name__}: {exc}'}
-        self.results[fn.__name__]['check_seconds'] = time.monotonic() - start
+            self.results[fn.__name__] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        self.results[fn.__name__]["check_seconds"] = time.monotonic() - start
         return fn

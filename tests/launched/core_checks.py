@@ -6,6 +6,7 @@ Runs the same checks against accel_mixin or skorch.hf.AccelerateMixin and
 reports, per rank, what each check saw. For the incumbent, every check but
 the default-criterion one uses the criterion workaround it needs to fit.
 """
+
 import copy
 import gc
 import os
@@ -16,15 +17,22 @@ from pathlib import Path
 import numpy as np
 import torch
 from accelerate.utils import gather_object
+from common import (
+    MLP,
+    Checks,
+    LogitMLP,
+    ParamNLLLoss,
+    TwoStageNet,
+    error_and_seconds,
+    make_accelerator,
+    make_data,
+    report,
+)
 from skorch import NeuralNetClassifier
 from skorch.history import History
 
-from common import (
-    Checks, LogitMLP, MLP, ParamNLLLoss, TwoStageNet, error_and_seconds, make_accelerator,
-    make_data, report)
-
 IMPL = sys.argv[1]
-if IMPL == 'ours':
+if IMPL == "ours":
     from accel_mixin import AccelerateMixin
 else:
     from skorch.hf import AccelerateMixin
@@ -42,11 +50,16 @@ checks = Checks()
 
 def make_net(workaround=True, **kwargs):
     params = dict(
-        module=MLP, accelerator=accelerator, max_epochs=2, lr=0.2,
-        batch_size=16, verbose=0, iterator_train__shuffle=True,
+        module=MLP,
+        accelerator=accelerator,
+        max_epochs=2,
+        lr=0.2,
+        batch_size=16,
+        verbose=0,
+        iterator_train__shuffle=True,
     )
-    if IMPL == 'incumbent' and workaround:
-        params['criterion'] = ParamNLLLoss
+    if IMPL == "incumbent" and workaround:
+        params["criterion"] = ParamNLLLoss
     params.update(kwargs)
     return Net(**params)
 
@@ -67,7 +80,7 @@ def list_lengths():
     gc.collect()  # nets of earlier checks die in reference cycles
     return {
         name: len(getattr(accelerator, name))
-        for name in ('_models', '_optimizers', '_schedulers', '_dataloaders')
+        for name in ("_models", "_optimizers", "_schedulers", "_dataloaders")
     }
 
 
@@ -75,16 +88,17 @@ def list_lengths():
 def default_criterion_fit():
     out = {}
     for name, module, criterion in [
-            ('nll', MLP, torch.nn.NLLLoss),
-            ('cross_entropy', LogitMLP, torch.nn.CrossEntropyLoss),
+        ("nll", MLP, torch.nn.NLLLoss),
+        ("cross_entropy", LogitMLP, torch.nn.CrossEntropyLoss),
     ]:
-        net = make_net(workaround=False, module=module, criterion=criterion,
-                       unwrap_after_train=False)
+        net = make_net(
+            workaround=False, module=module, criterion=criterion, unwrap_after_train=False
+        )
         net.fit(X, y)
         out[name] = {
-            'train_loss': net.history[-1, 'train_loss'],
-            'criterion_type': type(net.criterion_).__name__,
-            'spread': max_param_spread(net),
+            "train_loss": net.history[-1, "train_loss"],
+            "criterion_type": type(net.criterion_).__name__,
+            "spread": max_param_spread(net),
         }
     return out
 
@@ -100,9 +114,9 @@ def predict_rows():
         proba = net.predict_proba(X[:n])
         expected = plain_probabilities(net.module_, X[:n])
         out[str(n)] = {
-            'rows': len(proba),
-            'predict_rows': len(net.predict(X[:n])),
-            'max_diff': float(np.abs(proba - expected).max()),
+            "rows": len(proba),
+            "predict_rows": len(net.predict(X[:n])),
+            "max_diff": float(np.abs(proba - expected).max()),
         }
     return out
 
@@ -112,18 +126,17 @@ def save_load_combinations():
     trained = make_net(unwrap_after_train=False)
     trained.fit(X, y)
     reference = trained.predict_proba(X)
-    trained.save_params(f_params='wrapped.pt')
+    trained.save_params(f_params="wrapped.pt")
     trained._unwrap_accelerator()  # pylint: disable=protected-access
-    trained.save_params(f_params='unwrapped.pt')
+    trained.save_params(f_params="unwrapped.pt")
     out = {}
-    for source in ('wrapped', 'unwrapped'):
+    for source in ("wrapped", "unwrapped"):
         accelerated = make_net().initialize()
-        accelerated.load_params(f_params=f'{source}.pt')
+        accelerated.load_params(f_params=f"{source}.pt")
         plain = NeuralNetClassifier(MLP, criterion=torch.nn.NLLLoss).initialize()
-        plain.load_params(f_params=f'{source}.pt')
-        for target, loaded in (('accelerated', accelerated), ('plain', plain)):
-            out[f'{source}->{target}'] = float(
-                np.abs(loaded.predict_proba(X) - reference).max())
+        plain.load_params(f_params=f"{source}.pt")
+        for target, loaded in (("accelerated", accelerated), ("plain", plain)):
+            out[f"{source}->{target}"] = float(np.abs(loaded.predict_proba(X) - reference).max())
     return out
 
 
@@ -139,7 +152,7 @@ def only_main_writes():
     def counting_save(obj, f, *args, **kwargs):
         # ours hands torch.save the temporary file of an atomic write, which
         # counting_atomic_write counts
-        if isinstance(f, (str, os.PathLike)) and '.accel_mixin-tmp-' not in str(f):
+        if isinstance(f, (str, os.PathLike)) and ".accel_mixin-tmp-" not in str(f):
             calls.append(f)
         return saved[0](obj, f, *args, **kwargs)
 
@@ -152,12 +165,15 @@ def only_main_writes():
         return saved[2](path, write, **kwargs)
 
     torch.save, History.to_file, files.atomic_write = (
-        counting_save, counting_to_file, counting_atomic_write)
+        counting_save,
+        counting_to_file,
+        counting_atomic_write,
+    )
     try:
-        net.save_params(f_params='p.pt', f_optimizer='o.pt', f_history='h.json')
+        net.save_params(f_params="p.pt", f_optimizer="o.pt", f_history="h.json")
     finally:
         torch.save, History.to_file, files.atomic_write = saved
-    return {'writes': len(calls)}
+    return {"writes": len(calls)}
 
 
 class Wide(torch.nn.Module):
@@ -177,18 +193,21 @@ def file_complete_on_return():
     big.fit(X[:64], y[:64])
     failures = []
     for i in range(10):
-        name = f'big_{i}.pt'
+        name = f"big_{i}.pt"
         big.save_params(f_params=name)
         if rank != 0:
             try:
                 torch.load(name, weights_only=True)
             except Exception as exc:  # pylint: disable=broad-except
-                failures.append(f'{type(exc).__name__}: {exc}')
-        for path in Path('.').glob('big_*.pt'):
+                failures.append(f"{type(exc).__name__}: {exc}")
+        for path in Path(".").glob("big_*.pt"):
             if rank == 0 and path.name != name:
                 path.unlink()
-    return {'failures': failures, 'iterations': 10,
-            'size_mb': Path(name).stat().st_size / 2**20 if rank == 0 else None}
+    return {
+        "failures": failures,
+        "iterations": 10,
+        "size_mb": Path(name).stat().st_size / 2**20 if rank == 0 else None,
+    }
 
 
 @checks
@@ -199,7 +218,7 @@ def partial_fit_in_sync():
     after_partial = max_param_spread(trained)
     trained.set_params(warm_start=True)
     trained.fit(X, y)
-    return {'partial_fit': after_partial, 'warm_start': max_param_spread(trained)}
+    return {"partial_fit": after_partial, "warm_start": max_param_spread(trained)}
 
 
 @checks
@@ -220,8 +239,8 @@ def no_list_growth():
     parallel.DistributedDataParallel.__init__ = counting_init
     try:
         for _ in range(5):
-            trained.save_params(f_params='growth.pt')
-            trained.load_params(f_params='growth.pt')
+            trained.save_params(f_params="growth.pt")
+            trained.load_params(f_params="growth.pt")
             trained.predict(X)
             trained.partial_fit(X, y)
         wrappers_without_refit = len(wrappers)
@@ -231,10 +250,10 @@ def no_list_growth():
     finally:
         parallel.DistributedDataParallel.__init__ = original_init
     return {
-        'before': before,
-        'after': list_lengths(),
-        'new_ddp_without_refit': wrappers_without_refit,
-        'same_module': same_module,
+        "before": before,
+        "after": list_lengths(),
+        "new_ddp_without_refit": wrappers_without_refit,
+        "same_module": same_module,
     }
 
 
@@ -247,10 +266,11 @@ def pickle_rows():
         sizes.append(len(pickle.dumps(net)))
     restored = pickle.loads(pickle.dumps(net))
     return {
-        'rows': len(restored.predict(X[:333])),
-        'pickle_sizes': sizes,
-        'same_predictions': bool(
-            np.allclose(restored.predict_proba(X[:333]), net.predict_proba(X[:333]))),
+        "rows": len(restored.predict(X[:333])),
+        "pickle_sizes": sizes,
+        "same_predictions": bool(
+            np.allclose(restored.predict_proba(X[:333]), net.predict_proba(X[:333]))
+        ),
     }
 
 
@@ -262,24 +282,26 @@ def copies():
     cloned = clone(net)
     cloned.fit(X, y)
     return {
-        'deepcopy_rows': len(copied.predict(X[:333])),
-        'deepcopy_same': bool(
-            np.allclose(copied.predict_proba(X[:333]), net.predict_proba(X[:333]))),
-        'clone_rows': len(cloned.predict(X[:333])),
-        'clone_spread': max_param_spread(cloned),
+        "deepcopy_rows": len(copied.predict(X[:333])),
+        "deepcopy_same": bool(
+            np.allclose(copied.predict_proba(X[:333]), net.predict_proba(X[:333]))
+        ),
+        "clone_rows": len(cloned.predict(X[:333])),
+        "clone_spread": max_param_spread(cloned),
     }
 
 
 @checks
 def save_failure_reaches_every_rank():
-    return error_and_seconds(lambda: net.save_params(f_params='no_such_dir/p.pt'))
+    return error_and_seconds(lambda: net.save_params(f_params="no_such_dir/p.pt"))
 
 
 @checks
 def load_failure_on_one_rank_reaches_every_rank():
-    net.save_params(f_params='exists.pt')
+    net.save_params(f_params="exists.pt")
     return error_and_seconds(
-        lambda: net.load_params(f_params='exists.pt' if rank == 0 else 'missing.pt'))
+        lambda: net.load_params(f_params="exists.pt" if rank == 0 else "missing.pt")
+    )
 
 
 @checks
@@ -287,8 +309,8 @@ def learnable_param_names():
     wrapped = make_net(unwrap_after_train=False)
     wrapped.fit(X, y)
     return {
-        'module_type': type(wrapped.module_).__name__,
-        'names': [name for name, _ in wrapped.get_all_learnable_params()],
+        "module_type": type(wrapped.module_).__name__,
+        "names": [name for name, _ in wrapped.get_all_learnable_params()],
     }
 
 
@@ -299,16 +321,23 @@ def schedulers():
     StepLR = torch.optim.lr_scheduler.StepLR
     out = {}
     for name, callback in (
-            ('epoch', LRScheduler(StepLR, step_size=1, gamma=0.5)),
-            ('batch', LRScheduler(StepLR, step_size=1, gamma=0.9, step_every='batch')),
-            ('plateau', LRScheduler(torch.optim.lr_scheduler.ReduceLROnPlateau,
-                                    monitor=lambda net: 1.0, patience=0, factor=0.5)),
+        ("epoch", LRScheduler(StepLR, step_size=1, gamma=0.5)),
+        ("batch", LRScheduler(StepLR, step_size=1, gamma=0.9, step_every="batch")),
+        (
+            "plateau",
+            LRScheduler(
+                torch.optim.lr_scheduler.ReduceLROnPlateau,
+                monitor=lambda net: 1.0,
+                patience=0,
+                factor=0.5,
+            ),
+        ),
     ):
         trained = make_net(max_epochs=3, lr=0.1, callbacks=[callback])
         trained.fit(X, y)
         out[name] = {
-            'lr': trained.optimizer_.param_groups[0]['lr'],
-            'train_batches': int(sum(trained.history[:, 'train_batch_count'])),
+            "lr": trained.optimizer_.param_groups[0]["lr"],
+            "train_batches": int(sum(trained.history[:, "train_batch_count"])),
         }
     return out
 
@@ -317,10 +346,11 @@ def schedulers():
 def early_stopping_load_best():
     from skorch.callbacks import EarlyStopping
 
-    trained = make_net(max_epochs=4, lr=1.0,
-                       callbacks=[EarlyStopping(patience=100, load_best=True)])
+    trained = make_net(
+        max_epochs=4, lr=1.0, callbacks=[EarlyStopping(patience=100, load_best=True)]
+    )
     trained.fit(X, y)
-    return {'epochs': len(trained.history)}
+    return {"epochs": len(trained.history)}
 
 
 @checks
@@ -333,18 +363,30 @@ def accumulation_over_two_modules():
     def train(batch_size, steps):
         torch.manual_seed(0)
         accelerator.gradient_accumulation_steps = steps
-        two = TwoStageNet(LogitMLP, accelerator=accelerator, max_epochs=1, lr=0.5,
-                          batch_size=batch_size, train_split=None, verbose=0,
-                          unwrap_after_train=False).initialize()
-        syncs = {'module_': [], 'module2_': []}
+        two = TwoStageNet(
+            LogitMLP,
+            accelerator=accelerator,
+            max_epochs=1,
+            lr=0.5,
+            batch_size=batch_size,
+            train_split=None,
+            verbose=0,
+            unwrap_after_train=False,
+        ).initialize()
+        syncs = {"module_": [], "module2_": []}
         for name, calls in syncs.items():
+
             def hook(state, bucket, _calls=calls):
                 _calls.append(1)
                 return allreduce_hook(state, bucket)
+
             getattr(two, name).register_comm_hook(None, hook)
         two.partial_fit(X[:256], y[:256])
-        params = [p.detach().clone() for name in ('module_', 'module2_')
-                  for p in getattr(two, name).parameters()]
+        params = [
+            p.detach().clone()
+            for name in ("module_", "module2_")
+            for p in getattr(two, name).parameters()
+        ]
         return params, {k: len(v) for k, v in syncs.items()}
 
     try:
@@ -353,9 +395,9 @@ def accumulation_over_two_modules():
     finally:
         accelerator.gradient_accumulation_steps = 1
     return {
-        'max_diff': max(float((a - b).abs().max()) for a, b in zip(accumulated, single)),
-        'syncs_accumulated': syncs,
-        'syncs_single': syncs_single,
+        "max_diff": max(float((a - b).abs().max()) for a, b in zip(accumulated, single)),
+        "syncs_accumulated": syncs,
+        "syncs_single": syncs_single,
     }
 
 
@@ -364,7 +406,7 @@ def closure_optimizers():
     """Optimizers step with skorch's closure. LBFGS stops its iterations on
     the loss the closure returns: each rank's own loss would stop them at
     different points, and the ranks' gradient syncs would stop matching."""
-    if IMPL != 'ours':
+    if IMPL != "ours":
         return None
     seen = []
 
@@ -376,17 +418,23 @@ def closure_optimizers():
 
     torch.manual_seed(rank)  # different batches on each rank
     # a tolerance at which each rank's own loss stops LBFGS at another point
-    lbfgs = make_net(optimizer=torch.optim.LBFGS, lr=0.1, batch_size=64, max_epochs=2,
-                     optimizer__tolerance_change=1e-3, optimizer__max_iter=30)
+    lbfgs = make_net(
+        optimizer=torch.optim.LBFGS,
+        lr=0.1,
+        batch_size=64,
+        max_epochs=2,
+        optimizer__tolerance_change=1e-3,
+        optimizer__max_iter=30,
+    )
     lbfgs.fit(X, y)
     three = make_net(optimizer=SGD3Calls, max_epochs=1).fit(X, y)
     return {
-        'lbfgs_spread': max_param_spread(lbfgs),
-        'lbfgs_valid_acc': lbfgs.history[-1, 'valid_acc'],
-        'three_calls_spread': max_param_spread(three),
-        'three_calls_losses': seen,
+        "lbfgs_spread": max_param_spread(lbfgs),
+        "lbfgs_valid_acc": lbfgs.history[-1, "valid_acc"],
+        "three_calls_spread": max_param_spread(three),
+        "three_calls_losses": seen,
         # the synced history holds every rank's batches
-        'steps_per_rank': len(three.history[-1, 'batches', :, 'train_loss'])
+        "steps_per_rank": len(three.history[-1, "batches", :, "train_loss"])
         // accelerator.num_processes,
     }
 
@@ -394,7 +442,7 @@ def closure_optimizers():
 @checks
 def predict_on_the_main_process_only():
     """The README's rule broken: predict under ``if is_main_process``."""
-    if IMPL != 'ours':
+    if IMPL != "ours":
         return None
     trained = make_net(max_epochs=1).fit(X, y)
 
@@ -403,12 +451,14 @@ def predict_on_the_main_process_only():
             if accelerator.is_main_process:
                 trained.predict(X)
             next_call()
+
         return error_and_seconds(misuse)
 
     # fit prepares (DDP's collectives) before anything else: it waits first
-    return {'save_params': then(lambda: trained.save_params(f_params='misuse.pt')),
-            'fit': then(lambda: make_net(max_epochs=1).fit(X, y))}
+    return {
+        "save_params": then(lambda: trained.save_params(f_params="misuse.pt")),
+        "fit": then(lambda: make_net(max_epochs=1).fit(X, y)),
+    }
 
 
-report({'rank': rank, 'num_processes': accelerator.num_processes,
-        'checks': checks.results})
+report({"rank": rank, "num_processes": accelerator.num_processes, "checks": checks.results})

@@ -3,16 +3,23 @@ ranks, and the replica check that catches a divergence from any cause.
 
 Usage: torchrun --nproc_per_node 2 divergence_checks.py
 """
+
 import hashlib
 
 import torch
+from common import (
+    MLP,
+    AcceleratedNet,
+    Checks,
+    TwoStageNet,
+    error_and_seconds,
+    make_accelerator,
+    make_data,
+    report,
+)
 from skorch.callbacks import Callback, Checkpoint, Freezer, LoadInitState, Unfreezer
 
 from accel_mixin.net_objects import raw
-
-from common import (
-    AcceleratedNet, Checks, MLP, TwoStageNet, error_and_seconds, make_accelerator, make_data,
-    report)
 
 accelerator = make_accelerator()
 rank = accelerator.process_index
@@ -22,8 +29,15 @@ checks = Checks()
 
 def make_net(cls=AcceleratedNet, **kwargs):
     torch.manual_seed(0)
-    params = dict(module=MLP, accelerator=accelerator, max_epochs=3, lr=0.2,
-                  batch_size=16, verbose=0, iterator_train__shuffle=True)
+    params = dict(
+        module=MLP,
+        accelerator=accelerator,
+        max_epochs=3,
+        lr=0.2,
+        batch_size=16,
+        verbose=0,
+        iterator_train__shuffle=True,
+    )
     params.update(kwargs)
     return cls(**params)
 
@@ -33,8 +47,9 @@ def digest(net):
     out = {}
     for name in net._modules:  # pylint: disable=protected-access
         for key, param in raw(net, name).named_parameters():
-            out[f'{name}.{key}'] = hashlib.sha256(
-                param.detach().cpu().numpy().tobytes()).hexdigest()[:16]
+            out[f"{name}.{key}"] = hashlib.sha256(
+                param.detach().cpu().numpy().tobytes()
+            ).hexdigest()[:16]
     return out
 
 
@@ -49,18 +64,18 @@ def changed(before, module):
 @checks
 def freezer_after_prepare():
     # Freezer acts when epoch 1 begins, after DDP was built for every parameter
-    net = make_net(callbacks=[Freezer('hidden.*')])
+    net = make_net(callbacks=[Freezer("hidden.*")])
     net.initialize()
-    before = copy_of(raw(net, 'module'))
+    before = copy_of(raw(net, "module"))
     net.partial_fit(X, y)
-    return {'digest': digest(net), 'changed': changed(before, net.module_)}
+    return {"digest": digest(net), "changed": changed(before, net.module_)}
 
 
 @checks
 def unfreezer_after_freezer():
-    net = make_net(max_epochs=4, callbacks=[Freezer('hidden.*'), Unfreezer('hidden.*', at=3)])
+    net = make_net(max_epochs=4, callbacks=[Freezer("hidden.*"), Unfreezer("hidden.*", at=3)])
     net.fit(X, y)
-    return {'digest': digest(net), 'hidden_grad': net.module_.hidden.weight.requires_grad}
+    return {"digest": digest(net), "hidden_grad": net.module_.hidden.weight.requires_grad}
 
 
 class FrozenSecondStage(TwoStageNet):
@@ -75,11 +90,11 @@ class FrozenSecondStage(TwoStageNet):
 @checks
 def module_frozen_at_initialize_then_unfrozen():
     # module2_'s parameters are 'weight' and 'bias' in get_all_learnable_params
-    net = make_net(FrozenSecondStage, max_epochs=3, callbacks=[Unfreezer(['weight', 'bias'], at=2)])
+    net = make_net(FrozenSecondStage, max_epochs=3, callbacks=[Unfreezer(["weight", "bias"], at=2)])
     net.initialize()
     before = copy_of(net.module2_)
     net.partial_fit(X, y)
-    return {'digest': digest(net), 'changed': changed(before, net.module2_)}
+    return {"digest": digest(net), "changed": changed(before, net.module2_)}
 
 
 @checks
@@ -93,8 +108,11 @@ def requires_grad_between_fits():
     net.module_.hidden.requires_grad_(True)
     thawed = copy_of(net.module_)
     net.partial_fit(X, y)
-    return {'digest': digest(net), 'changed_while_frozen': changed_while_frozen,
-            'changed_after': changed(thawed, net.module_)}
+    return {
+        "digest": digest(net),
+        "changed_while_frozen": changed_while_frozen,
+        "changed_after": changed(thawed, net.module_),
+    }
 
 
 @checks
@@ -116,7 +134,7 @@ class NudgeOneRank(Callback):
 def replica_check_catches_a_divergence():
     net = make_net(max_epochs=4, callbacks=[NudgeOneRank()])
     outcome = error_and_seconds(lambda: net.fit(X, y))
-    outcome['epochs'] = len(net.history)
+    outcome["epochs"] = len(net.history)
     return outcome
 
 
@@ -124,7 +142,7 @@ def replica_check_catches_a_divergence():
 def replica_check_off():
     net = make_net(max_epochs=3, replica_check_every=0, callbacks=[NudgeOneRank()])
     outcome = error_and_seconds(lambda: net.fit(X, y))
-    outcome['digest'] = digest(net)
+    outcome["digest"] = digest(net)
     return outcome
 
 
@@ -133,7 +151,7 @@ def replica_check_spaced_out():
     # every 3rd epoch: the nudge after epoch 2 is caught after epoch 3
     net = make_net(max_epochs=4, replica_check_every=3, callbacks=[NudgeOneRank()])
     outcome = error_and_seconds(lambda: net.fit(X, y))
-    outcome['epochs'] = len(net.history)
+    outcome["epochs"] = len(net.history)
     return outcome
 
 
@@ -158,7 +176,7 @@ def replica_check_catches_a_bypassing_train_step():
 def load_init_state_on_some_ranks_only():
     # machines without a shared filesystem: the checkpoint is on rank 0's
     # only; LoadInitState swallows rank 1's FileNotFoundError
-    dirname = f'init_rank{rank}'
+    dirname = f"init_rank{rank}"
     make_net(max_epochs=1, callbacks=[Checkpoint(dirname=dirname)]).fit(X, y)
     checkpoint = Checkpoint(dirname=dirname)
     net = make_net(max_epochs=1, callbacks=[checkpoint, LoadInitState(checkpoint)])
@@ -186,4 +204,4 @@ def private_names_present():
     return missing(accelerator)  # the process group's store included
 
 
-report({'checks': checks.results})
+report({"checks": checks.results})

@@ -3,6 +3,7 @@ input that raises a clear error on every rank instead of hanging.
 
 Usage: torchrun --nproc_per_node 2 files_checks.py
 """
+
 import os
 import subprocess
 from collections import OrderedDict
@@ -11,24 +12,32 @@ from pathlib import Path
 import numpy as np
 import torch
 from accelerate.utils import gather_object
-
 from common import (
-    AcceleratedNet, Checks, MLP, error_and_seconds, make_accelerator, make_data, report)
+    MLP,
+    AcceleratedNet,
+    Checks,
+    error_and_seconds,
+    make_accelerator,
+    make_data,
+    report,
+)
 
 accelerator = make_accelerator()
 rank = accelerator.process_index
 X, y = make_data(200)
 checks = Checks()
-net = AcceleratedNet(MLP, accelerator=accelerator, max_epochs=2, verbose=0,
-                     unwrap_after_train=False)
+net = AcceleratedNet(
+    MLP, accelerator=accelerator, max_epochs=2, verbose=0, unwrap_after_train=False
+)
 net.fit(X, y)
-net.save_params(f_params='good.pt', f_optimizer='good_opt.pt')
+net.save_params(f_params="good.pt", f_optimizer="good_opt.pt")
 if rank == 0:
-    good = Path('good.pt').read_bytes()
-    Path('cut.pt').write_bytes(good[:len(good) // 2])
-    Path('adir').mkdir()
-    torch.save(OrderedDict(('module.' + k, v) for k, v in torch.load('good.pt').items()),
-               'ddp_prefixed.pt')
+    good = Path("good.pt").read_bytes()
+    Path("cut.pt").write_bytes(good[: len(good) // 2])
+    Path("adir").mkdir()
+    torch.save(
+        OrderedDict(("module." + k, v) for k, v in torch.load("good.pt").items()), "ddp_prefixed.pt"
+    )
 accelerator.wait_for_everyone()
 
 
@@ -36,50 +45,56 @@ accelerator.wait_for_everyone()
 def bad_input_raises_on_every_rank():
     wide = AcceleratedNet(MLP, module__hidden=64, accelerator=accelerator).initialize()
     return {
-        'missing': error_and_seconds(lambda: net.load_params(f_params='nope.pt')),
-        'truncated': error_and_seconds(lambda: net.load_params(f_params='cut.pt')),
-        'directory': error_and_seconds(lambda: net.load_params(f_params='adir')),
-        'architecture': error_and_seconds(lambda: wide.load_params(f_params='good.pt')),
-        'save_to_directory': error_and_seconds(lambda: net.save_params(f_params='adir')),
+        "missing": error_and_seconds(lambda: net.load_params(f_params="nope.pt")),
+        "truncated": error_and_seconds(lambda: net.load_params(f_params="cut.pt")),
+        "directory": error_and_seconds(lambda: net.load_params(f_params="adir")),
+        "architecture": error_and_seconds(lambda: wide.load_params(f_params="good.pt")),
+        "save_to_directory": error_and_seconds(lambda: net.save_params(f_params="adir")),
     }
 
 
 @checks
 def unwritable_target_keeps_the_previous_file():
-    before = Path('good.pt').read_bytes()
-    locked = rank != 0 or subprocess.run(['chattr', '+i', '.'], check=False).returncode == 0
+    before = Path("good.pt").read_bytes()
+    locked = rank != 0 or subprocess.run(["chattr", "+i", "."], check=False).returncode == 0
     locked = all(gather_object([locked]))
     try:
-        result = error_and_seconds(lambda: net.save_params(f_params='good.pt')) if locked else None
+        result = error_and_seconds(lambda: net.save_params(f_params="good.pt")) if locked else None
     finally:
         if rank == 0:
-            subprocess.run(['chattr', '-i', '.'], check=False)
+            subprocess.run(["chattr", "-i", "."], check=False)
     accelerator.wait_for_everyone()
     return {
-        'locked': locked,
-        'save': result,
-        'intact': Path('good.pt').read_bytes() == before,
-        'strays': [p for p in os.listdir('.') if 'accel_mixin-tmp' in p],
+        "locked": locked,
+        "save": result,
+        "intact": Path("good.pt").read_bytes() == before,
+        "strays": [p for p in os.listdir(".") if "accel_mixin-tmp" in p],
     }
 
 
 @checks
 def prefixed_file_loads_under_ddp():
     fresh = AcceleratedNet(MLP, accelerator=accelerator, unwrap_after_train=False).initialize()
-    fresh.load_params(f_params='ddp_prefixed.pt')
+    fresh.load_params(f_params="ddp_prefixed.pt")
     return {
-        'module_type': type(fresh.module_).__name__,
-        'same_predictions': bool(np.array_equal(fresh.predict_proba(X), net.predict_proba(X))),
+        "module_type": type(fresh.module_).__name__,
+        "same_predictions": bool(np.array_equal(fresh.predict_proba(X), net.predict_proba(X))),
     }
 
 
 @checks
 def compiled_net_saves_clean_keys():
-    compiled = AcceleratedNet(MLP, accelerator=accelerator, max_epochs=1, verbose=0,
-                              compile=True, compile__backend='eager')
+    compiled = AcceleratedNet(
+        MLP,
+        accelerator=accelerator,
+        max_epochs=1,
+        verbose=0,
+        compile=True,
+        compile__backend="eager",
+    )
     compiled.fit(X, y)
-    compiled.save_params(f_params='compiled.pt')
-    return {'keys': list(torch.load('compiled.pt', weights_only=True))}
+    compiled.save_params(f_params="compiled.pt")
+    return {"keys": list(torch.load("compiled.pt", weights_only=True))}
 
 
-report({'rank': rank, 'checks': checks.results})
+report({"rank": rank, "checks": checks.results})

@@ -1,16 +1,16 @@
 """torchrun without ACCELERATE_USE_CPU: the processes each believe they are
 alone. Initializing a net must say so; Accelerator(cpu=True), the fix the
 error names, must then train one model across the processes."""
+
 import sys
 
 import torch
 from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import gather_object
+from common import MLP, Checks, make_accelerator, make_data, report
 from skorch import NeuralNetClassifier
 
-from common import Checks, MLP, make_accelerator, make_data, report
-
-if sys.argv[1] == 'ours':
+if sys.argv[1] == "ours":
     from accel_mixin import AccelerateMixin
 else:
     from skorch.hf import AccelerateMixin
@@ -29,7 +29,7 @@ def alone_refused():
     accelerator = make_accelerator()
     net = Net(MLP, accelerator=accelerator, max_epochs=1, verbose=0)
     net.initialize()
-    return {'distributed_type': str(accelerator.distributed_type)}
+    return {"distributed_type": str(accelerator.distributed_type)}
 
 
 @checks
@@ -37,14 +37,13 @@ def cpu_flag_trains_together():
     AcceleratorState._reset_state(reset_partial_state=True)  # pylint: disable=protected-access
     GradientState._reset_state()  # pylint: disable=protected-access
     accelerator = make_accelerator(cpu=True)
-    net = Net(MLP, accelerator=accelerator, max_epochs=2, verbose=0,
-              iterator_train__shuffle=True)
+    net = Net(MLP, accelerator=accelerator, max_epochs=2, verbose=0, iterator_train__shuffle=True)
     net.fit(X, y)
     mine = torch.cat([p.detach().flatten() for p in net.module_.parameters()])
     everyone = gather_object([mine.numpy()])
     return {
-        'num_processes': accelerator.num_processes,
-        'spread': float(abs(everyone[0] - everyone[1]).max()),
+        "num_processes": accelerator.num_processes,
+        "spread": float(abs(everyone[0] - everyone[1]).max()),
     }
 
 

@@ -20,6 +20,7 @@ every parameter, the parameters themselves (fp32 and fp16 only, to compare
 across launches) and the train loss of every epoch. An exception in a case
 is recorded and the next case runs.
 """
+
 import gc
 import hashlib
 import os
@@ -27,16 +28,24 @@ import sys
 from pathlib import Path
 
 import torch
+from common import AcceleratedNet, Checks, make_accelerator, make_data, report
 from skorch.callbacks import (
-    Checkpoint, EarlyStopping, Freezer, GradientNormClipping, InputShapeSetter, LoadInitState,
-    LRScheduler, ParamMapper, Unfreezer, WarmRestartLR)
+    Checkpoint,
+    EarlyStopping,
+    Freezer,
+    GradientNormClipping,
+    InputShapeSetter,
+    LoadInitState,
+    LRScheduler,
+    ParamMapper,
+    Unfreezer,
+    WarmRestartLR,
+)
 from torch.optim import lr_scheduler
 
-from common import AcceleratedNet, Checks, make_accelerator, make_data, report
+__all__ = ["ACCUMULATION", "CASES", "PER_BATCH_SCHEDULES", "PRECISIONS"]
 
-__all__ = ['ACCUMULATION', 'CASES', 'PER_BATCH_SCHEDULES', 'PRECISIONS']
-
-PRECISIONS = ('fp32', 'bf16', 'fp16')
+PRECISIONS = ("fp32", "bf16", "fp16")
 ACCUMULATION = (1, 2)
 # 80 samples: ValidSplit(5) keeps 64 for training, which 2 processes with
 # batch 8 and accumulation 2 (32 samples per step) split without padding, so
@@ -51,7 +60,7 @@ CLIP = 0.02
 # advances N times per optimizer step (the history counts every batch of the
 # whole data); 2 processes with batch b then differ from 1 process with 2 b
 # by design.
-PER_BATCH_SCHEDULES = ('step_lr_per_batch', 'one_cycle_lr', 'cyclic_lr')
+PER_BATCH_SCHEDULES = ("step_lr_per_batch", "one_cycle_lr", "cyclic_lr")
 
 
 class MLP(torch.nn.Module):
@@ -85,11 +94,11 @@ class TwoOptimizerNet(Net):
         return self
 
     def initialize_optimizer(self, *_, **__):
-        args, kwargs = self.get_params_for_optimizer('optimizer', self.module_.named_parameters())
-        kwargs.setdefault('lr', self.lr)
+        args, kwargs = self.get_params_for_optimizer("optimizer", self.module_.named_parameters())
+        kwargs.setdefault("lr", self.lr)
         self.optimizer_ = self.optimizer(*args, **kwargs)
-        args, kwargs = self.get_params_for_optimizer('optimizer2', self.module2_.named_parameters())
-        kwargs.setdefault('lr', self.lr)
+        args, kwargs = self.get_params_for_optimizer("optimizer2", self.module2_.named_parameters())
+        kwargs.setdefault("lr", self.lr)
         self.optimizer2_ = torch.optim.SGD(*args, **kwargs)
         return self
 
@@ -138,17 +147,22 @@ class Case:
         self.accelerator = accelerator
         self.precision = precision
         self.batch_size = batch_size
-        self.dirname = str(Path(dirname) / precision / f'accum{accumulation}' / name)
+        self.dirname = str(Path(dirname) / precision / f"accum{accumulation}" / name)
         os.makedirs(self.dirname, exist_ok=True)
 
     def net(self, cls=Net, seed=0, **overrides):
-        if self.precision == 'fp16':
+        if self.precision == "fp16":
             # a fresh scaler per net: no case inherits another's scale
-            self.accelerator.scaler = torch.amp.GradScaler('cpu', init_scale=2.0**16)
+            self.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
         torch.manual_seed(seed)
         params = dict(
-            module=MLP, accelerator=self.accelerator, max_epochs=MAX_EPOCHS, lr=0.2,
-            batch_size=self.batch_size, iterator_train__shuffle=False, verbose=0,
+            module=MLP,
+            accelerator=self.accelerator,
+            max_epochs=MAX_EPOCHS,
+            lr=0.2,
+            batch_size=self.batch_size,
+            iterator_train__shuffle=False,
+            verbose=0,
         )
         params.update(overrides)
         return cls(**params)
@@ -164,35 +178,49 @@ def clipping(case):
 
 def freezer(case):
     # freezes when epoch 1 begins: after accelerate wrapped the module in DDP
-    return case.net(callbacks=[Freezer('hidden.*')])
+    return case.net(callbacks=[Freezer("hidden.*")])
 
 
 def unfreezer(case):
     # frozen when accelerate prepares the module, trainable from epoch 2
-    return case.net(module__frozen=True, callbacks=[Unfreezer('hidden.*', at=2)])
+    return case.net(module__frozen=True, callbacks=[Unfreezer("hidden.*", at=2)])
 
 
 def freezer_then_unfreezer(case):
-    return case.net(callbacks=[Freezer('hidden.*', at=1), Unfreezer('hidden.*', at=3)])
+    return case.net(callbacks=[Freezer("hidden.*", at=1), Unfreezer("hidden.*", at=3)])
 
 
 def param_mapper(case):
-    return case.net(callbacks=[ParamMapper('hidden.weight', fn=halve, at=2)])
+    return case.net(callbacks=[ParamMapper("hidden.weight", fn=halve, at=2)])
 
 
 def early_stopping(case):
     # no epoch after the first improves by 100: stops after epoch 3 of 4 and
     # restores the weights of epoch 1
-    return case.net(callbacks=[EarlyStopping(
-        monitor='valid_loss', patience=2, threshold=100, threshold_mode='abs',
-        load_best=True, sink=quiet)])
+    return case.net(
+        callbacks=[
+            EarlyStopping(
+                monitor="valid_loss",
+                patience=2,
+                threshold=100,
+                threshold_mode="abs",
+                load_best=True,
+                sink=quiet,
+            )
+        ]
+    )
 
 
 def checkpoint(case):
     # saves after epochs 1 and 2 only, so that loading the best at the end
     # replaces the weights of epoch 4
-    return case.net(callbacks=[Checkpoint(
-        monitor=lambda net: len(net.history) <= 2, load_best=True, dirname=case.dirname)])
+    return case.net(
+        callbacks=[
+            Checkpoint(
+                monitor=lambda net: len(net.history) <= 2, load_best=True, dirname=case.dirname
+            )
+        ]
+    )
 
 
 def load_init_state(case):
@@ -223,34 +251,46 @@ def two_optimizers(case):
 # trainable parameters come last: should one fail and leave the ranks out of
 # step, the cases before it are already recorded.
 CASES = {
-    'plain': lambda case: case.net(),
-    'clipping': clipping,
-    'param_mapper': param_mapper,
-    'step_lr_per_batch': schedule(lr_scheduler.StepLR, step_size=2, gamma=0.9,
-                                  step_every='batch'),
-    'step_lr_per_epoch': schedule(lr_scheduler.StepLR, step_size=1, gamma=0.5),
-    'multi_step_lr': schedule(lr_scheduler.MultiStepLR, milestones=[1, 3], gamma=0.5),
-    'cosine_annealing_lr': schedule(lr_scheduler.CosineAnnealingLR, T_max=MAX_EPOCHS),
-    'one_cycle_lr': schedule(lr_scheduler.OneCycleLR, max_lr=0.5, total_steps=200,
-                             step_every='batch'),
-    'cyclic_lr': lambda case: case.net(optimizer__momentum=0.9, callbacks=[LRScheduler(
-        lr_scheduler.CyclicLR, base_lr=0.01, max_lr=0.3, step_size_up=3, step_every='batch')]),
+    "plain": lambda case: case.net(),
+    "clipping": clipping,
+    "param_mapper": param_mapper,
+    "step_lr_per_batch": schedule(lr_scheduler.StepLR, step_size=2, gamma=0.9, step_every="batch"),
+    "step_lr_per_epoch": schedule(lr_scheduler.StepLR, step_size=1, gamma=0.5),
+    "multi_step_lr": schedule(lr_scheduler.MultiStepLR, milestones=[1, 3], gamma=0.5),
+    "cosine_annealing_lr": schedule(lr_scheduler.CosineAnnealingLR, T_max=MAX_EPOCHS),
+    "one_cycle_lr": schedule(
+        lr_scheduler.OneCycleLR, max_lr=0.5, total_steps=200, step_every="batch"
+    ),
+    "cyclic_lr": lambda case: case.net(
+        optimizer__momentum=0.9,
+        callbacks=[
+            LRScheduler(
+                lr_scheduler.CyclicLR, base_lr=0.01, max_lr=0.3, step_size_up=3, step_every="batch"
+            )
+        ],
+    ),
     # no epoch after the first improves by 1: the LR halves after every epoch
-    'reduce_lr_on_plateau': schedule(lr_scheduler.ReduceLROnPlateau, monitor='valid_loss',
-                                     patience=0, factor=0.5, threshold=1.0,
-                                     threshold_mode='abs'),
-    'warm_restart_lr': schedule(WarmRestartLR, min_lr=0.01, max_lr=0.3, base_period=2,
-                                period_mult=1),
-    'early_stopping': early_stopping,
-    'checkpoint': checkpoint,
-    'load_init_state': load_init_state,
-    'input_shape_setter': input_shape_setter,
-    'own_train_step': own_train_step,
-    'extended_train_step': extended_train_step,
-    'two_optimizers': two_optimizers,
-    'freezer': freezer,
-    'freezer_then_unfreezer': freezer_then_unfreezer,
-    'unfreezer': unfreezer,
+    "reduce_lr_on_plateau": schedule(
+        lr_scheduler.ReduceLROnPlateau,
+        monitor="valid_loss",
+        patience=0,
+        factor=0.5,
+        threshold=1.0,
+        threshold_mode="abs",
+    ),
+    "warm_restart_lr": schedule(
+        WarmRestartLR, min_lr=0.01, max_lr=0.3, base_period=2, period_mult=1
+    ),
+    "early_stopping": early_stopping,
+    "checkpoint": checkpoint,
+    "load_init_state": load_init_state,
+    "input_shape_setter": input_shape_setter,
+    "own_train_step": own_train_step,
+    "extended_train_step": extended_train_step,
+    "two_optimizers": two_optimizers,
+    "freezer": freezer,
+    "freezer_then_unfreezer": freezer_then_unfreezer,
+    "unfreezer": unfreezer,
 }
 
 DATA = make_data(N_SAMPLES)
@@ -260,39 +300,49 @@ def outcome(net, with_params):
     """What the tests compare: parameters and losses, after fit."""
     named = list(net.get_all_learnable_params())
     out = {
-        'digest': [[name, hashlib.sha256(p.detach().cpu().numpy().tobytes()).hexdigest()]
-                   for name, p in named],
-        'train_loss': list(net.history[:, 'train_loss']),
-        'epochs': len(net.history),
+        "digest": [
+            [name, hashlib.sha256(p.detach().cpu().numpy().tobytes()).hexdigest()]
+            for name, p in named
+        ],
+        "train_loss": list(net.history[:, "train_loss"]),
+        "epochs": len(net.history),
     }
     if with_params:
-        out['params'] = {name: p.detach().cpu().flatten().tolist() for name, p in named}
+        out["params"] = {name: p.detach().cpu().flatten().tolist() for name, p in named}
     return out
 
 
 def main(precision, batch_size, dirname):
-    kwargs = {'mixed_precision': 'bf16'} if precision == 'bf16' else {}
+    kwargs = {"mixed_precision": "bf16"} if precision == "bf16" else {}
     accelerator = make_accelerator(**kwargs)
     checks = Checks()
     for name, build in CASES.items():
         for accumulation in ACCUMULATION:
-            def run(build=build, accumulation=accumulation):
+
+            def run(build=build, accumulation=accumulation, name=name):
                 accelerator.gradient_accumulation_steps = accumulation
                 case = Case(accelerator, precision, batch_size, dirname, name, accumulation)
                 net = build(case)
                 net.fit(*DATA)
-                return outcome(net, with_params=precision != 'bf16')
+                return outcome(net, with_params=precision != "bf16")
 
-            run.__name__ = f'accum{accumulation}/{name}'
+            run.__name__ = f"accum{accumulation}/{name}"
             try:
                 checks(run)
             finally:
                 accelerator.scaler = None
                 gc.collect()  # nets of earlier cases die in reference cycles
-    report({'rank': accelerator.process_index, 'num_processes': accelerator.num_processes,
-            'precision': precision, 'mixed_precision': accelerator.mixed_precision,
-            'batch_size': batch_size, 'cases': checks.results})
+    report(
+        {
+            "rank": accelerator.process_index,
+            "num_processes": accelerator.num_processes,
+            "precision": precision,
+            "mixed_precision": accelerator.mixed_precision,
+            "batch_size": batch_size,
+            "cases": checks.results,
+        }
+    )
 
 
-if __name__ == '__main__':
+if __name__ == "__main__":
     main(sys.argv[1], int(sys.argv[2]), sys.argv[3])

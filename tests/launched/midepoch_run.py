@@ -20,44 +20,47 @@ Shuffled data with a ragged last batch, dropout, gradient accumulation, a
 CyclicLR stepped per batch and a training score cached per batch all have
 to continue exactly.
 """
+
 import os
 import signal
 import sys
 import time
 
 import torch
+from common import AcceleratedNet, DropoutMLP, make_accelerator, make_data, report
 from skorch.callbacks import Callback, EpochScoring, LRScheduler
 
 from accel_mixin import Preempted
 from accel_mixin.callbacks import ResumeTraining, TrainingCheckpoint
-from common import AcceleratedNet, DropoutMLP, make_accelerator, make_data, report
 
 MODE, DIRNAME = sys.argv[1], sys.argv[2]
 accelerator = make_accelerator(gradient_accumulation_steps=2)
 RANK = accelerator.process_index
-ATTEMPT = int(os.environ.get('TORCHELASTIC_RESTART_COUNT', '0'))
+ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 class At(Callback):
     """Acts after a given training batch of a given epoch (1-based)."""
+
     in_run_identity = False  # not part of what is trained
 
     def __init__(self, epoch, batch, action):
         self.epoch, self.batch, self.action = epoch, batch, action
 
     def on_batch_end(self, net, training=False, **kwargs):
-        batches = net.history[-1]['batches']
+        batches = net.history[-1]["batches"]
         if training and len(net.history) == self.epoch and len(batches) == self.batch:
             self.action(net)
 
 
 class Stops(Callback):
     """Records where training was when Preempted left it."""
+
     in_run_identity = False
 
     def on_batch_end(self, net, training=False, **kwargs):
         if training:
-            self.last_ = (len(net.history), len(net.history[-1]['batches']))
+            self.last_ = (len(net.history), len(net.history[-1]["batches"]))
 
 
 def die(net):
@@ -66,7 +69,7 @@ def die(net):
 
 
 def term_self(net):  # pylint: disable=unused-argument
-    if RANK == accelerator.num_processes - 1:
+    if accelerator.num_processes - 1 == RANK:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
@@ -77,51 +80,70 @@ def term_launcher(net):  # pylint: disable=unused-argument
 
 
 def kill_once(net):  # pylint: disable=unused-argument
-    if ATTEMPT == 0 and RANK == accelerator.num_processes - 1:
+    if ATTEMPT == 0 and accelerator.num_processes - 1 == RANK:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
 torch.manual_seed(0)
 X, y = make_data(333, noise=0.2, seed=3)
 callbacks = [
-    LRScheduler(torch.optim.lr_scheduler.CyclicLR, base_lr=0.01, max_lr=0.3, step_size_up=7,
-                step_every='batch'),
-    EpochScoring('accuracy', on_train=True, name='train_acc'),
+    LRScheduler(
+        torch.optim.lr_scheduler.CyclicLR,
+        base_lr=0.01,
+        max_lr=0.3,
+        step_size_up=7,
+        step_every="batch",
+    ),
+    EpochScoring("accuracy", on_train=True, name="train_acc"),
 ]
-every = {'crash': 3, 'resume': 3, 'elastic': 3}.get(MODE)
-if MODE != 'full':
-    callbacks += [TrainingCheckpoint(DIRNAME, every_n_batches=every, keep_last=3),
-                  ResumeTraining(DIRNAME)]
+every = {"crash": 3, "resume": 3, "elastic": 3}.get(MODE)
+if MODE != "full":
+    callbacks += [
+        TrainingCheckpoint(DIRNAME, every_n_batches=every, keep_last=3),
+        ResumeTraining(DIRNAME),
+    ]
 train_batches = -(-int(len(X) * 0.8) // (16 * accelerator.num_processes))
 callbacks += {
-    'crash': [At(2, 8, die)],
-    'notice_one': [At(2, 5, term_self)],
-    'notice_all': [At(3, 3, term_launcher)],
-    'notice_last': [At(2, train_batches, term_self)],
-    'elastic': [At(2, 8, kill_once)],
+    "crash": [At(2, 8, die)],
+    "notice_one": [At(2, 5, term_self)],
+    "notice_all": [At(3, 3, term_launcher)],
+    "notice_last": [At(2, train_batches, term_self)],
+    "elastic": [At(2, 8, kill_once)],
 }.get(MODE, [])
 callbacks.append(stops := Stops())
 
 net = AcceleratedNet(
-    DropoutMLP, accelerator=accelerator, max_epochs=4, lr=0.5, batch_size=16,
-    iterator_train__shuffle=True, verbose=0, callbacks=callbacks)
+    DropoutMLP,
+    accelerator=accelerator,
+    max_epochs=4,
+    lr=0.5,
+    batch_size=16,
+    iterator_train__shuffle=True,
+    verbose=0,
+    callbacks=callbacks,
+)
 preempted = None
 try:
     net.fit(X, y)
 except Preempted as exc:
     preempted = str(exc)
 
-checkpoint = dict(net.callbacks_).get('TrainingCheckpoint')
-report({
-    'history': [{k: v for k, v in row.items() if 'dur' not in k} for row in net.history],
-    'params': [p.detach().numpy().tolist() for p in net.module_.parameters()],
-    'preempted': preempted,
-    'stopped_at': stops.last_,
-    'train_batches': train_batches,
-    'handler_after_fit': signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
-    'resumed_from': (os.path.basename(dict(net.callbacks_)['ResumeTraining'].resumed_from_ or '')
-                     if MODE != 'full' else None),
-    'files': sorted(os.listdir(checkpoint.run_folder_)) if checkpoint else [],
-    'attempt': ATTEMPT,
-})
+checkpoint = dict(net.callbacks_).get("TrainingCheckpoint")
+report(
+    {
+        "history": [{k: v for k, v in row.items() if "dur" not in k} for row in net.history],
+        "params": [p.detach().numpy().tolist() for p in net.module_.parameters()],
+        "preempted": preempted,
+        "stopped_at": stops.last_,
+        "train_batches": train_batches,
+        "handler_after_fit": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+        "resumed_from": (
+            os.path.basename(dict(net.callbacks_)["ResumeTraining"].resumed_from_ or "")
+            if MODE != "full"
+            else None
+        ),
+        "files": sorted(os.listdir(checkpoint.run_folder_)) if checkpoint else [],
+        "attempt": ATTEMPT,
+    }
+)
 sys.exit(75 if preempted else 0)

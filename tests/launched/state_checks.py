@@ -3,14 +3,15 @@ every rank, and asynchronous writes whose failure reaches every rank.
 
 Usage: torchrun --nproc_per_node 2 state_checks.py
 """
+
 import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
+from common import MLP, AcceleratedNet, Checks, make_accelerator, make_data, report
 
 from accel_mixin.callbacks import TrainingCheckpoint
-from common import AcceleratedNet, Checks, MLP, make_accelerator, make_data, report
 
 accelerator = make_accelerator()
 rank = accelerator.process_index
@@ -28,7 +29,7 @@ def outcome(fn):
     try:
         fn()
     except Exception as exc:  # pylint: disable=broad-except
-        return f'{type(exc).__name__}: {exc}'
+        return f"{type(exc).__name__}: {exc}"
     return None
 
 
@@ -36,14 +37,14 @@ def outcome(fn):
 def round_trip():
     net = make_net()
     net.fit(X, y)
-    net.save_state('state.pt')
+    net.save_state("state.pt")
     fresh = make_net()
-    fresh.load_state('state.pt')
+    fresh.load_state("state.pt")
     fresh.partial_fit(X, y)  # resumed: the remaining epochs, none
     return {
-        'same_predictions': bool(np.array_equal(fresh.predict_proba(X), net.predict_proba(X))),
-        'epochs': len(fresh.history),
-        'keys': sorted(torch.load('state.pt', weights_only=True)),
+        "same_predictions": bool(np.array_equal(fresh.predict_proba(X), net.predict_proba(X))),
+        "epochs": len(fresh.history),
+        "keys": sorted(torch.load("state.pt", weights_only=True)),
     }
 
 
@@ -51,10 +52,14 @@ def round_trip():
 def mismatch_raises_on_every_rank():
     wide = make_net(module__hidden=64).initialize()
     return {
-        'architecture': outcome(lambda: wide.load_state('state.pt')),
-        'params_file': outcome(lambda: (make_net().initialize().save_params(f_params='p.pt'),
-                                        make_net().load_state('p.pt'))),
-        'missing': outcome(lambda: make_net().load_state('nope.pt')),
+        "architecture": outcome(lambda: wide.load_state("state.pt")),
+        "params_file": outcome(
+            lambda: (
+                make_net().initialize().save_params(f_params="p.pt"),
+                make_net().load_state("p.pt"),
+            )
+        ),
+        "missing": outcome(lambda: make_net().load_state("nope.pt")),
     }
 
 
@@ -71,9 +76,11 @@ class RemoveDirAfterFirstSave(TrainingCheckpoint):
 
 @checks
 def asynchronous_failure_reaches_every_rank():
-    net = make_net(max_epochs=3, callbacks=[
-        RemoveDirAfterFirstSave('vanishing', asynchronous=True, every_n_epochs=1)])
-    return {'error': outcome(lambda: net.fit(X, y))}
+    net = make_net(
+        max_epochs=3,
+        callbacks=[RemoveDirAfterFirstSave("vanishing", asynchronous=True, every_n_epochs=1)],
+    )
+    return {"error": outcome(lambda: net.fit(X, y))}
 
 
-report({'rank': rank, 'checks': checks.results})
+report({"rank": rank, "checks": checks.results})

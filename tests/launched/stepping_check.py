@@ -10,17 +10,18 @@ configuration, whether both ended with identical weights and a digest of
 them, for the test to compare across ranks. ``compare`` is also what the
 single-process tests run.
 """
+
 import hashlib
 import itertools
 
 import torch
 from accelerate.state import AcceleratorState, GradientState, PartialState
 from accelerate.utils import DistributedType, GradientAccumulationPlugin
-
-from accel_mixin.stepping import Stepper
 from common import make_accelerator, report
 
-__all__ = ['CONFIGURATIONS', 'compare']
+from accel_mixin.stepping import Stepper
+
+__all__ = ["CONFIGURATIONS", "compare"]
 
 # Per process and epoch. Not a multiple of 3, so that with accumulation
 # ``sync_with_dataloader`` (step at the end of the data) makes a difference.
@@ -30,13 +31,18 @@ EPOCHS = 2
 # The 2-process configurations, by name. Relabelled MULTI_GPU: accelerate's
 # calls as they run under that type, on the same DDP over gloo.
 CONFIGURATIONS = {
-    f'{label}-{precision}-{accumulation}': dict(
-        relabel=relabel, mixed_precision=precision, **plugin)
+    f"{label}-{precision}-{accumulation}": dict(
+        relabel=relabel, mixed_precision=precision, **plugin
+    )
     for (label, relabel), precision, (accumulation, plugin) in itertools.product(
-        [('multi_cpu', None), ('multi_gpu_label', DistributedType.MULTI_GPU)],
-        ['no', 'bf16'],
-        [('accum1', dict(num_steps=1)), ('accum3', dict(num_steps=3)),
-         ('accum3_sync_each_batch', dict(num_steps=3, sync_each_batch=True))])
+        [("multi_cpu", None), ("multi_gpu_label", DistributedType.MULTI_GPU)],
+        ["no", "bf16"],
+        [
+            ("accum1", dict(num_steps=1)),
+            ("accum3", dict(num_steps=3)),
+            ("accum3_sync_each_batch", dict(num_steps=3, sync_each_batch=True)),
+        ],
+    )
 }
 
 
@@ -46,7 +52,7 @@ def reset_accelerate():
     GradientState._reset_state()  # pylint: disable=protected-access
 
 
-def train(use_stepper, mixed_precision='no', relabel=None, **plugin):
+def train(use_stepper, mixed_precision="no", relabel=None, **plugin):
     """The weights after training, and the Stepper's ``plain`` and distributed type.
 
     Parameters
@@ -67,8 +73,10 @@ def train(use_stepper, mixed_precision='no', relabel=None, **plugin):
     """
     reset_accelerate()
     accelerator = make_accelerator(
-        cpu=True, mixed_precision=mixed_precision,
-        gradient_accumulation_plugin=GradientAccumulationPlugin(**plugin))
+        cpu=True,
+        mixed_precision=mixed_precision,
+        gradient_accumulation_plugin=GradientAccumulationPlugin(**plugin),
+    )
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     # momentum: a step too many or too few shows in every later one
@@ -76,9 +84,11 @@ def train(use_stepper, mixed_precision='no', relabel=None, **plugin):
     n = 4 * BATCHES * accelerator.num_processes
     generator = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(
-        torch.randn(n, 4, generator=generator), torch.randn(n, 1, generator=generator))
+        torch.randn(n, 4, generator=generator), torch.randn(n, 1, generator=generator)
+    )
     model, optimizer, loader = accelerator.prepare(
-        model, optimizer, torch.utils.data.DataLoader(data, batch_size=4))
+        model, optimizer, torch.utils.data.DataLoader(data, batch_size=4)
+    )
     if relabel is not None:
         # on both: every AcceleratorState() (autocast makes one) copies PartialState's
         for state in (PartialState(), accelerator.state):
@@ -111,14 +121,14 @@ def compare(**config):
     torch.manual_seed(0)
     initial = torch.nn.Linear(4, 8).weight
     return {
-        'plain': plain,
-        'distributed_type': distributed_type,
-        'equal': all(torch.equal(a, b) for a, b in zip(ours, theirs)),
-        'max_difference': max((a - b).abs().max().item() for a, b in zip(ours, theirs)),
-        'moved': not torch.equal(ours[0], initial),
-        'digest': hashlib.sha256(b''.join(w.numpy().tobytes() for w in ours)).hexdigest(),
+        "plain": plain,
+        "distributed_type": distributed_type,
+        "equal": all(torch.equal(a, b) for a, b in zip(ours, theirs)),
+        "max_difference": max((a - b).abs().max().item() for a, b in zip(ours, theirs)),
+        "moved": not torch.equal(ours[0], initial),
+        "digest": hashlib.sha256(b"".join(w.numpy().tobytes() for w in ours)).hexdigest(),
     }
 
 
-if __name__ == '__main__':
-    report({'configurations': {name: compare(**config) for name, config in CONFIGURATIONS.items()}})
+if __name__ == "__main__":
+    report({"configurations": {name: compare(**config) for name, config in CONFIGURATIONS.items()}})

@@ -3,26 +3,43 @@ skorch's callbacks, one voice, failures that reach every rank.
 
 Usage: torchrun --nproc_per_node 2 sync_checks.py
 """
+
 import base64
 import pickle
 import sys
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
 import tqdm
-from skorch.callbacks import logging as skorch_logging
 from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, gather_object
+from common import (
+    MLP,
+    AcceleratedNet,
+    Checks,
+    error_and_seconds,
+    make_accelerator,
+    make_data,
+    report,
+)
 from sklearn.metrics import accuracy_score
 from skorch.callbacks import (
-    BatchScoring, Callback, Checkpoint, EarlyStopping, EpochScoring, LoadInitState,
-    LRScheduler, ProgressBar, TrainEndCheckpoint)
+    BatchScoring,
+    Callback,
+    Checkpoint,
+    EarlyStopping,
+    EpochScoring,
+    LoadInitState,
+    LRScheduler,
+    ProgressBar,
+    TrainEndCheckpoint,
+)
+from skorch.callbacks import logging as skorch_logging
 
 from accel_mixin.callbacks import ResumeTraining
-from common import (
-    AcceleratedNet, Checks, MLP, error_and_seconds, make_accelerator, make_data, report)
 
 ORIGINAL_TQDM = tqdm.tqdm
 accelerator = make_accelerator()
@@ -32,8 +49,15 @@ checks = Checks()
 
 
 def make_net(**kwargs):
-    params = dict(module=MLP, accelerator=accelerator, max_epochs=3, lr=0.3,
-                  batch_size=16, verbose=0, iterator_train__shuffle=True)
+    params = dict(
+        module=MLP,
+        accelerator=accelerator,
+        max_epochs=3,
+        lr=0.3,
+        batch_size=16,
+        verbose=0,
+        iterator_train__shuffle=True,
+    )
     params.update(kwargs)
     return AcceleratedNet(**params)
 
@@ -53,8 +77,9 @@ class CountWrites:
     """Counts the files this rank writes: save_params' files and f_pickle."""
 
     def __enter__(self):
-        import accel_mixin.files as files
         import skorch.callbacks.training as training
+
+        import accel_mixin.files as files
 
         self.calls = []
         self.saved = (files.atomic_write, training.open_file_like)
@@ -71,19 +96,23 @@ class CountWrites:
         return self
 
     def __exit__(self, *exc):
-        import accel_mixin.files as files
         import skorch.callbacks.training as training
+
+        import accel_mixin.files as files
 
         files.atomic_write, training.open_file_like = self.saved
 
 
 @checks
 def rows_and_scores():
-    net = make_net(callbacks=[
-        EpochScoring('accuracy', lower_is_better=False, use_caching=False,
-                     name='valid_acc_nocache'),
-        BatchScoring('accuracy', lower_is_better=False, name='valid_acc_batch'),
-    ])
+    net = make_net(
+        callbacks=[
+            EpochScoring(
+                "accuracy", lower_is_better=False, use_caching=False, name="valid_acc_nocache"
+            ),
+            BatchScoring("accuracy", lower_is_better=False, name="valid_acc_batch"),
+        ]
+    )
     net.fit(X, y)
     _, dataset_valid = net.get_split_datasets(X, y)
     X_valid, y_valid = X[dataset_valid.indices], y[dataset_valid.indices]
@@ -91,33 +120,42 @@ def rows_and_scores():
     eps = np.finfo(np.float32).eps
     last = net.history[-1]
     return {
-        'rows': rows(net),
-        'n_train': len(X) - len(X_valid),
-        'n_valid': len(X_valid),
-        'train_sizes': [sum(b['train_batch_size'] for b in r['batches'] if 'train_batch_size' in b)
-                        for r in net.history],
-        'valid_sizes': [sum(b['valid_batch_size'] for b in r['batches'] if 'valid_batch_size' in b)
-                        for r in net.history],
-        'scores': {k: last[k] for k in ('valid_acc', 'valid_acc_nocache', 'valid_acc_batch', 'valid_loss')},
-        'one_process': {
-            'accuracy': accuracy_score(y_valid, net.predict(X_valid)),
-            'loss': float(-np.mean(np.log(proba[np.arange(len(y_valid)), y_valid] + eps))),
+        "rows": rows(net),
+        "n_train": len(X) - len(X_valid),
+        "n_valid": len(X_valid),
+        "train_sizes": [
+            sum(b["train_batch_size"] for b in r["batches"] if "train_batch_size" in b)
+            for r in net.history
+        ],
+        "valid_sizes": [
+            sum(b["valid_batch_size"] for b in r["batches"] if "valid_batch_size" in b)
+            for r in net.history
+        ],
+        "scores": {
+            k: last[k] for k in ("valid_acc", "valid_acc_nocache", "valid_acc_batch", "valid_loss")
+        },
+        "one_process": {
+            "accuracy": accuracy_score(y_valid, net.predict(X_valid)),
+            "loss": float(-np.mean(np.log(proba[np.arange(len(y_valid)), y_valid] + eps))),
         },
     }
 
 
 @checks
 def checkpoint_on_best_accuracy():
-    net = make_net(max_epochs=12, lr=1.0, callbacks=[
-        Checkpoint(monitor='valid_acc_best', dirname='cp_best', f_pickle='net.pkl')])
+    net = make_net(
+        max_epochs=12,
+        lr=1.0,
+        callbacks=[Checkpoint(monitor="valid_acc_best", dirname="cp_best", f_pickle="net.pkl")],
+    )
     with CountWrites() as writes:
         net.fit(X, y)
-    with open('cp_best/net.pkl', 'rb') as f:  # every rank: predict is collective
+    with open("cp_best/net.pkl", "rb") as f:  # every rank: predict is collective
         restored_rows = len(pickle.load(f).predict(X[:333]))
     return {
-        'event_cp': net.history[:, 'event_cp'],
-        'writes': len(writes.calls),
-        'pickle_rows': restored_rows,
+        "event_cp": net.history[:, "event_cp"],
+        "writes": len(writes.calls),
+        "pickle_rows": restored_rows,
     }
 
 
@@ -125,65 +163,85 @@ def checkpoint_on_best_accuracy():
 def early_stopping():
     net = make_net(max_epochs=40, lr=1.0, callbacks=[EarlyStopping(patience=2)])
     net.fit(X, y)
-    return {'epochs': len(net.history)}
+    return {"epochs": len(net.history)}
 
 
 @checks
 def load_best():
-    net = make_net(max_epochs=6, lr=1.0, callbacks=[
-        Checkpoint(monitor='valid_loss_best', dirname='cp_load_best', load_best=True)])
+    net = make_net(
+        max_epochs=6,
+        lr=1.0,
+        callbacks=[Checkpoint(monitor="valid_loss_best", dirname="cp_load_best", load_best=True)],
+    )
     net.fit(X, y)
-    return {'rows': rows(net), 'spread': spread(net)}
+    return {"rows": rows(net), "spread": spread(net)}
 
 
 @checks
 def load_init_state_resume():
-    first = make_net(max_epochs=2, callbacks=[Checkpoint(monitor=None, dirname='cp_resume')])
+    first = make_net(max_epochs=2, callbacks=[Checkpoint(monitor=None, dirname="cp_resume")])
     first.fit(X, y)
-    checkpoint = Checkpoint(monitor=None, dirname='cp_resume')
+    checkpoint = Checkpoint(monitor=None, dirname="cp_resume")
     second = make_net(max_epochs=2, callbacks=[checkpoint, LoadInitState(checkpoint)])
     second.fit(X, y)
-    return {'rows': rows(second), 'epochs': len(second.history), 'spread': spread(second)}
+    return {"rows": rows(second), "epochs": len(second.history), "spread": spread(second)}
 
 
 @checks
 def reduce_lr_on_plateau():
-    net = make_net(max_epochs=8, lr=1.0, callbacks=[
-        LRScheduler(torch.optim.lr_scheduler.ReduceLROnPlateau, monitor='valid_loss',
-                    patience=0, factor=0.5)])
+    net = make_net(
+        max_epochs=8,
+        lr=1.0,
+        callbacks=[
+            LRScheduler(
+                torch.optim.lr_scheduler.ReduceLROnPlateau,
+                monitor="valid_loss",
+                patience=0,
+                factor=0.5,
+            )
+        ],
+    )
     net.fit(X, y)
-    return {'event_lr': net.history[:, 'event_lr'], 'spread': spread(net)}
+    return {"event_lr": net.history[:, "event_lr"], "spread": spread(net)}
 
 
 @checks
 def train_end_checkpoint():
-    net = make_net(callbacks=[TrainEndCheckpoint(dirname='cp_end')])
+    net = make_net(callbacks=[TrainEndCheckpoint(dirname="cp_end")])
     with CountWrites() as writes:
         net.fit(X, y)
-    return {'writes': len(writes.calls), 'files': sorted(p.name for p in Path('cp_end').iterdir())}
+    return {"writes": len(writes.calls), "files": sorted(p.name for p in Path("cp_end").iterdir())}
 
 
 @checks
 def one_voice():
     # in both streams: warnings and progress bars go to stderr
     for stream in (sys.stdout, sys.stderr):
-        print('=== one voice starts', file=stream, flush=True)
+        print("=== one voice starts", file=stream, flush=True)
     # monitor='valid_loss' makes skorch's Checkpoint warn every epoch
-    net = make_net(verbose=1, max_epochs=2, callbacks=[
-        ProgressBar(), Checkpoint(monitor='valid_loss', dirname='cp_voice', sink=print)])
+    net = make_net(
+        verbose=1,
+        max_epochs=2,
+        callbacks=[ProgressBar(), Checkpoint(monitor="valid_loss", dirname="cp_voice", sink=print)],
+    )
     net.fit(X, y)
     # DDP's reducer warns from C++ (autograd's threads), on every rank
-    unused = make_net(max_epochs=1, accelerator=Accelerator(kwargs_handlers=[
-        DistributedDataParallelKwargs(find_unused_parameters=True)]))
+    unused = make_net(
+        max_epochs=1,
+        accelerator=Accelerator(
+            kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)]
+        ),
+    )
     unused.fit(X, y)
     for stream in (sys.stdout, sys.stderr):
-        print('=== one voice ends', file=stream, flush=True)
-    return {'epochs': len(net.history)}
+        print("=== one voice ends", file=stream, flush=True)
+    return {"epochs": len(net.history)}
 
 
 class RecordingBar(tqdm.tqdm):
     """tqdm that remembers, when it closes, how far it got and its total."""
-    closed = []
+
+    closed: ClassVar[list] = []
 
     def close(self):
         RecordingBar.closed.append((self.n, self.total))
@@ -193,7 +251,7 @@ class RecordingBar(tqdm.tqdm):
 @checks
 def progress_bars_count_this_ranks_batches():
     bars = []
-    for batches_per_epoch in ('auto', 'count'):
+    for batches_per_epoch in ("auto", "count"):
         RecordingBar.closed = []
         skorch_logging.tqdm.tqdm = RecordingBar
         try:
@@ -213,9 +271,10 @@ def read_scalars(files):
     for path in files:
         accumulator = EventAccumulator(str(path))
         accumulator.Reload()
-        for tag in accumulator.Tags()['scalars']:
+        for tag in accumulator.Tags()["scalars"]:
             out.setdefault(tag, []).extend(
-                (event.step, event.value) for event in accumulator.Scalars(tag))
+                (event.step, event.value) for event in accumulator.Scalars(tag)
+            )
     return out
 
 
@@ -227,34 +286,43 @@ def tensorboard_once():
     from torch.utils.tensorboard import SummaryWriter
 
     out = {}
-    for layout in ('main_only', 'every_rank'):
-        logdir = Path(f'tb_{layout}').resolve()
-        writer = (SummaryWriter(str(logdir / f'rank{rank}')) if layout == 'every_rank'
-                  else SummaryWriter(str(logdir)) if accelerator.is_main_process else None)
+    for layout in ("main_only", "every_rank"):
+        logdir = Path(f"tb_{layout}").resolve()
+        writer = (
+            SummaryWriter(str(logdir / f"rank{rank}"))
+            if layout == "every_rank"
+            else SummaryWriter(str(logdir))
+            if accelerator.is_main_process
+            else None
+        )
         net = make_net(max_epochs=3, callbacks=[TensorBoard(writer)])
         net.fit(X, y)
         if writer is not None:
             writer.close()
         accelerator.wait_for_everyone()  # every writer closed
-        keys = ('train_loss', 'valid_loss', 'valid_acc', 'dur')
-        files = sorted(logdir.rglob('events.out.tfevents.*'))
-        out[layout] = {'event_files': len(files), 'scalars': read_scalars(files),
-                       'history': {key: net.history[:, key] for key in keys}}
+        keys = ("train_loss", "valid_loss", "valid_acc", "dur")
+        files = sorted(logdir.rglob("events.out.tfevents.*"))
+        out[layout] = {
+            "event_files": len(files),
+            "scalars": read_scalars(files),
+            "history": {key: net.history[:, key] for key in keys},
+        }
     return out
-
 
 
 class SavingLogger(Callback):
     """As WandbLogger(save_model=True) and MlflowLogger(create_artifact=True)
     do: a logger that saves the net's parameters."""
+
     main_process_only = True
 
     def on_epoch_end(self, net, **kwargs):
-        net.save_params(f_params=f'logged-{len(net.history)}.pt')
+        net.save_params(f_params=f"logged-{len(net.history)}.pt")
 
 
 class PredictingLogger(Callback):
     """A logger that would need every rank: predict is collective."""
+
     main_process_only = True
 
     def on_epoch_end(self, net, **kwargs):
@@ -263,12 +331,12 @@ class PredictingLogger(Callback):
 
 @checks
 def loggers_that_save_or_predict():
-    saving = error_and_seconds(
-        lambda: make_net(max_epochs=2, callbacks=[SavingLogger()]).fit(X, y))
-    saved = sorted(p.name for p in Path('.').glob('logged-*.pt'))
+    saving = error_and_seconds(lambda: make_net(max_epochs=2, callbacks=[SavingLogger()]).fit(X, y))
+    saved = sorted(p.name for p in Path(".").glob("logged-*.pt"))
     predicting = error_and_seconds(
-        lambda: make_net(max_epochs=2, callbacks=[PredictingLogger()]).fit(X, y))
-    return {'saving': saving, 'saved': saved, 'predicting': predicting}
+        lambda: make_net(max_epochs=2, callbacks=[PredictingLogger()]).fit(X, y)
+    )
+    return {"saving": saving, "saved": saved, "predicting": predicting}
 
 
 @checks
@@ -278,8 +346,11 @@ def padding_only_batches_are_not_counted():
     net = make_net(max_epochs=1, train_split=None, iterator_train__shuffle=False)
     net.fit(X[:100], y[:100])
     row = net.history[-1]
-    return {'count': row['train_batch_count'], 'records': len(row['batches']),
-            'samples': sum(batch['train_batch_size'] for batch in row['batches'])}
+    return {
+        "count": row["train_batch_count"],
+        "records": len(row["batches"]),
+        "samples": sum(batch["train_batch_size"] for batch in row["batches"]),
+    }
 
 
 @checks
@@ -297,31 +368,38 @@ class FailOnRank1(Callback):
 
     def fail(self, net, **kwargs):
         if rank == 1 and len(net.history) == 2:
-            raise ValueError('boom from rank 1')
+            raise ValueError("boom from rank 1")
 
 
 @checks
 def error_in_a_callback_on_rank_1():
     results = {}
-    for hook in ('on_epoch_end', 'on_epoch_begin', 'on_train_begin'):
+    for hook in ("on_epoch_end", "on_epoch_begin", "on_train_begin"):
         # Checkpoint comes after the failing callback: rank 0 waits in save_params
         # ResumeTraining compares the ranks' files at train begin: after a
         # failed callback, only on the ranks that did not fail
-        net = make_net(max_epochs=4, callbacks=[
-            FailOnRank1(hook), ResumeTraining('no_states'),
-            Checkpoint(monitor=None, dirname='cp_error')])
-        if hook == 'on_train_begin':
+        net = make_net(
+            max_epochs=4,
+            callbacks=[
+                FailOnRank1(hook),
+                ResumeTraining("no_states"),
+                Checkpoint(monitor=None, dirname="cp_error"),
+            ],
+        )
+        if hook == "on_train_begin":
             net.set_params(max_epochs=2)
             net.fit(X, y)
             net.set_params(warm_start=True)  # the second fit has a history of 2
         start = time.monotonic()
         try:
             net.fit(X, y)
-            results[hook] = {'error': None}
+            results[hook] = {"error": None}
         except Exception as exc:  # pylint: disable=broad-except
-            results[hook] = {'error': f'{type(exc).__name__}: {exc}',
-                             'seconds': time.monotonic() - start}
+            results[hook] = {
+                "error": f"{type(exc).__name__}: {exc}",
+                "seconds": time.monotonic() - start,
+            }
     return results
 
 
-report({'rank': rank, 'checks': checks.results})
+report({"rank": rank, "checks": checks.results})

@@ -14,6 +14,7 @@ The tests that fail on purpose are listed in ``differences.py``, each with
 its reason (the README's "Deliberate differences from skorch"): they run as
 strict expected failures, so one that starts to pass is reported.
 """
+
 import os
 
 import pytest
@@ -22,16 +23,15 @@ import skorch.classifier
 import skorch.net
 import skorch.regressor
 from accelerate import Accelerator
+from differences import ARTIFACTS, DIFFERENCES, NOT_IN_THE_WHEEL
 
 from accel_mixin import AccelerateMixin
-from differences import ARTIFACTS, DIFFERENCES, NOT_IN_THE_WHEEL  # noqa: F401
-
 
 ORIGINALS = {
-    'NeuralNet': skorch.net.NeuralNet,
-    'NeuralNetClassifier': skorch.classifier.NeuralNetClassifier,
-    'NeuralNetBinaryClassifier': skorch.classifier.NeuralNetBinaryClassifier,
-    'NeuralNetRegressor': skorch.regressor.NeuralNetRegressor,
+    "NeuralNet": skorch.net.NeuralNet,
+    "NeuralNetClassifier": skorch.classifier.NeuralNetClassifier,
+    "NeuralNetBinaryClassifier": skorch.classifier.NeuralNetBinaryClassifier,
+    "NeuralNetRegressor": skorch.regressor.NeuralNetRegressor,
 }
 
 
@@ -41,20 +41,21 @@ def _accelerated(name, base):
             accelerator = Accelerator()
         super(cls, self).__init__(*args, accelerator=accelerator, **kwargs)
 
-    cls = type(name, (AccelerateMixin, base), {'__init__': __init__, '__module__': __name__})
+    cls = type(name, (AccelerateMixin, base), {"__init__": __init__, "__module__": __name__})
     return cls
 
 
 # module attributes, so that pickles find the classes by name
-NeuralNet = _accelerated('NeuralNet', ORIGINALS['NeuralNet'])
-NeuralNetClassifier = _accelerated('NeuralNetClassifier', ORIGINALS['NeuralNetClassifier'])
+NeuralNet = _accelerated("NeuralNet", ORIGINALS["NeuralNet"])
+NeuralNetClassifier = _accelerated("NeuralNetClassifier", ORIGINALS["NeuralNetClassifier"])
 NeuralNetBinaryClassifier = _accelerated(
-    'NeuralNetBinaryClassifier', ORIGINALS['NeuralNetBinaryClassifier'])
-NeuralNetRegressor = _accelerated('NeuralNetRegressor', ORIGINALS['NeuralNetRegressor'])
+    "NeuralNetBinaryClassifier", ORIGINALS["NeuralNetBinaryClassifier"]
+)
+NeuralNetRegressor = _accelerated("NeuralNetRegressor", ORIGINALS["NeuralNetRegressor"])
 
 # ACCEL_MIXIN_SKORCH_SUITE=plain runs the suite on skorch's own classes: the
 # baseline, to tell what fails here whatever the net
-PLAIN = os.environ.get('ACCEL_MIXIN_SKORCH_SUITE') == 'plain'
+PLAIN = os.environ.get("ACCEL_MIXIN_SKORCH_SUITE") == "plain"
 
 # where skorch's tests import them from; not in skorch.classifier and
 # skorch.regressor for the classes they define, whose methods call
@@ -67,7 +68,7 @@ if not PLAIN:
 
 
 def _test_name(item):
-    return item.nodeid.split('[')[0].split('::', 1)[-1]
+    return item.nodeid.split("[")[0].split("::", 1)[-1]
 
 
 def pytest_collection_modifyitems(config, items):
