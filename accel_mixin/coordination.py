@@ -49,7 +49,7 @@ __all__ = ["Coordinator", "DistributedError", "Preempted", "coordinator_for", "f
 # wait costs little CPU; failures, heartbeats and the deadline are looked at
 # less often
 _POLL_FIRST, _POLL_FAST_FOR, _POLL_MAX, _LOOK_EVERY = 0.0001, 0.02, 0.002, 0.02
-# what every rank must call alike (the README lists the same)
+# what every rank must call alike (docs/guide/migrating.md lists the same)
 COLLECTIVE = (
     "fit, partial_fit, predict, predict_proba, forward, score, save_params, "
     "load_params, save_state, load_state, wait_for_saves, wait_for_everyone"
@@ -64,9 +64,9 @@ class DistributedError(RuntimeError):
 
 
 class Preempted(Exception):
-    """Training stopped on a preemption notice, on every rank at the same
-    batch, after a training state was saved there.
+    """Training stopped on a preemption notice, after a state was saved.
 
+    Every rank stops at the same batch and saves a training state there.
     It ends ``fit`` with an error, so that a script that does not catch it
     exits non-zero and the scheduler requeues the job; the next run resumes
     from the saved state (``ResumeTraining``). Every rank raises it: it is no

@@ -71,20 +71,12 @@ class AccelerateMixin(CheckpointingMixin):
     the main process only and returns once the files are complete, and
     ``load_params`` loads on every process.
 
-    Examples
-    --------
-    >>> from accelerate import Accelerator
-    >>> from skorch import NeuralNetClassifier
-    >>> from accel_mixin import AccelerateMixin
-    >>>
-    >>> class AcceleratedNet(AccelerateMixin, NeuralNetClassifier):
-    ...     '''NeuralNetClassifier with accelerate support'''
-    >>>
-    >>> net = AcceleratedNet(MyModule, accelerator=Accelerator())
-    >>> net.fit(X, y)
-
     Parameters
     ----------
+    *args
+      The positional parameters of the skorch net class it is mixed into
+      (``module`` first).
+
     accelerator : accelerate.Accelerator
       In addition to the usual parameters, pass an instance of
       ``accelerate.Accelerator`` with the desired settings. It decides the
@@ -117,6 +109,22 @@ class AccelerateMixin(CheckpointingMixin):
       that differs, if the ranks no longer hold the same model. 0 turns the
       check off. It costs one small collective and a pass over the
       parameters (see the benchmarks).
+
+    **kwargs
+      The other parameters of the skorch net class it is mixed into
+      (``max_epochs``, ``callbacks`` ...).
+
+    Examples
+    --------
+    >>> from accelerate import Accelerator
+    >>> from skorch import NeuralNetClassifier
+    >>> from accel_mixin import AccelerateMixin
+    >>>
+    >>> class AcceleratedNet(AccelerateMixin, NeuralNetClassifier):
+    ...     '''NeuralNetClassifier with accelerate support'''
+    >>>
+    >>> net = AcceleratedNet(MyModule, accelerator=Accelerator())
+    >>> net.fit(X, y)
 
     """
 

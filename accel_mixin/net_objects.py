@@ -85,7 +85,8 @@ def check_params(net):
         raise ValueError(
             "AccelerateMixin shares the history between the processes itself: remove "
             "history=DistributedHistory(...) (and the TCPStore made for it), or every "
-            "batch would be recorded twice. See 'Migrating from skorch.hf' in the README."
+            "batch would be recorded twice. See 'Migrating from skorch.hf' in the user "
+            "guide (docs/guide/migrating.md)."
         )
     every = net.replica_check_every
     if every is not None and (not isinstance(every, int) or every < 0):

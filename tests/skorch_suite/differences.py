@@ -21,7 +21,7 @@ _MMAP = (
 )
 
 # test (class::name, without parameters) -> why accel_mixin differs on purpose;
-# the README's "Deliberate differences from skorch" lists the same
+# the guide's docs/guide/differences.md lists the same
 DIFFERENCES = {
     "TestNeuralNet::test_device_torch_device": _DEVICE_NONE,
     "TestNeuralNet::test_moving_custom_modules_to_device": _DEVICE_NONE,

@@ -11,7 +11,7 @@ process, as skorch's tests run. scripts/test runs it:
         skorch.tests.test_classifier skorch.tests.test_regressor
 
 The tests that fail on purpose are listed in ``differences.py``, each with
-its reason (the README's "Deliberate differences from skorch"): they run as
+its reason (the guide's docs/guide/differences.md): they run as
 strict expected failures, so one that starts to pass is reported.
 """
 

@@ -1,0 +1,94 @@
+"""The documentation's structure, checked without Sphinx (scripts/docs builds
+the site, with warnings as errors, in CI): every guide page is in the site,
+every public name has its reference, and every relative link of the README
+and the guide reaches a file, and a heading where it names one."""
+
+import re
+
+from harness import ROOT
+
+import accel_mixin
+
+DOCS = ROOT / "docs"
+GUIDE = DOCS / "guide"
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def toctree_entries():
+    index = (DOCS / "index.rst").read_text(encoding="utf-8")
+    entries = []
+    for block in re.findall(r"^\.\. toctree::\n((?:[ \t]+.*\n|\n)+)", index, re.M):
+        entries += [line.strip() for line in block.splitlines() if line.strip() and ":" not in line]
+    return entries
+
+
+def slug(heading):
+    """The anchor of a heading, as GitHub and MyST (myst_heading_anchors) make it."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors(path):
+    text = re.sub(r"```.*?```", "", path.read_text(encoding="utf-8"), flags=re.S)
+    return {slug(h) for h in re.findall(r"^#{1,6} (.+)$", text, re.M)}
+
+
+def relative_links(path):
+    text = re.sub(r"```.*?```", "", path.read_text(encoding="utf-8"), flags=re.S)
+    return [t for t in LINK.findall(text) if not re.match(r"[a-z]+:", t)]
+
+
+def broken_links(path):
+    broken = []
+    for target in relative_links(path):
+        file, _, anchor = target.partition("#")
+        dest = (path.parent / file).resolve() if file else path
+        missing = not dest.is_file()
+        if missing or (anchor and dest.suffix == ".md" and anchor not in anchors(dest)):
+            broken.append(target)
+    return broken
+
+
+def test_every_guide_page_is_in_the_site_and_every_entry_exists():
+    entries = toctree_entries()
+    pages = {f"guide/{p.stem}" for p in GUIDE.glob("*.md")}
+    assert pages and pages <= set(entries), pages - set(entries)
+    for entry in entries:
+        assert (DOCS / f"{entry}.md").is_file() or (DOCS / f"{entry}.rst").is_file(), entry
+
+
+def test_every_public_name_has_its_reference():
+    api = (DOCS / "api.rst").read_text(encoding="utf-8")
+    documented = set(re.findall(r"^\.\. auto\w+:: (\w+)$", api, re.M))
+    assert set(accel_mixin.__all__) <= documented, set(accel_mixin.__all__) - documented
+
+
+def test_the_readme_links_every_guide_page():
+    linked = {t.partition("#")[0] for t in relative_links(ROOT / "README.md")}
+    pages = {f"docs/guide/{p.name}" for p in GUIDE.glob("*.md")}
+    assert pages <= linked, pages - linked
+
+
+def test_relative_links_of_the_readme_and_the_guide_resolve():
+    for path in [ROOT / "README.md", *sorted(GUIDE.glob("*.md"))]:
+        assert not broken_links(path), (path.name, broken_links(path))
+
+
+def test_the_link_check_finds_a_broken_link(tmp_path):
+    (tmp_path / "a.md").write_text("# A page\n\n## Some: heading\n")
+    page = tmp_path / "b.md"
+    page.write_text(
+        "[ok](a.md) [ok](a.md#some-heading) [bad](missing.md) [bad](a.md#other)\n"
+        "```\n[in code](ignored.md)\n```\n[web](https://example.org)\n"
+    )
+    assert broken_links(page) == ["missing.md", "a.md#other"]
+
+
+def test_the_quick_start_shows_the_readme_usage_example():
+    # tests/test_readme.py runs the README's example; the guide's copy must
+    # be the same code
+    def usage(path):
+        text = path.read_text(encoding="utf-8").split("## Usage", 1)[1]
+        return re.search(r"```python\n(.*?)```", text, re.S).group(1)
+
+    assert usage(GUIDE / "quickstart.md") == usage(ROOT / "README.md")
