@@ -1,14 +1,14 @@
 """The launch harness itself."""
 
 import re
+import socket
 
 import psutil
 import pytest
 from harness import free_port, run_processes
 
-pytestmark = pytest.mark.multiprocess
 
-
+@pytest.mark.multiprocess
 def test_a_hang_is_killed_and_shows_every_rank():
     launch = run_processes("hang.py", timeout=20)
     assert launch.timed_out
@@ -29,9 +29,19 @@ def test_a_hang_is_killed_and_shows_every_rank():
     assert not alive, "workers outlived the launch"
 
 
-def test_free_port_is_bindable():
-    import socket
-
-    port = free_port()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", port))
+def test_free_port_never_returns_a_port_in_use():
+    """Every port it returns can be listened on, on every interface as
+    torchrun's rendezvous store listens; and while that listener holds it,
+    as a running job's store does, it is never returned again."""
+    held = []
+    try:
+        for _ in range(20):
+            port = free_port()
+            assert port not in [sock.getsockname()[1] for sock in held]
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            held.append(sock)
+            sock.bind(("", port))  # OSError (address in use) if it was not free
+            sock.listen()
+    finally:
+        for sock in held:
+            sock.close()

@@ -5,10 +5,13 @@ Each launched script runs many checks in one launch; the incumbent
 ``test_incumbent_*`` show that it has the defects that ours fixes.
 """
 
+import itertools
+
+import numpy as np
 import pytest
 from harness import check_errors as errors
 from harness import check_values as values
-from harness import run_processes
+from harness import run_plain, run_processes
 
 pytestmark = pytest.mark.multiprocess
 
@@ -234,3 +237,31 @@ def test_a_collective_call_on_one_rank_only_fails_fast_naming_both_calls(ours):
             assert outcome["error"].startswith("DistributedError: ")
             assert "inference (predict" in outcome["error"] and call in outcome["error"]
             assert outcome["seconds"] < 10  # the collective timeout is 30 s
+
+
+# --- grid searches ------------------------------------------------------------
+
+# 2 processes with batch b train as 1 with batch 2 b up to float32 rounding
+# (launched/search_scores.py says what that takes); a difference in training
+# would move the log loss by far more than this
+SCORE_RTOL, SCORE_ATOL = 1e-5, 1e-6
+PROBA_ATOL = 1e-5  # 2e-7 here
+
+
+def test_a_search_agrees_on_every_rank_and_with_one_process_with_twice_the_batch():
+    two = run_processes("search_scores.py", 16, timeout=300).check()
+    one = run_plain("search_scores.py", 32, timeout=300).check()[0]
+    assert [rank["num_processes"] for rank in two] == [2, 2] and one["num_processes"] == 1
+    # every rank's own search: the same scores, down to the bit, so the same
+    # best candidate and the same refit
+    assert two[1] == two[0]
+    result = two[0]
+    scores = result["test_scores"]["mean_test_score"]
+    assert min(abs(a - b) for a, b in itertools.combinations(scores, 2)) > 0.01
+    assert result["best_score"] == max(scores)
+    for key, expected in one["test_scores"].items():
+        np.testing.assert_allclose(
+            result["test_scores"][key], expected, rtol=SCORE_RTOL, atol=SCORE_ATOL, err_msg=key
+        )
+    assert result["best_params"] == one["best_params"]
+    np.testing.assert_allclose(result["refit_proba"], one["refit_proba"], rtol=0, atol=PROBA_ATOL)

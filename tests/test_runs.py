@@ -273,6 +273,7 @@ def search(nproc):
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_an_interrupted_search_resumes_to_the_same_results(nproc):
     full, rerun = search(nproc)
+    assert all(rank["cv_results"] == full[0]["cv_results"] for rank in full)
     for uninterrupted, resumed in zip(full, rerun):
         assert resumed["cv_results"] == uninterrupted["cv_results"]
         assert resumed["best_params"] == uninterrupted["best_params"] == {"lr": 0.2}

@@ -16,7 +16,9 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.state import PartialState
 from accelerate.utils import DistributedType
+from common import MLP, AcceleratedNet
 from harness import run_processes
+from skorch.callbacks import Callback, GradientNormClipping
 from stepping_check import CONFIGURATIONS, compare
 
 from accel_mixin.stepping import COVERED_TYPES, Stepper
@@ -135,6 +137,29 @@ def accelerate_calls(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def accelerate_calls_made(monkeypatch):
+    """The names of accelerate's per-batch methods called, in order; unlike
+    ``accelerate_calls``, each call is then made."""
+    calls = []
+
+    def spy(cls, name):
+        method = getattr(cls, name)
+
+        @functools.wraps(method)
+        def record(*args, **kwargs):
+            calls.append(name)
+            return method(*args, **kwargs)
+
+        return record
+
+    for name in ACCELERATOR_CALLS:
+        monkeypatch.setattr(Accelerator, name, spy(Accelerator, name))
+    for name in OPTIMIZER_CALLS:
+        monkeypatch.setattr(AcceleratedOptimizer, name, spy(AcceleratedOptimizer, name))
+    return calls
+
+
 def one_step(stepper, model, optimizer):
     """A training step, as the mixin makes it."""
     with stepper.accumulate(lambda: [model]):
@@ -164,10 +189,90 @@ def test_the_plain_path_makes_none_of_the_calls(accelerate_calls):
     assert accelerate_calls == []
 
 
-def test_a_gradient_scaler_sends_everything_through_accelerate(accelerate_calls, monkeypatch):
+# --- a real gradient scaler ---------------------------------------------------
+# accelerate builds a GradScaler for fp16 on GPUs only; torch's CPU GradScaler
+# on an fp32 accelerator takes the same paths through accelerate and the
+# mixin (as in launched/matrix.py). Its scale is a power of two, so scaling
+# the loss and unscaling the gradients are exact: a net with the scaler must
+# step exactly as one without.
+
+SCALE = 2.0**10
+CLIP = 0.05  # below the gradients' norm: clipping scaled gradients would show
+
+
+class Gradients(Callback):
+    """The weights a fit starts from, and the gradients of its step: as
+    backward computed them (hooks on the parameters, before anything
+    unscales them) and as ``on_grad_computed`` shows them, before clipping."""
+
+    def on_train_begin(self, net, **kwargs):
+        self.start_ = [p.detach().clone() for p in net.module_.parameters()]
+        self.computed_, self.notified_ = [], []
+        for param in net.module_.parameters():
+            param.register_hook(lambda grad: self.computed_.append(grad.clone()))
+
+    def on_grad_computed(self, net, named_parameters, **kwargs):
+        self.notified_ = [p.grad.clone() for _, p in named_parameters]
+
+
+def fit_one_step(X, y, scaler=None):
+    """One step on all of ``X``, clipped to ``CLIP``: the net and its ``Gradients``."""
     accelerator = Accelerator(cpu=True)
-    monkeypatch.setattr(accelerator, "scaler", object())  # as with fp16 on a GPU
-    assert fallback_calls(accelerator, accelerate_calls) == THROUGH_ACCELERATE
+    accelerator.scaler = scaler  # before prepare: the optimizer takes it then
+    gradients = Gradients()
+    torch.manual_seed(0)
+    net = AcceleratedNet(
+        MLP,
+        accelerator=accelerator,
+        max_epochs=1,
+        lr=0.5,
+        batch_size=len(X),
+        train_split=None,
+        verbose=0,
+        callbacks=[gradients, GradientNormClipping(gradient_clip_value=CLIP)],
+    )
+    net.fit(X, y)
+    return net, gradients
+
+
+def test_a_gradient_scaler_scales_the_loss_and_steps_with_the_true_gradients(
+    data, accelerate_calls_made
+):
+    X, y = data[0][:32], data[1][:32]
+    fp32, fp32_gradients = fit_one_step(X, y)
+    accelerate_calls_made.clear()
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE, growth_interval=1)
+    scaled, gradients = fit_one_step(X, y, scaler)
+    # the Stepper leaves the scaler to accelerate's calls
+    assert accelerate_calls_made == THROUGH_ACCELERATE
+    # backward ran on the scaled loss ...
+    assert len(gradients.computed_) == len(fp32_gradients.computed_) == 4
+    for grad, true in zip(gradients.computed_, fp32_gradients.computed_):
+        assert torch.equal(grad, SCALE * true)
+    # ... and clipping saw, and the optimizer stepped with, the true gradients
+    assert float(torch.cat([g.flatten() for g in fp32_gradients.notified_]).norm()) > 10 * CLIP
+    for grad, true in zip(gradients.notified_, fp32_gradients.notified_):
+        assert torch.equal(grad, true)
+    for before, fp32_before in zip(gradients.start_, fp32_gradients.start_):
+        assert torch.equal(before, fp32_before)
+    for param, fp32_param, before in zip(
+        scaled.module_.parameters(), fp32.module_.parameters(), gradients.start_
+    ):
+        assert torch.equal(param, fp32_param) and not torch.equal(param, before)
+    assert scaler.get_scale() == 2 * SCALE  # a step without infs: the scaler updated
+
+
+def test_a_gradient_scaler_skips_a_step_with_infinite_gradients_and_backs_off(data):
+    X, y = data[0][:32].copy(), data[1][:32]
+    X[0, 0] = float("inf")  # gradients of inf and nan, as an fp16 overflow gives
+    fp32, _ = fit_one_step(X, y)
+    assert all(p.isnan().any() for p in fp32.module_.parameters())  # stepped on them
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE, backoff_factor=0.25)
+    scaled, gradients = fit_one_step(X, y, scaler)
+    assert not all(g.isfinite().all() for g in gradients.computed_)
+    for param, before in zip(scaled.module_.parameters(), gradients.start_):
+        assert torch.equal(param, before)  # the step was skipped
+    assert scaler.get_scale() == 0.25 * SCALE
 
 
 @pytest.mark.parametrize("distributed_type", sorted(set(DistributedType) - COVERED_TYPES))
