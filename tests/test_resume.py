@@ -124,6 +124,9 @@ def state_checks():
 
 @multiprocess
 def test_save_state_and_load_state(state_checks):
+    # the main process writes, in the background too; the other returns
+    writes = [value["writes"] for value in values(state_checks, "round_trip")]
+    assert writes == [["asynchronous.pt", "state.pt"], []]
     for value in values(state_checks, "round_trip"):
         assert value["same_predictions"] and value["epochs"] == 2
         assert value["keys"] == [
