@@ -272,7 +272,7 @@ BREAKS = [
         "accel_mixin/epochs.py",
         "    return dict(step, loss=loss, y_pred=y_pred)",
         "    return dict(step, y_pred=y_pred)",
-        (SYNC + "test_losses_count_every_real_sample_once",),
+        (SYNC + "test_scores_equal_one_process_on_the_whole_validation_set",),
     ),
     launched(
         "epochs-no-replica-check",
