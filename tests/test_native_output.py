@@ -61,6 +61,7 @@ def test_the_last_words_of_a_rank_that_dies_in_the_block_arrive(ending):
         with native_warnings_dropped():
             os.write(2, b'[W1130 00:00:00.0 x.cpp:1] Warning: dropped\\n')
             os.write(2, b'terminate called after throwing an instance of ...\\n')
+            os.write(2, b'the last words, without a newline')
             {ending}
     """)
     out = subprocess.run(
@@ -68,6 +69,7 @@ def test_the_last_words_of_a_rank_that_dies_in_the_block_arrive(ending):
     )
     assert out.returncode != 0
     assert b"terminate called after throwing" in out.stderr
+    assert out.stderr.endswith(b"the last words, without a newline")
     assert b"dropped" not in out.stderr
 
 

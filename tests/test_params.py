@@ -222,6 +222,33 @@ def test_a_failing_save_leaves_the_previous_file(tmp_path, monkeypatch):
     assert stray_files(tmp_path) == []
 
 
+def test_the_content_is_on_disk_before_the_rename_and_the_rename_after(tmp_path, monkeypatch):
+    # A crash of the machine (not of the process) after a rename of data still
+    # in the page cache can leave the new name on an empty file: the content
+    # is fsynced before the rename, and the directory after it.
+    events = []
+    fsync, replace = os.fsync, os.replace
+
+    def recording_fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    def recording_replace(src, dst):
+        events.append(("replace", os.fspath(src)))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    monkeypatch.setattr(os, "replace", recording_replace)
+    nets()["accelerated, wrapped"].save_params(f_params=tmp_path / "params.pt")
+    monkeypatch.undo()
+    ((_, temporary),) = [event for event in events if event[0] == "replace"]
+    assert events == [
+        ("fsync", temporary),
+        ("replace", temporary),
+        ("fsync", os.path.realpath(tmp_path)),
+    ]
+
+
 WRITER = """
 import sys, torch
 path = sys.argv[1]

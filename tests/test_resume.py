@@ -124,6 +124,9 @@ def state_checks():
 
 @multiprocess
 def test_save_state_and_load_state(state_checks):
+    # the main process writes, in the background too; the other returns
+    writes = [value["writes"] for value in values(state_checks, "round_trip")]
+    assert writes == [["asynchronous.pt", "state.pt"], []]
     for value in values(state_checks, "round_trip"):
         assert value["same_predictions"] and value["epochs"] == 2
         assert value["keys"] == [
@@ -295,6 +298,43 @@ def test_a_run_stopped_early_is_not_continued_by_a_rerun(data, tmp_path):
     # no epoch trained: EarlyStopping's restored misses_ == patience would
     # otherwise be passed by one and never stop again
     assert rerun.history == first.history
+
+
+def test_accumulation_windows_across_epoch_ends_resume_in_phase(data, tmp_path):
+    # Without sync_with_dataloader a window of gradient accumulation runs on
+    # over an epoch's end: after one epoch of 7 batches, the state is in the
+    # middle of one. The resumed run steps the optimizers on the batches the
+    # uninterrupted one does, not on a window shifted by one batch.
+    from accelerate.utils import GradientAccumulationPlugin
+    from skorch.callbacks import Callback
+
+    from accel_mixin.callbacks import ResumeTraining, TrainingCheckpoint
+
+    class Steps(Callback):
+        in_run_identity = False
+
+        def on_grad_computed(self, net, named_parameters, **kwargs):
+            net.history.record_batch("stepped", True)
+
+    def run(dirname, max_epochs):
+        plugin = GradientAccumulationPlugin(num_steps=2, sync_with_dataloader=False)
+        torch.manual_seed(0)
+        net = AcceleratedNet(
+            MLP,
+            accelerator=Accelerator(cpu=True, gradient_accumulation_plugin=plugin),
+            max_epochs=max_epochs,
+            batch_size=32,  # 200 samples: 7 batches an epoch
+            train_split=None,
+            verbose=0,
+            callbacks=[Steps(), TrainingCheckpoint(dirname), ResumeTraining(dirname)],
+        )
+        net.fit(*data)
+        return [[bool(b.get("stepped")) for b in row["batches"]] for row in net.history]
+
+    uninterrupted = run(tmp_path / "full", 4)
+    assert uninterrupted[1][:2] == [True, False]  # the window of batches 7 and 8
+    run(tmp_path / "resumed", 1)
+    assert run(tmp_path / "resumed", 4)[1:] == uninterrupted[1:]
 
 
 def test_a_stop_by_anything_but_early_stopping_is_resumed(data, tmp_path):

@@ -35,9 +35,24 @@ def outcome(fn):
 
 @checks
 def round_trip():
+    import accel_mixin.files as files
+
     net = make_net()
     net.fit(X, y)
-    net.save_state("state.pt")
+    # the files this rank writes, synchronously and in the background
+    writes, atomic_write = [], files.atomic_write
+
+    def counting_atomic_write(path, write, **kwargs):
+        writes.append(str(path))
+        return atomic_write(path, write, **kwargs)
+
+    files.atomic_write = counting_atomic_write
+    try:
+        net.save_state("asynchronous.pt", asynchronous=True)
+        net.wait_for_saves()
+        net.save_state("state.pt")
+    finally:
+        files.atomic_write = atomic_write
     fresh = make_net()
     fresh.load_state("state.pt")
     fresh.partial_fit(X, y)  # resumed: the remaining epochs, none
@@ -45,6 +60,7 @@ def round_trip():
         "same_predictions": bool(np.array_equal(fresh.predict_proba(X), net.predict_proba(X))),
         "epochs": len(fresh.history),
         "keys": sorted(torch.load("state.pt", weights_only=True)),
+        "writes": writes,
     }
 
 

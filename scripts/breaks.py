@@ -1,0 +1,839 @@
+"""Break each module's behaviour on purpose and check that a test catches it.
+
+An audit that can be repeated (repository tooling, not part of the package):
+every entry of ``BREAKS`` replaces one exact snippet of a module of
+``accel_mixin`` with a broken version (a barrier removed, the unscale skipped,
+a write on every rank instead of the main process, ...), runs the tests that
+claim that behaviour, and restores the file, whatever happens. A break counts
+as caught only when pytest reports a failing test (exit status 1); a clean
+pass means the tests would let the broken behaviour through, and a collection
+error or a timeout proves nothing either.
+
+Usage, from a clean checkout (the file a break edits must have no
+uncommitted changes)::
+
+    .venv/bin/python scripts/breaks.py            # every break
+    .venv/bin/python scripts/breaks.py --list     # names and what they break
+    .venv/bin/python scripts/breaks.py --only files-no-fsync stepping-no-unscale
+
+It prints a markdown table and exits with status 1 if any break was not
+caught. Each run's pytest output is kept under ``--logs`` (a temporary folder
+by default) so that the failure of a caught break can be read: a test that
+fails for another reason than the break is no proof.
+"""
+
+import argparse
+import dataclasses
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from jobs import kill_job  # noqa: E402
+
+ONE_PROCESS_TIMEOUT = 300
+LAUNCHED_TIMEOUT = 900
+
+
+@dataclasses.dataclass(frozen=True)
+class Break:
+    """One deliberate defect: ``old`` in ``file`` becomes ``new``.
+
+    ``tests`` are pytest's arguments (test files or ids): those that claim the
+    behaviour, and that should fail once it is broken.
+    """
+
+    name: str
+    module: str
+    breaks: str
+    file: str
+    old: str
+    new: str
+    tests: tuple
+    timeout: int = ONE_PROCESS_TIMEOUT
+
+
+def launched(*args, **kwargs):
+    """A break whose tests launch several processes: a longer timeout."""
+    return Break(*args, **kwargs, timeout=LAUNCHED_TIMEOUT)
+
+
+MP = "tests/test_multiprocess.py::"
+SYNC = "tests/test_sync.py::"
+DIV = "tests/test_divergence.py::"
+
+BREAKS = [
+    # --- files -------------------------------------------------------------
+    Break(
+        "files-write-in-place",
+        "files",
+        "skip the atomic rename: write straight into the target",
+        "accel_mixin/files.py",
+        "    fd, tmp = _create_temporary(path)\n",
+        "    fd, tmp = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666), path\n",
+        ("tests/test_params.py",),
+    ),
+    Break(
+        "files-no-fsync",
+        "files",
+        "skip the fsync of the written file before the rename",
+        "accel_mixin/files.py",
+        "            os.fsync(f.fileno())  # the same file, however it was written\n",
+        "",
+        ("tests/test_params.py",),
+    ),
+    Break(
+        "files-sweep-live-writers",
+        "files",
+        "the sweep removes the temporary files of live writers too",
+        "accel_mixin/files.py",
+        "                abandoned = not _pid_alive(int(pid))\n",
+        "                abandoned = True\n",
+        ("tests/test_params.py",),
+    ),
+    Break(
+        "files-unsafe-load",
+        "files",
+        "load with weights_only=False: pickles may run code",
+        "accel_mixin/files.py",
+        'kwargs = {"weights_only": True} if torch_load_kwargs',
+        'kwargs = {"weights_only": False} if torch_load_kwargs',
+        ("tests/test_params.py",),
+    ),
+    # --- state_dict --------------------------------------------------------
+    Break(
+        "state_dict-no-prefix-strip",
+        "state_dict",
+        "drop the key prefix strip when loading",
+        "accel_mixin/state_dict.py",
+        "    state_dict = strip_wrapper_prefixes(state_dict)\n    expected",
+        "    expected",
+        ("tests/test_params.py",),
+    ),
+    Break(
+        "state_dict-partial-prefix",
+        "state_dict",
+        "strip a prefix that only some keys carry",
+        "accel_mixin/state_dict.py",
+        "all(k.startswith(p) for k in state_dict)",
+        "any(k.startswith(p) for k in state_dict)",
+        ("tests/test_params.py",),
+    ),
+    Break(
+        "state_dict-no-unwrap",
+        "state_dict",
+        "clean_state_dict keeps the wrapper's keys",
+        "accel_mixin/state_dict.py",
+        "    return unwrap_module(module).state_dict()",
+        "    return module.state_dict()",
+        ("tests/test_params.py", "tests/test_resume.py", "-m", "not multiprocess"),
+    ),
+    # --- params ------------------------------------------------------------
+    Break(
+        "params-plain-module-load",
+        "params",
+        "load_params loads modules without the prefix strip and key checks",
+        "accel_mixin/params.py",
+        "                load_module_state(obj, state, source=f, name=attr)\n",
+        "                obj.load_state_dict(state)\n",
+        ("tests/test_params.py",),
+    ),
+    # --- training_step / stepping -------------------------------------------
+    Break(
+        "training_step-no-unscale",
+        "training_step",
+        "skip the unscale before on_grad_computed",
+        "accel_mixin/training_step.py",
+        "            stepper.unscale(optimizers)\n",
+        "",
+        ("tests/test_divergence.py", "-m", "not multiprocess"),
+    ),
+    Break(
+        "training_step-grads-on-micro-batches",
+        "training_step",
+        "notify on_grad_computed on every micro-batch, not only where optimizers step",
+        "accel_mixin/training_step.py",
+        "        if stepper.sync_gradients:\n",
+        "        if True:\n",
+        ("tests/test_divergence.py", "-m", "not multiprocess"),
+    ),
+    Break(
+        "training_step-zero-before-forward",
+        "training_step",
+        "zero the gradients before each forward: accumulation is lost",
+        "accel_mixin/training_step.py",
+        "        if closures:\n            net._zero_grad_optimizer()",
+        "        if True:\n            net._zero_grad_optimizer()",
+        ("tests/test_divergence.py", "tests/test_mixin.py", "-m", "not multiprocess"),
+    ),
+    Break(
+        "stepping-no-loss-division",
+        "stepping",
+        "the plain path does not divide the loss by the accumulation steps",
+        "accel_mixin/stepping.py",
+        "            loss = loss / self.steps\n",
+        "            pass\n",
+        ("tests/test_stepping.py", "-m", "not multiprocess"),
+    ),
+    Break(
+        "stepping-step-while-accumulating",
+        "stepping",
+        "the plain path steps on micro-batches that do not sync",
+        "accel_mixin/stepping.py",
+        "        elif self.sync_gradients:\n            optimizer.optimizer.step(*args)",
+        "        else:\n            optimizer.optimizer.step(*args)",
+        ("tests/test_stepping.py", "-m", "not multiprocess"),
+    ),
+    launched(
+        "stepping-double-unscale",
+        "stepping",
+        "several optimizers under a scaler: the scaler updates after each",
+        "accel_mixin/stepping.py",
+        "        if scaler is None or len(optimizers) < 2:\n",
+        "        if True:\n",
+        ("tests/test_matrix.py::test_emulated_fp16_equals_fp32[fp16-accum1-two_optimizers]",),
+    ),
+    launched(
+        "stepping-closure-loss-not-averaged",
+        "stepping",
+        "LBFGS on several processes gets each rank's own loss",
+        "accel_mixin/stepping.py",
+        "            closure = _averaged(closure, self.accelerator)\n",
+        "            pass\n",
+        (MP + "test_closure_optimizers_step_alike_on_every_rank",),
+    ),
+    # --- coordination ------------------------------------------------------
+    Break(
+        "coordination-run-no-final-barrier",
+        "coordination",
+        "remove the barrier that ends run(): ranks return before the write ends",
+        "accel_mixin/coordination.py",
+        "            self.barrier(what)\n        return result",
+        "        return result",
+        ("tests/test_coordination.py",),
+    ),
+    Break(
+        "coordination-no-failure-poll",
+        "coordination",
+        "a waiting rank ignores the failures of the others",
+        "accel_mixin/coordination.py",
+        "            if failure is not None:\n                raise DistributedError(failure)",
+        "            if False:\n                raise DistributedError(failure)",
+        ("tests/test_coordination.py",),
+    ),
+    Break(
+        "coordination-gate-opens-early",
+        "coordination",
+        "a gated write becomes visible before every rank arrived",
+        "accel_mixin/coordination.py",
+        "                        with gate(self._heartbeat.paused(arrived)):",
+        "                        with gate(_passed):",
+        ("tests/test_coordination.py",),
+    ),
+    # --- history_sync / epochs -----------------------------------------------
+    Break(
+        "history_sync-padding-is-real",
+        "history_sync",
+        "count the padding of the last step as real samples",
+        "accel_mixin/history_sync.py",
+        "    return min(max(remainder - process_index * batch_size, 0), batch_size)",
+        "    return batch_size",
+        ("tests/test_history_sync.py",),
+    ),
+    Break(
+        "history_sync-rank-order",
+        "history_sync",
+        "merge the ranks' records rank after rank, not in dataset order",
+        "accel_mixin/history_sync.py",
+        "for i in range(longest) for items in per_rank if i < len(items)]",
+        "for items in per_rank for i in range(longest) if i < len(items)]",
+        ("tests/test_history_sync.py",),
+    ),
+    launched(
+        "history_sync-keep-padding-batches",
+        "history_sync",
+        "drop the padding removal: padding-only batches stay in the history",
+        "accel_mixin/history_sync.py",
+        "if not _padding_only(batch)\n",
+        "if True\n",
+        (SYNC + "test_padding_only_batches_are_neither_kept_nor_counted",),
+    ),
+    launched(
+        "epochs-loss-of-padding",
+        "epochs",
+        "record the loss of padded batches, padding included",
+        "accel_mixin/epochs.py",
+        "    return dict(step, loss=loss, y_pred=y_pred)",
+        "    return dict(step, y_pred=y_pred)",
+        (SYNC + "test_scores_equal_one_process_on_the_whole_validation_set",),
+    ),
+    launched(
+        "epochs-no-replica-check",
+        "epochs",
+        "skip the replica check after an epoch",
+        "accel_mixin/epochs.py",
+        '            check_net_replicas(net, f"after epoch {len(net.history)}")\n',
+        "            pass\n",
+        (DIV + "test_replica_check_raises_on_every_rank_naming_the_parameter_and_epoch",),
+    ),
+    # --- replicas ----------------------------------------------------------
+    Break(
+        "replicas-fingerprint-first-word",
+        "replicas",
+        "fingerprint only the first word of each tensor",
+        "accel_mixin/replicas.py",
+        "_words(tensor.reshape(-1)).sum(dtype=torch.int32)",
+        "_words(tensor.reshape(-1))[:1].sum(dtype=torch.int32)",
+        ("tests/test_divergence.py", "-m", "not multiprocess"),
+    ),
+    launched(
+        "replicas-no-same-data-check",
+        "replicas",
+        "skip the check that every rank fits on data of the same length",
+        "accel_mixin/replicas.py",
+        "    if all(lengths == everyone[0] for lengths in everyone):",
+        "    if True:",
+        (DIV + "test_data_of_other_lengths_raise_on_every_rank_at_once",),
+    ),
+    # --- net_objects / wrapping ----------------------------------------------
+    launched(
+        "net_objects-no-reprepare",
+        "net_objects",
+        "skip re-preparing a module whose trainable parameters changed",
+        "accel_mixin/net_objects.py",
+        "    if refresh:\n        prepared.prepare(",
+        "    if False:\n        prepared.prepare(",
+        (DIV + "test_freezer_after_prepare_trains_one_model",),
+    ),
+    Break(
+        "wrapping-unwrap-keeps-autocast",
+        "wrapping",
+        "unwrapping leaves accelerate's autocast patch on the raw module",
+        "accel_mixin/wrapping.py",
+        "                entry.marks = _pop_marks(entry.raw)\n",
+        "                pass\n",
+        ("tests/test_wrapping.py",),
+    ),
+    Break(
+        "wrapping-lists-keep-unwrapped",
+        "wrapping",
+        "unwrapping leaves the objects on the accelerator's lists",
+        "accel_mixin/wrapping.py",
+        "        _release(self._held)\n        self.wrapped = False",
+        "        self.wrapped = False",
+        ("tests/test_wrapping.py",),
+    ),
+    # --- internals -----------------------------------------------------------
+    Break(
+        "internals-no-list-check",
+        "internals",
+        "accept an accelerator whose private lists are gone",
+        "accel_mixin/internals.py",
+        "        if not isinstance(getattr(accelerator, name, None), list):\n",
+        "        if False:\n",
+        ("tests/test_internals.py",),
+    ),
+    # --- mixin ---------------------------------------------------------------
+    launched(
+        "mixin-no-gather",
+        "mixin",
+        "predict returns this rank's rows only",
+        "accel_mixin/mixin.py",
+        "        return self.accelerator.gather_for_metrics(convert_to_fp32(y_infer))",
+        "        return convert_to_fp32(y_infer)",
+        (MP + "test_predict_returns_every_row_in_order",),
+    ),
+    Break(
+        "net_objects-device-not-refused",
+        "net_objects",
+        "accept device= while the accelerator places the objects",
+        "accel_mixin/net_objects.py",
+        "    if net.accelerator.device_placement and (net.device is not None):",
+        "    if False:",
+        ("tests/test_mixin.py",),
+    ),
+    # --- checkpointing / process_layout ---------------------------------------
+    launched(
+        "checkpointing-every-rank-saves-state",
+        "checkpointing",
+        "swap the main-process check of save_state: every rank writes",
+        "accel_mixin/checkpointing.py",
+        "            writes = writes_files(self.accelerator)\n",
+        "            writes = True\n",
+        ("tests/test_resume.py::test_save_state_and_load_state",),
+    ),
+    launched(
+        "process_layout-every-rank-writes",
+        "process_layout",
+        "swap the main-process check: every rank writes the files",
+        "accel_mixin/process_layout.py",
+        "        return accelerator.is_local_main_process\n    return accelerator.is_main_process",
+        "        return accelerator.is_local_main_process\n    return True",
+        (MP + "test_only_the_main_process_writes",),
+    ),
+    launched(
+        "process_layout-one-writer-per-cluster",
+        "process_layout",
+        "with save_on_each_node, only the global main process writes",
+        "accel_mixin/process_layout.py",
+        "        return accelerator.is_local_main_process\n",
+        "        return accelerator.is_main_process\n",
+        ("tests/test_files.py::test_two_machines_without_a_shared_filesystem",),
+    ),
+    Break(
+        "process_layout-accept-one-process-group",
+        "process_layout",
+        "accept a launch where the accelerator sees one process of several",
+        "accel_mixin/process_layout.py",
+        "    if world_size <= 1 or accelerator.num_processes > 1:",
+        "    if True:",
+        ("tests/test_process_layout.py", "-m", "not multiprocess"),
+    ),
+    # --- output / skorch_callbacks / notifications ----------------------------
+    Break(
+        "output-swap-main-check",
+        "output",
+        "swap the main-process check of the print sink",
+        "accel_mixin/output.py",
+        "    return print if accelerator.is_main_process else silent",
+        "    return silent if accelerator.is_main_process else print",
+        ("tests/test_output.py",),
+    ),
+    Break(
+        "output-quiet-everywhere",
+        "output",
+        "quiet_unless_main silences the main process, not the others",
+        "accel_mixin/output.py",
+        "    if accelerator.is_main_process:\n        yield\n        return",
+        "    if not accelerator.is_main_process:\n        yield\n        return",
+        ("tests/test_output.py",),
+    ),
+    Break(
+        "skorch_callbacks-printlog-main-only",
+        "skorch_callbacks",
+        "PrintLog, ProgressBar, EpochTimer run on the main process only",
+        "accel_mixin/skorch_callbacks.py",
+        "        ) and not issubclass(cls, _RUN_EVERYWHERE)",
+        "        )",
+        ("tests/test_skorch_callbacks.py",),
+    ),
+    launched(
+        "skorch_callbacks-pickle-on-every-rank",
+        "skorch_callbacks",
+        "every rank writes Checkpoint's f_pickle",
+        "accel_mixin/skorch_callbacks.py",
+        "    if is_main_process:\n        yield\n        return\n    saved = []",
+        "    if True:\n        yield\n        return\n    saved = []",
+        (SYNC + "test_checkpoint_on_best_accuracy_decides_alike_and_writes_once",),
+    ),
+    launched(
+        "notifications-loggers-on-every-rank",
+        "notifications",
+        "loggers run on every rank",
+        "accel_mixin/notifications.py",
+        "        elif main:\n",
+        "        else:\n",
+        (SYNC + "test_tensorboard_records_each_value_once_from_the_main_process",),
+    ),
+    launched(
+        "notifications-no-barrier-after-begin",
+        "notifications",
+        "remove the barrier after on_train_begin and on_epoch_begin",
+        "accel_mixin/notifications.py",
+        "            if method_name in _BARRIER_AFTER:\n",
+        "            if False:\n",
+        (SYNC + "test_an_error_on_rank_1_reaches_rank_0_promptly",),
+    ),
+    # --- state_values / training_state / resuming -------------------------------
+    Break(
+        "state_values-no-torch-rng",
+        "state_values",
+        "stop restoring torch's random number generator",
+        "accel_mixin/state_values.py",
+        '    torch.set_rng_state(state["torch"])\n',
+        "",
+        ("tests/test_state_values.py",),
+    ),
+    Break(
+        "state_values-snapshot-shares-memory",
+        "state_values",
+        "the CPU snapshot of an asynchronous save shares the live tensors",
+        "accel_mixin/state_values.py",
+        '        return tensor.to("cpu", copy=True)',
+        '        return tensor.to("cpu")',
+        ("tests/test_state_values.py",),
+    ),
+    Break(
+        "training_state-no-scaler",
+        "training_state",
+        "stop restoring the gradient scaler",
+        "accel_mixin/training_state.py",
+        '        accelerator.scaler.load_state_dict(state["scaler"])',
+        "        pass",
+        ("tests/test_resume.py", "-m", "not multiprocess"),
+    ),
+    launched(
+        "training_state-no-shuffling",
+        "training_state",
+        "stop restoring the training data's shuffling",
+        "accel_mixin/training_state.py",
+        '        generator.set_state(saved["generator"])',
+        "        pass",
+        # one process shuffles with the global generator: two processes only
+        ("tests/test_resume.py::test_resumed_run_repeats_the_uninterrupted_one_bit_for_bit",),
+    ),
+    Break(
+        "training_state-no-scheduler",
+        "training_state",
+        "stop restoring the LR schedulers",
+        "accel_mixin/training_state.py",
+        "            cb.lr_scheduler_.load_state_dict(schedulers[name])",
+        "            pass",
+        ("tests/test_resume_order.py",),
+    ),
+    Break(
+        "training_state-no-accumulation-step",
+        "training_state",
+        "stop restoring the gradient accumulation step",
+        "accel_mixin/training_state.py",
+        '    accelerator.step = state["loop"]["accumulation_step"]\n',
+        "",
+        ("tests/test_resume.py", "tests/test_resume_order.py", "-m", "not multiprocess"),
+    ),
+    Break(
+        "resuming-retrain-every-epoch",
+        "resuming",
+        "a resumed fit trains max_epochs again instead of those that remain",
+        "accel_mixin/resuming.py",
+        "    return max(net.max_epochs - len(net.history), 0)",
+        "    return epochs",
+        ("tests/test_resume.py", "-m", "not multiprocess"),
+    ),
+    Break(
+        "resuming-stopped-run-continues",
+        "resuming",
+        "a run stopped by EarlyStopping is continued by a rerun",
+        "accel_mixin/resuming.py",
+        "            RuntimeWarning,\n        )\n        return 0",
+        "            RuntimeWarning,\n        )\n"
+        "        return max(net.max_epochs - len(net.history), 0)",
+        ("tests/test_resume.py", "-m", "not multiprocess"),
+    ),
+    Break(
+        "process_state-load-not-forgotten",
+        "process_state",
+        "a failed load_state leaves the previous load's state pending",
+        "accel_mixin/process_state.py",
+        "        self.pending = {}\n        self.resumed = None\n",
+        "",
+        ("tests/test_resume.py", "-m", "not multiprocess"),
+    ),
+    launched(
+        "background-error-lost",
+        "background",
+        "a failed asynchronous write is forgotten",
+        "accel_mixin/background.py",
+        "            self._error = exc\n",
+        "            pass\n",
+        ("tests/test_resume.py::test_a_failed_asynchronous_write_raises_on_every_rank",),
+    ),
+    # --- mid_epoch / checkpoint_files / callbacks -------------------------------
+    Break(
+        "mid_epoch-no-skip",
+        "mid_epoch",
+        "a resumed epoch trains its first batches again",
+        "accel_mixin/mid_epoch.py",
+        "        for _ in range(self.skip):\n",
+        "        for _ in range(0):\n",
+        ("tests/test_mid_epoch.py", "-m", "not multiprocess"),
+    ),
+    launched(
+        "mid_epoch-row-not-restored",
+        "mid_epoch",
+        "a resumed epoch loses the records of the batches done before",
+        "accel_mixin/mid_epoch.py",
+        '    net.history[-1] = partial["row"]\n',
+        "",
+        ("tests/test_mid_epoch.py",),
+    ),
+    launched(
+        "epochs-mid-epoch-rng",
+        "epochs",
+        "a resumed epoch does not restore the generators of its last batch",
+        "accel_mixin/epochs.py",
+        '                    restore_rng(resume["rng"])\n                    resume = None',
+        "                    resume = None",
+        ("tests/test_mid_epoch.py",),
+    ),
+    Break(
+        "checkpoint_files-drop-prefix",
+        "checkpoint_files",
+        "drop the prefix of the epoch-end file names",
+        "accel_mixin/checkpoint_files.py",
+        '    return f"training-state-{epoch:06d}.pt"',
+        '    return f"{epoch:06d}.pt"',
+        ("tests/test_resume.py", "-m", "not multiprocess"),
+    ),
+    Break(
+        "checkpoint_files-other-layouts",
+        "checkpoint_files",
+        "states inside an epoch of another number of processes count",
+        "accel_mixin/checkpoint_files.py",
+        "int(m.group(3)) == processes)",
+        "True)",
+        ("tests/test_mid_epoch.py", "-m", "not multiprocess"),
+    ),
+    Break(
+        "checkpoint_files-oldest",
+        "checkpoint_files",
+        "resume from the oldest common state, not the newest",
+        "accel_mixin/checkpoint_files.py",
+        "        position = max(common)",
+        "        position = min(common)",
+        ("tests/test_resume.py", "tests/test_mid_epoch.py", "-m", "not multiprocess"),
+    ),
+    Break(
+        "callbacks-rotation-keeps-more",
+        "callbacks",
+        "rotation keeps one file more than keep_last",
+        "accel_mixin/callbacks.py",
+        "checkpoint_files(self.run_folder_)[: -self.keep_last]",
+        "checkpoint_files(self.run_folder_)[: -self.keep_last - 1]",
+        ("tests/test_resume.py", "tests/test_mid_epoch.py", "-m", "not multiprocess"),
+    ),
+    Break(
+        "callbacks-every-n-inverted",
+        "callbacks",
+        "save on the epochs every_n_epochs does not name",
+        "accel_mixin/callbacks.py",
+        "        if stop or not epoch % self.every_n_epochs:",
+        "        if stop or epoch % self.every_n_epochs:",
+        ("tests/test_resume.py", "-m", "not multiprocess"),
+    ),
+    # --- runs / preemption / portable ----------------------------------------
+    Break(
+        "runs-fingerprint-ignores-values",
+        "runs",
+        "the data fingerprint hashes shapes, not values: folds share a run",
+        "accel_mixin/runs.py",
+        "        digest.update(leaf.tobytes() if",
+        "        (leaf.tobytes() if",
+        ("tests/test_runs.py", "-m", "not multiprocess"),
+    ),
+    Break(
+        "runs-max-epochs-in-identity",
+        "runs",
+        "raising max_epochs starts a new run",
+        "accel_mixin/runs.py",
+        '        "max_epochs",\n',
+        "",
+        ("tests/test_runs.py", "-m", "not multiprocess"),
+    ),
+    Break(
+        "preemption-handler-not-restored",
+        "preemption",
+        "the previous signal handlers are not put back",
+        "accel_mixin/preemption.py",
+        "            signal.signal(signum, old)",
+        "            pass",
+        ("tests/test_preemption.py", "-m", "not multiprocess"),
+    ),
+    launched(
+        "preemption-min-not-max",
+        "preemption",
+        "a notice stops the ranks only when every rank got it",
+        "accel_mixin/preemption.py",
+        "op=dist.ReduceOp.MAX",
+        "op=dist.ReduceOp.MIN",
+        (
+            "tests/test_preemption.py::test_a_notice_stops_every_rank_at_one_batch_and_the_"
+            "rerun_resumes_exactly[2-notice_one]",
+        ),
+    ),
+    Break(
+        "portable-drop-accumulation",
+        "portable",
+        "an unpickled net's accelerator loses gradient accumulation",
+        "accel_mixin/portable.py",
+        '        "gradient_accumulation_plugin": GradientAccumulationPlugin(\n'
+        "            **accelerator.gradient_state.plugin_kwargs\n        ),\n",
+        "",
+        ("tests/test_portable.py",),
+    ),
+    # --- native_output / diagnostics / __main__ ------------------------------
+    Break(
+        "native_output-last-line-lost",
+        "native_output",
+        "the filter drops a last line without a newline",
+        "accel_mixin/native_output.py",
+        "if pending and not warning.match(pending):\n    write(pending)",
+        "pass",
+        ("tests/test_native_output.py",),
+    ),
+    Break(
+        "diagnostics-layout-always-ok",
+        "diagnostics",
+        "the report says the layout check passes without running it",
+        "accel_mixin/diagnostics.py",
+        "        check_process_layout(accelerator)\n",
+        "",
+        ("tests/test_diagnostics.py", "-m", "not multiprocess"),
+    ),
+    Break(
+        "main-prints-nothing",
+        "__main__",
+        "python -m accel_mixin env prints no report",
+        "accel_mixin/__main__.py",
+        "        print(report, flush=True)",
+        "        pass",
+        ("tests/test_diagnostics.py", "-m", "not multiprocess"),
+    ),
+]
+
+
+class Stale(Exception):
+    """A break's snippet no longer occurs exactly once in its file."""
+
+
+def git_clean(path):
+    status = subprocess.run(
+        ["git", "status", "--porcelain", "--", str(path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return status.stdout.strip() == ""
+
+
+def first_failure(output, kind="FAILED"):
+    """The id of the first test pytest's ``-q`` output reports as ``kind``
+    (FAILED: an assertion or an error in the test; ERROR: in a fixture)."""
+    match = re.search(rf"^{kind} (.+?)(?: - .*)?$", output, re.MULTILINE)
+    return match.group(1) if match else ""
+
+
+def run_tests(brk, log):
+    """Run the break's tests; returns (result, caught_by)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:randomly"]
+    command += list(brk.tests)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            rc = proc.wait(timeout=brk.timeout)
+        except subprocess.TimeoutExpired:
+            kill_job(proc)
+            return "error (timeout)", ""
+        except BaseException:  # Ctrl-C, SIGTERM: no job left on a broken tree
+            kill_job(proc)
+            raise
+    output = Path(log).read_text(errors="replace")
+    if rc == 0:
+        return "NOT CAUGHT", ""
+    failed = first_failure(output)
+    if rc == 1 and failed:
+        return "caught", failed
+    # an error in a fixture (a launch that timed out, say) proves nothing
+    return f"error (pytest exit {rc})", first_failure(output, "ERROR")
+
+
+def apply_and_test(brk, logs):
+    path = ROOT / brk.file
+    original = path.read_text()
+    count = original.count(brk.old)
+    if count != 1:
+        raise Stale(
+            f"break {brk.name!r}: the snippet occurs {count} times in "
+            f"{brk.file}, not once; update the break to the current code:\n"
+            f"{brk.old}"
+        )
+    log = Path(logs) / f"{brk.name}.log"
+    try:
+        path.write_text(original.replace(brk.old, brk.new))
+        return run_tests(brk, log)
+    finally:
+        path.write_text(original)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="breaks to run")
+    parser.add_argument("--list", action="store_true", help="list the breaks")
+    parser.add_argument("--logs", help="folder for each run's pytest output")
+    args = parser.parse_args(argv)
+
+    names = [brk.name for brk in BREAKS]
+    duplicates = {name for name in names if names.count(name) > 1}
+    if duplicates:
+        parser.error(f"duplicate break names: {sorted(duplicates)}")
+    selected = BREAKS
+    if args.only:
+        unknown = set(args.only) - set(names)
+        if unknown:
+            parser.error(f"no such break: {sorted(unknown)}; see --list")
+        selected = [brk for brk in BREAKS if brk.name in args.only]
+    for brk in selected:
+        text = (ROOT / brk.file).read_text()
+        if text.count(brk.old) != 1:
+            raise Stale(
+                f"break {brk.name!r}: the snippet occurs {text.count(brk.old)} "
+                f"times in {brk.file}, not once; update it to the current code"
+            )
+    if args.list:
+        for brk in selected:
+            print(f"{brk.name:38} {brk.module:18} {brk.breaks}")
+        return 0
+
+    dirty = sorted({brk.file for brk in selected if not git_clean(ROOT / brk.file)})
+    if dirty:
+        sys.exit(f"uncommitted changes in {dirty}: commit or stash them first")
+
+    # a SIGTERM (a CI job cancelled) unwinds like Ctrl-C: the file is restored
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    logs = args.logs or tempfile.mkdtemp(prefix="accel-mixin-breaks-")
+    Path(logs).mkdir(parents=True, exist_ok=True)
+    print(f"pytest output of each break: {logs}", flush=True)
+    rows = []
+    start = time.monotonic()
+    for brk in selected:
+        began = time.monotonic()
+        result, caught_by = apply_and_test(brk, logs)
+        seconds = time.monotonic() - began
+        rows.append((brk, result, caught_by, seconds))
+        print(f"{brk.name}: {result} {caught_by} ({seconds:.0f} s)", flush=True)
+
+    print()
+    print("| break | module | breaks | tests run | result | caught by | s |")
+    print("|---|---|---|---|---|---|---|")
+    for brk, result, caught_by, seconds in rows:
+        tests = " ".join(brk.tests)
+        print(
+            f"| {brk.name} | {brk.module} | {brk.breaks} | {tests} | {result} "
+            f"| {caught_by} | {seconds:.0f} |"
+        )
+    uncaught = [brk.name for brk, result, _, _ in rows if result != "caught"]
+    total = time.monotonic() - start
+    print(f"\n{len(rows) - len(uncaught)}/{len(rows)} caught in {total:.0f} s")
+    if uncaught:
+        print(f"not caught: {' '.join(uncaught)}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
