@@ -83,6 +83,15 @@ def collect_state(net, train_iterator_state, stopped=False, position=None):
 
     """
     accelerator = net.accelerator
+    if not accelerator.gradient_state.sync_gradients and accelerator.is_main_process:
+        warnings.warn(
+            "The training state is saved inside a window of gradient accumulation (without "
+            "sync_with_dataloader, windows run on over an epoch's end): the gradients "
+            "accumulated in it are not saved, so a run resumed from it steps where the "
+            "uninterrupted one does, but without them, and does not repeat it exactly. "
+            "Keep sync_with_dataloader=True for exact resumes.",
+            RuntimeWarning,
+        )
     mine = {"rng": rng_state()}
     if position is not None:
         mine["partial"] = partial_epoch(net, position[1])
@@ -184,7 +193,6 @@ def restore_training_state(net, state, source):
     if state["scaler"] is not None and accelerator.scaler is not None:
         accelerator.scaler.load_state_dict(state["scaler"])
     net.history = History(state["history"])
-    accelerator.step = state["loop"]["accumulation_step"]
 
     rngs = state["rng"]
     rank = accelerator.process_index
@@ -212,6 +220,8 @@ def restore_training_state(net, state, source):
         "rng": rngs[rank] if rank < len(rngs) else None,
         "train_iterator": state["loop"]["train_iterator"],
         "stopped": state["loop"].get("stopped", False),
+        # after on_train_begin, which starts every fit at step 0
+        "accumulation_step": state["loop"]["accumulation_step"],
     }
     batches = state["loop"].get("batches", 0)
     if batches:
@@ -224,8 +234,11 @@ def restore_training_state(net, state, source):
 
 
 def apply_train_begin_states(net, pending):
-    """After the callbacks' on_train_begin: their state, and the state of the
-    schedulers they built."""
+    """After the callbacks' on_train_begin: their state, the state of the
+    schedulers they built, and the count of accumulation steps, which
+    on_train_begin sets to 0 for a fresh fit."""
+    if "accumulation_step" in pending:
+        net.accelerator.step = pending.pop("accumulation_step")
     callbacks = dict(net.callbacks_)
     best_weights = {}
     for name, cb_state in pending.pop("callbacks", {}).items():

@@ -15,7 +15,7 @@ from harness import check_values as values
 from harness import run_plain, run_processes
 
 from accel_mixin import CheckpointError
-from accel_mixin.checkpoint_files import agreed_checkpoint
+from accel_mixin.checkpoint_files import agreed_checkpoint, checkpoint_name
 from accel_mixin.process_state import process_state
 
 multiprocess = pytest.mark.multiprocess
@@ -316,25 +316,41 @@ def test_accumulation_windows_across_epoch_ends_resume_in_phase(data, tmp_path):
         def on_grad_computed(self, net, named_parameters, **kwargs):
             net.history.record_batch("stepped", True)
 
-    def run(dirname, max_epochs):
+    def make(max_epochs, callbacks=()):
         plugin = GradientAccumulationPlugin(num_steps=2, sync_with_dataloader=False)
         torch.manual_seed(0)
-        net = AcceleratedNet(
+        return AcceleratedNet(
             MLP,
             accelerator=Accelerator(cpu=True, gradient_accumulation_plugin=plugin),
             max_epochs=max_epochs,
             batch_size=32,  # 200 samples: 7 batches an epoch
             train_split=None,
             verbose=0,
-            callbacks=[Steps(), TrainingCheckpoint(dirname), ResumeTraining(dirname)],
+            callbacks=[Steps(), *callbacks],
         )
+
+    def run(dirname, max_epochs):
+        net = make(max_epochs, [TrainingCheckpoint(dirname), ResumeTraining(dirname)])
         net.fit(*data)
+        return stepped(net)
+
+    def stepped(net):
         return [[bool(b.get("stepped")) for b in row["batches"]] for row in net.history]
 
     uninterrupted = run(tmp_path / "full", 4)
     assert uninterrupted[1][:2] == [True, False]  # the window of batches 7 and 8
-    run(tmp_path / "resumed", 1)
+    # the window's gradients are not in the state: said, not silent
+    with pytest.warns(RuntimeWarning, match="inside a window of gradient accumulation"):
+        run(tmp_path / "resumed", 1)
     assert run(tmp_path / "resumed", 4)[1:] == uninterrupted[1:]
+
+    # load_state before fit, instead of ResumeTraining: the same phase; after
+    # 3 epochs of 7 batches the state is inside a window again
+    (run_folder,) = (tmp_path / "resumed").iterdir()
+    net = make(4)
+    net.load_state(run_folder / checkpoint_name(3, 0, 1))
+    net.fit(*data)
+    assert stepped(net)[1:] == uninterrupted[1:]
 
 
 def test_a_stop_by_anything_but_early_stopping_is_resumed(data, tmp_path):
