@@ -177,7 +177,7 @@ class TrainingCheckpoint(Callback):
     def during_fit(self, net):
         """``AccelerateMixin`` enters it around every ``fit`` and
         ``partial_fit``: the preemption notices are handled meanwhile."""
-        self._notices = notices = NoticeBoard(net.accelerator)
+        self._notices = notices = NoticeBoard(net.accelerator, watching=bool(self.signals))
         self._stop, self._inside = False, None
         with handling_signals(self.signals, notices.note):
             yield
@@ -199,7 +199,8 @@ class TrainingCheckpoint(Callback):
             self._inside = resumable_inside_epochs(net)
             if self.every_n_batches and not self._inside:
                 resumable_inside_epochs(net, explain=True)
-        # every rank polls, whatever its signals: the all-reduces must match
+        # every rank asks, whatever its signals: the all-reduces must match
+        # (the board stops polling where no rank has signals)
         notice = self._notices is not None and self._notices.agreed(drain=last)
         if notice and (last or not self._inside):
             self._stop = "epoch end"

@@ -8,6 +8,9 @@ notes the notice. After every training batch the ranks combine their notes
 in one small all-reduce, started without waiting and read one batch later,
 so every rank learns of a notice at the same batch, at most two batches
 after it arrived on any rank, whether one rank got the signal or all did.
+The first poll of a fit waits for its all-reduce, which also tells every
+rank whether any of them handles signals: where none does, no rank polls
+again, and training pays nothing for notices that cannot come.
 """
 
 import signal
@@ -30,12 +33,17 @@ class NoticeBoard:
     accelerator : accelerate.Accelerator
       The net's accelerator.
 
+    watching : bool (default=True)
+      Whether this rank handles signals (``note`` is its handler).
+
     """
 
-    def __init__(self, accelerator):
+    def __init__(self, accelerator, watching=True):
         self.accelerator = accelerator
+        self.watching = watching
         self.received = None  # the number of the signal, once one came
         self._pending = None  # the all-reduce started after the last batch
+        self._polling = None  # whether any rank watches; known after the first poll
 
     def note(self, signum, frame=None):  # pylint: disable=unused-argument
         """The signal handler: remember the notice, nothing else."""
@@ -50,18 +58,27 @@ class NoticeBoard:
         if self.accelerator.num_processes == 1:
             return self.received is not None
         agreed = False
-        if self._pending is not None:
+        if self._polling is None:
+            flags = self._flag(self.watching, self.received is not None)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            self._polling, agreed = (bool(flag) for flag in flags.tolist())
+        elif self._pending is not None:
             work, flag = self._pending
             work.wait()
             agreed = bool(flag.item())
-        flag = torch.tensor(
-            [int(self.received is not None)], dtype=torch.int32, device=self.accelerator.device
-        )
+        if not self._polling:
+            return agreed
+        flag = self._flag(self.received is not None)
         self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
         if drain:
             self.close()
             agreed = agreed or bool(flag.item())
         return agreed
+
+    def _flag(self, *values):
+        return torch.tensor(
+            [int(value) for value in values], dtype=torch.int32, device=self.accelerator.device
+        )
 
     def close(self):
         """Wait for the last all-reduce, which every rank started."""

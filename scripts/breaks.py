@@ -659,11 +659,35 @@ BREAKS = [
         "preemption",
         "a notice stops the ranks only when every rank got it",
         "accel_mixin/preemption.py",
-        "op=dist.ReduceOp.MAX",
-        "op=dist.ReduceOp.MIN",
+        "dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)",
+        "dist.all_reduce(flag, op=dist.ReduceOp.MIN, async_op=True)",
         (
             "tests/test_preemption.py::test_a_notice_stops_every_rank_at_one_batch_and_the_"
             "rerun_resumes_exactly[2-notice_one]",
+        ),
+    ),
+    launched(
+        "preemption-polling-when-one-rank-watches",
+        "preemption",
+        "the ranks stop polling unless every rank handles signals",
+        "accel_mixin/preemption.py",
+        "dist.all_reduce(flags, op=dist.ReduceOp.MAX)",
+        "dist.all_reduce(flags, op=dist.ReduceOp.MIN)",
+        (
+            "tests/test_preemption.py::test_a_notice_stops_every_rank_at_one_batch_and_the_"
+            "rerun_resumes_exactly[2-notice_mixed]",
+        ),
+    ),
+    launched(
+        "callbacks-polls-without-signals",
+        "callbacks",
+        "TrainingCheckpoint(signals=()) still polls for notices after every batch",
+        "accel_mixin/callbacks.py",
+        "NoticeBoard(net.accelerator, watching=bool(self.signals))",
+        "NoticeBoard(net.accelerator)",
+        (
+            "tests/test_preemption.py::"
+            "test_where_no_rank_handles_signals_no_rank_polls_after_the_first_batch",
         ),
     ),
     Break(

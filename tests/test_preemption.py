@@ -53,6 +53,7 @@ CASES = [
     (1, "notice_one", "SIGTERM during batch 5 of epoch 2", [2, 6]),
     (2, "notice_one", "SIGTERM to rank 1 during batch 5 of epoch 2", [2, 6]),
     (2, "notice_all", "torchrun forwarding SIGTERM during batch 3 of epoch 3", [3, 4]),
+    (2, "notice_mixed", "SIGTERM to rank 0, the one rank that handles it, in batch 5", [2, 6]),
     (2, "notice_last", "SIGTERM during epoch 2's last training batch", [2, 9]),
 ]
 
@@ -71,12 +72,22 @@ def test_a_notice_stops_every_rank_at_one_batch_and_the_rerun_resumes_exactly(
         assert "Run the same script again to resume there" in rank["preempted"]
         assert rank["stopped_at"] == stop  # the same batch on every rank
         assert rank["handler_after_fit"]  # SIGTERM's handler is the default again
+        if nproc > 1:  # a poll after every training batch, on every rank
+            assert rank["notice_polls"] > 10
     if mode == "notice_last":
         assert all("at the end of epoch 2" in rank["preempted"] for rank in ranks)
     resumed = launch(nproc, "resume", tmp_path).check()
     for rank in resumed:
         assert rank["history"] == uninterrupted[nproc]["history"]
         assert rank["params"] == uninterrupted[nproc]["params"]
+
+
+@pytest.mark.multiprocess
+def test_where_no_rank_handles_signals_no_rank_polls_after_the_first_batch(uninterrupted, tmp_path):
+    for rank in launch(2, "quiet", tmp_path).check():
+        assert rank["notice_polls"] == 1  # the first poll of the fit, which finds out
+        assert rank["history"] == uninterrupted[2]["history"]
+        assert rank["params"] == uninterrupted[2]["params"]
 
 
 @pytest.mark.multiprocess

@@ -12,6 +12,9 @@ Usage: midepoch_run.py MODE DIRNAME
                 worker, during batch 3 of epoch 3
   notice_last   SIGTERM during the last training batch of epoch 2: training
                 stops at the end of epoch 2
+  notice_mixed  as notice_one, but only rank 0 handles SIGTERM, and gets it
+  quiet         TrainingCheckpoint(signals=()) on every rank: after the
+                first poll of the fit, no rank polls for notices
   elastic       under torchrun --max-restarts: in the first attempt, rank 1
                 SIGKILLs itself after batch 8 of epoch 2; torchrun restarts
                 every worker, which resume and finish
@@ -27,9 +30,11 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 from common import AcceleratedNet, DropoutMLP, make_accelerator, make_data, report
 from skorch.callbacks import Callback, EpochScoring, LRScheduler
 
+import accel_mixin.preemption
 from accel_mixin import Preempted
 from accel_mixin.callbacks import ResumeTraining, TrainingCheckpoint
 
@@ -37,6 +42,23 @@ MODE, DIRNAME = sys.argv[1], sys.argv[2]
 accelerator = make_accelerator(gradient_accumulation_steps=2)
 RANK = accelerator.process_index
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+class CountingDist:
+    """torch.distributed for the notice board, counting its all-reduces."""
+
+    def __init__(self):
+        self.all_reduces = 0
+
+    def __getattr__(self, name):
+        return getattr(dist, name)
+
+    def all_reduce(self, *args, **kwargs):
+        self.all_reduces += 1
+        return dist.all_reduce(*args, **kwargs)
+
+
+accel_mixin.preemption.dist = polls = CountingDist()
 
 
 class At(Callback):
@@ -73,6 +95,11 @@ def term_self(net):  # pylint: disable=unused-argument
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def term_rank0(net):  # pylint: disable=unused-argument
+    if RANK == 0:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def term_launcher(net):  # pylint: disable=unused-argument
     if RANK == 0:
         os.kill(os.getppid(), signal.SIGTERM)
@@ -99,7 +126,14 @@ callbacks = [
 every = {"crash": 3, "resume": 3, "elastic": 3}.get(MODE)
 if MODE != "full":
     callbacks += [
-        TrainingCheckpoint(DIRNAME, every_n_batches=every, keep_last=3),
+        TrainingCheckpoint(
+            DIRNAME,
+            every_n_batches=every,
+            keep_last=3,
+            signals=()
+            if MODE == "quiet" or (MODE == "notice_mixed" and RANK)
+            else (signal.SIGTERM,),
+        ),
         ResumeTraining(DIRNAME),
     ]
 train_batches = -(-int(len(X) * 0.8) // (16 * accelerator.num_processes))
@@ -107,6 +141,7 @@ callbacks += {
     "crash": [At(2, 8, die)],
     "notice_one": [At(2, 5, term_self)],
     "notice_all": [At(3, 3, term_launcher)],
+    "notice_mixed": [At(2, 5, term_rank0)],
     "notice_last": [At(2, train_batches, term_self)],
     "elastic": [At(2, 8, kill_once)],
 }.get(MODE, [])
@@ -144,6 +179,7 @@ report(
         ),
         "files": sorted(os.listdir(checkpoint.run_folder_)) if checkpoint else [],
         "attempt": ATTEMPT,
+        "notice_polls": polls.all_reduces,
     }
 )
 sys.exit(75 if preempted else 0)
