@@ -32,12 +32,20 @@ def test_benchmarks_run_and_report(tmp_path):
 
     results = tmp_path / "results"
     fit_1 = json.loads((results / "raw" / "fit_1.json").read_text())
-    assert set(fit_1["results"]) == {"skorch", "accel_mixin", "incumbent", "accelerate loop"}
+    assert set(fit_1["results"]) == {
+        "skorch",
+        "accel_mixin",
+        "incumbent",
+        "accelerate loop",
+        "accel_mixin, notices polled",
+        "accel_mixin, signals=()",
+    }
     assert fit_1["results"]["skorch"]["ratio"] == 1.0
     assert all(len(row["runs_s"]) == 2 for row in fit_1["results"].values())
     fit_2 = json.loads((results / "raw" / "fit_2.json").read_text())
     assert fit_2["processes"] == 2 and "skorch" not in fit_2["results"]
     assert "accel_mixin, no history sync" in fit_2["results"]
+    assert "accel_mixin, signals=()" in fit_2["results"]
     checkpoint = json.loads((results / "raw" / "checkpoint_2.json").read_text())
     assert set(checkpoint["save"]) == {
         "torch.save",
@@ -68,6 +76,7 @@ def test_benchmarks_run_and_report(tmp_path):
 
     table = (results / "bench.md").read_text()
     assert "unwrap + rewrap" in table and "| target |" in table
+    assert "TrainingCheckpoint(signals=()) that never saves" in table
     assert "history sync: at most 1.05" in table
     assert "asynchronous checkpoint: stall" in table
     assert "replica check: at most 1% of an epoch" in table

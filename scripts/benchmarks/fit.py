@@ -1,6 +1,8 @@
 """Fit time: plain skorch, the incumbent, accel_mixin and a hand-written
 accelerate loop doing the same work (training, then per-epoch validation loss
-and accuracy on a 20% stratified split).
+and accuracy on a 20% stratified split). Two variants of accel_mixin add a
+TrainingCheckpoint that never saves: what polling for preemption notices
+costs, and what it costs with signals=().
 
     python scripts/benchmarks/fit.py --out results/raw/fit_1.json
     ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2 scripts/benchmarks/fit.py --out ...
@@ -28,6 +30,7 @@ from skorch.hf import AccelerateMixin as IncumbentMixin
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # pylint: disable=wrong-import-position
 from common import Timer, alternate, seed_everything, summarize, write_result
+from report import POLLING, QUIET
 
 from accel_mixin import AccelerateMixin
 from accel_mixin.callbacks import TrainingCheckpoint
@@ -81,10 +84,6 @@ class ParamNLLLoss(torch.nn.NLLLoss):
 
 
 NO_SYNC = "accel_mixin, no history sync"
-# TrainingCheckpoint polls for preemption notices after every training batch
-# (a small non-blocking all-reduce on several processes), even where it never
-# saves: this variant measures that cost alone
-POLLING = "accel_mixin + TrainingCheckpoint, no saves"
 
 
 def skorch_fit(net_cls, X, y, args, **kwargs):
@@ -175,6 +174,14 @@ def main():
         args,
         accelerator=accelerator,
         callbacks=[TrainingCheckpoint(folder, every_n_epochs=10**9)],
+    )
+    variants[QUIET] = lambda: skorch_fit(
+        OursNet,
+        X,
+        y,
+        args,
+        accelerator=accelerator,
+        callbacks=[TrainingCheckpoint(folder, every_n_epochs=10**9, signals=())],
     )
     if processes == 1:
         variants = {"skorch": lambda: skorch_fit(NeuralNetClassifier, X, y, args), **variants}
