@@ -13,6 +13,7 @@ itself::
 
 import os
 import signal
+import threading
 from contextlib import contextmanager
 
 from skorch.callbacks import Callback
@@ -177,7 +178,9 @@ class TrainingCheckpoint(Callback):
     def during_fit(self, net):
         """``AccelerateMixin`` enters it around every ``fit`` and
         ``partial_fit``: the preemption notices are handled meanwhile."""
-        self._notices = notices = NoticeBoard(net.accelerator, watching=bool(self.signals))
+        # outside the main thread no handler can be installed
+        watching = bool(self.signals) and threading.current_thread() is threading.main_thread()
+        self._notices = notices = NoticeBoard(net.accelerator, watching=watching)
         self._stop, self._inside = False, None
         with handling_signals(self.signals, notices.note):
             yield

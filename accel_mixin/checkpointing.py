@@ -17,7 +17,11 @@ from accel_mixin.process_state import process_state
 from accel_mixin.resuming import resume
 from accel_mixin.skorch_callbacks import stopped_early
 from accel_mixin.state_values import cpu_snapshot
-from accel_mixin.training_state import collect_state, train_iterator_state
+from accel_mixin.training_state import (
+    collect_state,
+    train_iterator_state,
+    warn_if_inside_accumulation,
+)
 
 __all__ = ["CheckpointingMixin"]
 
@@ -134,6 +138,9 @@ class CheckpointingMixin(SafeParamsMixin):
             if stopped is None:
                 stopped = process.position is None and stopped_early(self.callbacks_)
             state = collect_state(self, shuffling, stopped=stopped, position=process.position)
+            # after the collective of collect_state, inside the session: a
+            # warning turned into an error reaches every rank
+            warn_if_inside_accumulation(self.accelerator)
             writes = writes_files(self.accelerator)
             if not asynchronous:
                 self._coordinator.run(

@@ -17,8 +17,8 @@ saved inside an epoch resumes that epoch where it was saved
 (``continue_epoch``, ``mid_epoch``).
 """
 
+import functools
 import warnings
-from functools import partial
 
 from accel_mixin.files import read_state
 from accel_mixin.mid_epoch import apply_partial_epoch
@@ -44,7 +44,9 @@ def resume(net, path):
     state = coordinator.run(lambda: _read(net, path), what="load_state")
     was_wrapped = _load_weights(net, coordinator, state, path)
     _prepare(net, was_wrapped)
-    pending = coordinator.run(partial(restore_training_state, net, state, path), what="load_state")
+    pending = coordinator.run(
+        functools.partial(restore_training_state, net, state, path), what="load_state"
+    )
     del state  # before the wait: the largest object of the load
     process.pending = pending
     process.resumed = {"stopped": pending.pop("stopped", False)}

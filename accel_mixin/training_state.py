@@ -61,6 +61,24 @@ def _schedulers(net):
             yield name, cb
 
 
+def warn_if_inside_accumulation(accelerator):
+    """Say so on the main process where a state saved now misses gradients:
+    those accumulated since the last optimizer step, which no state holds."""
+    # accelerate counts the batches since the last sync in its own step
+    # (0 at a dataloader's end with sync_with_dataloader); the gradient
+    # state's flags are shared by every Accelerator of the process
+    steps = accelerator.gradient_accumulation_steps
+    if steps > 1 and accelerator.step % steps and accelerator.is_main_process:
+        warnings.warn(
+            "The training state is saved inside a window of gradient accumulation (without "
+            "sync_with_dataloader, windows run on over an epoch's end): the gradients "
+            "accumulated in it are not saved, so a run resumed from it steps where the "
+            "uninterrupted one does, but without them, and does not repeat it exactly. "
+            "Keep sync_with_dataloader=True for exact resumes.",
+            RuntimeWarning,
+        )
+
+
 def collect_state(net, train_iterator_state, stopped=False, position=None):
     """The training state of ``net``; every rank calls it (for the RNGs).
 
@@ -83,15 +101,6 @@ def collect_state(net, train_iterator_state, stopped=False, position=None):
 
     """
     accelerator = net.accelerator
-    if not accelerator.gradient_state.sync_gradients and accelerator.is_main_process:
-        warnings.warn(
-            "The training state is saved inside a window of gradient accumulation (without "
-            "sync_with_dataloader, windows run on over an epoch's end): the gradients "
-            "accumulated in it are not saved, so a run resumed from it steps where the "
-            "uninterrupted one does, but without them, and does not repeat it exactly. "
-            "Keep sync_with_dataloader=True for exact resumes.",
-            RuntimeWarning,
-        )
     mine = {"rng": rng_state()}
     if position is not None:
         mine["partial"] = partial_epoch(net, position[1])

@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -351,6 +352,36 @@ def test_accumulation_windows_across_epoch_ends_resume_in_phase(data, tmp_path):
     net.load_state(run_folder / checkpoint_name(3, 0, 1))
     net.fit(*data)
     assert stepped(net)[1:] == uninterrupted[1:]
+
+
+def test_states_outside_a_window_of_accumulation_save_without_a_warning(data, tmp_path):
+    # A window left open by another net's fit (gradient state is shared by
+    # every Accelerator of a process) is no reason to warn; nor is an epoch
+    # of 7 batches under accumulation 2 when its end syncs, as by default.
+    from accelerate.utils import GradientAccumulationPlugin
+
+    def make(**plugin):
+        return AcceleratedNet(
+            MLP,
+            accelerator=Accelerator(
+                cpu=True,
+                gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2, **plugin),
+            ),
+            max_epochs=1,
+            batch_size=32,  # 200 samples: 7 batches an epoch
+            train_split=None,
+            verbose=0,
+        )
+
+    with pytest.warns(RuntimeWarning, match="inside a window of gradient accumulation"):
+        open_window = make(sync_with_dataloader=False).fit(*data)
+        open_window.save_state(tmp_path / "open.pt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        net = make().initialize()
+        net.save_state(tmp_path / "before.pt")
+        net.fit(*data)
+        net.save_state(tmp_path / "after.pt")
 
 
 def test_a_stop_by_anything_but_early_stopping_is_resumed(data, tmp_path):
