@@ -13,7 +13,6 @@ itself::
 
 import os
 import signal
-import threading
 from contextlib import contextmanager
 
 from skorch.callbacks import Callback
@@ -25,7 +24,7 @@ from accel_mixin.checkpoint_files import (
     checkpoint_positions,
 )
 from accel_mixin.mid_epoch import resumable_inside_epochs
-from accel_mixin.preemption import NoticeBoard, Preempted, handling_signals
+from accel_mixin.preemption import NoticeBoard, Preempted, can_handle, handling_signals
 from accel_mixin.process_layout import writes_files
 from accel_mixin.runs import (
     describe_differences,
@@ -178,8 +177,7 @@ class TrainingCheckpoint(Callback):
     def during_fit(self, net):
         """``AccelerateMixin`` enters it around every ``fit`` and
         ``partial_fit``: the preemption notices are handled meanwhile."""
-        # outside the main thread no handler can be installed
-        watching = bool(self.signals) and threading.current_thread() is threading.main_thread()
+        watching = can_handle(self.signals)
         self._notices = notices = NoticeBoard(net.accelerator, watching=watching)
         self._stop, self._inside = False, None
         with handling_signals(self.signals, notices.note):

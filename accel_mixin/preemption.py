@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from accel_mixin.coordination import Preempted
 
-__all__ = ["NoticeBoard", "Preempted", "handling_signals"]
+__all__ = ["NoticeBoard", "Preempted", "can_handle", "handling_signals"]
 
 
 class NoticeBoard:
@@ -87,12 +87,18 @@ class NoticeBoard:
             self._pending = None
 
 
+def can_handle(signals):
+    """Whether ``handling_signals`` installs handlers for ``signals`` here:
+    Python installs them in the main thread only."""
+    return bool(signals) and threading.current_thread() is threading.main_thread()
+
+
 @contextmanager
 def handling_signals(signals, handler):
     """Handle ``signals`` with ``handler`` while the block runs, then put the
     previous handlers back. Outside the main thread, where Python cannot
     install handlers, the signals keep theirs."""
-    if not signals or threading.current_thread() is not threading.main_thread():
+    if not can_handle(signals):
         yield
         return
     previous = {signum: signal.signal(signum, handler) for signum in signals}

@@ -121,42 +121,32 @@ def accelerate_calls(monkeypatch):
     """accelerate's per-batch methods, replaced on their classes by recorders
     of their names. On the classes, so that the Stepper still sees them as
     accelerate's own."""
-    calls = []
-
-    def recorder(name):
-        def record(*args, **kwargs):
-            calls.append(name)
-            return contextlib.nullcontext()
-
-        return record
-
-    for name in ACCELERATOR_CALLS:
-        monkeypatch.setattr(Accelerator, name, recorder(name))
-    for name in OPTIMIZER_CALLS:
-        monkeypatch.setattr(AcceleratedOptimizer, name, recorder(name))
-    return calls
+    return recorded_calls(monkeypatch, make_them=False)
 
 
 @pytest.fixture
 def accelerate_calls_made(monkeypatch):
     """The names of accelerate's per-batch methods called, in order; unlike
     ``accelerate_calls``, each call is then made."""
+    return recorded_calls(monkeypatch, make_them=True)
+
+
+def recorded_calls(monkeypatch, make_them):
     calls = []
 
-    def spy(cls, name):
+    def recorder(cls, name):
         method = getattr(cls, name)
 
         @functools.wraps(method)
         def record(*args, **kwargs):
             calls.append(name)
-            return method(*args, **kwargs)
+            return method(*args, **kwargs) if make_them else contextlib.nullcontext()
 
         return record
 
-    for name in ACCELERATOR_CALLS:
-        monkeypatch.setattr(Accelerator, name, spy(Accelerator, name))
-    for name in OPTIMIZER_CALLS:
-        monkeypatch.setattr(AcceleratedOptimizer, name, spy(AcceleratedOptimizer, name))
+    for cls, names in ((Accelerator, ACCELERATOR_CALLS), (AcceleratedOptimizer, OPTIMIZER_CALLS)):
+        for name in names:
+            monkeypatch.setattr(cls, name, recorder(cls, name))
     return calls
 
 
