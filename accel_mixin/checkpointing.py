@@ -8,6 +8,10 @@ files are complete and raises if any process failed. The training state's
 format is ``training_state``'s, its restore ``resuming``'s.
 """
 
+import warnings
+
+from skorch.exceptions import DeviceWarning
+
 from accel_mixin.files import replacing_after, write_state
 from accel_mixin.internals import batch_sampler_owner
 from accel_mixin.output import quiet_unless_main
@@ -80,7 +84,11 @@ class CheckpointingMixin(SafeParamsMixin):
     def _check_device(self, requested_device, map_device):
         if requested_device is None:
             # The accelerator places the objects: map files to the CPU, keep
-            # device=None and say nothing.
+            # device=None and say nothing. skorch's (or an override's) check
+            # still runs, for what else it does.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeviceWarning)
+                super()._check_device(requested_device, map_device)
             return None
         return super()._check_device(requested_device, map_device)
 

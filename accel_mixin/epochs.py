@@ -3,8 +3,9 @@
 With even batches, accelerate pads the last batches of an epoch so that every
 rank takes the same number of steps. The padding trains (it keeps the ranks
 in step) but is not counted: the history records the loss and size of the
-real samples of each batch, and callbacks see only those, or, for a batch with
-none, the whole batch recorded with size 0.
+real samples of each batch, and callbacks see only those (an empty batch,
+recorded with size 0 and loss 0, where a rank's batch is all padding).
+skorch's own ``run_single_epoch`` runs the loop (``EpochBatches``).
 
 At the end of an epoch the ranks share their records (``history_sync``), every
 rank runs the callbacks on the same row, and the ranks agree on the row, on
@@ -26,74 +27,119 @@ from accel_mixin.replicas import check_net_replicas, check_same_steps
 from accel_mixin.skorch_callbacks import main_process_pickles, stopped_early
 from accel_mixin.state_values import restore_rng
 
-__all__ = ["end_epoch", "run_epoch"]
+__all__ = ["EpochBatches", "end_epoch"]
 
 
-def run_epoch(net, iterator, training, prefix, step_fn, autocast, **fit_params):
-    """skorch's ``run_single_epoch``, counting the real samples of each batch.
+class EpochBatches:
+    """One epoch's batches for skorch's ``run_single_epoch``.
 
-    ``autocast`` is the context manager of the net's precision, for the loss
-    of the real samples of a padded batch. While training batches run, the
-    net's process state holds the position a training state saved there
-    records; a resumed epoch skips the batches its state had done
-    (``mid_epoch``). After each training batch, callbacks with an
-    ``on_batch_finished(net, training, batches)`` hook run, after every callback's
-    ``on_batch_end``, with ``batches``, the training batches done in the
-    epoch: ``TrainingCheckpoint`` saves there.
+    Iterating it yields the batches of ``iterator``, each as the view of its
+    real samples (padding off; empty where the batch is all padding), and
+    ``step(step_fn)`` is the step function to pass beside it: it trains on
+    the whole batch and returns the step of its real samples. So skorch's own
+    loop (and a user's override of it) records and notifies what one process
+    would. ``batch_count`` counts the batches with real samples.
+
+    While training batches run, the net's process state holds the position
+    a training state saved there records; a resumed epoch skips the batches
+    its state had done (``mid_epoch``). After each training batch, callbacks
+    with an ``on_batch_finished(net, training, batches)`` hook run, after
+    every callback's ``on_batch_end``, with ``batches``, the training batches
+    done in the epoch: ``TrainingCheckpoint`` saves there.
+
+    Parameters
+    ----------
+    net : AccelerateMixin net
+      The net running the epoch.
+
+    iterator : DataLoader
+      Prepared by accelerate.
+
+    training : bool
+      Whether the epoch trains.
+
+    autocast : callable
+      The context manager of the net's precision, for the loss of the real
+      samples of a padded batch.
+
     """
-    accelerator = net.accelerator
-    processes, rank = accelerator.num_processes, accelerator.process_index
-    if training and processes > 1:
-        check_same_steps(accelerator, iterator)
-    # without even batches nothing is padded: every sample is real
-    padded = processes > 1 and accelerator.even_batches
-    process = process_state(net)
-    resume, done, batch_count, finished = None, 0, 0, []
-    if training:
-        resume, process.resume_at = process.resume_at, None
-        if resume is not None:
-            done, batch_count = resume["batches"], resume["batch_count"]
-        finished = [h for _, cb in net.callbacks_ for h in [hook(cb, "on_batch_finished")] if h]
-    try:
-        with skipping_batches(iterator, done):
-            for batch in iterator:
-                if resume is not None:
-                    # the generators as they were after the last batch trained
-                    restore_rng(resume["rng"])
-                    resume = None
-                size = get_len(batch[0]) if isinstance(batch, (tuple, list)) else get_len(batch)
-                real = (
-                    real_samples(accelerator.gradient_state, processes, rank, size)
-                    if padded
-                    else size
-                )
-                view = batch if real in (0, size) else leading_samples(batch, real)
-                net.notify("on_batch_begin", batch=view, training=training)
-                step = step_fn(batch, **fit_params)
-                if view is not batch:
-                    step = _real_step(net, step, view, real, training, autocast)
-                net.history.record_batch(prefix + "_loss", step["loss"].item() if real else 0.0)
-                net.history.record_batch(prefix + "_batch_size", real)
-                batch_count += bool(real)  # padding alone is no batch of the data
-                if training:
-                    done += 1
-                    process.position = (done, batch_count)
-                net.notify("on_batch_end", batch=view, training=training, **step)
-                for finish in finished:
-                    finish(net, training=True, batches=done)
-        if resume is not None:  # every batch was done already
-            restore_rng(resume["rng"])
-            # as accelerate counts a pass that yields batches
-            iterator.iteration = getattr(iterator, "iteration", 0) + 1
-    finally:
+
+    def __init__(self, net, iterator, training, autocast):
+        self.net = net
+        self.iterator = iterator
+        self.training = training
+        self.autocast = autocast
+        accelerator = net.accelerator
+        self.processes, self.rank = accelerator.num_processes, accelerator.process_index
+        # without even batches nothing is padded: every sample is real
+        self.padded = self.processes > 1 and accelerator.even_batches
+        self.process = process_state(net)
+        self.resume, self.done, self.batch_count, self.finished = None, 0, 0, []
+        self._batch = self._real = None
         if training:
-            process.position = None
-    net.history.record(prefix + "_batch_count", batch_count)
+            self.resume, self.process.resume_at = self.process.resume_at, None
+            if self.resume is not None:
+                self.done, self.batch_count = self.resume["batches"], self.resume["batch_count"]
+            self.finished = [
+                h for _, cb in net.callbacks_ for h in [hook(cb, "on_batch_finished")] if h
+            ]
+
+    def __iter__(self):
+        net, accelerator = self.net, self.net.accelerator
+        if self.training and self.processes > 1:
+            check_same_steps(accelerator, self.iterator)
+        try:
+            with skipping_batches(self.iterator, self.done):
+                for batch in self.iterator:
+                    if self.resume is not None:
+                        # the generators as they were after the last batch trained
+                        restore_rng(self.resume["rng"])
+                        self.resume = None
+                    size = _size(batch)
+                    real = (
+                        real_samples(accelerator.gradient_state, self.processes, self.rank, size)
+                        if self.padded
+                        else size
+                    )
+                    self._batch, self._real = batch, real
+                    yield batch if real == size else leading_samples(batch, real)
+                    # skorch recorded the batch and notified on_batch_end
+                    for finish in self.finished:
+                        finish(net, training=True, batches=self.done)
+            if self.resume is not None:  # every batch was done already
+                restore_rng(self.resume["rng"])
+                # as accelerate counts a pass that yields batches
+                self.iterator.iteration = getattr(self.iterator, "iteration", 0) + 1
+        finally:
+            if self.training:
+                self.process.position = None
+
+    def step(self, step_fn):
+        """``step_fn`` on the whole batch; the step of its real samples."""
+
+        def real_step(view, **fit_params):
+            batch, real = self._batch, self._real
+            step = step_fn(batch, **fit_params)
+            self.batch_count += bool(real)  # padding alone is no batch of the data
+            if self.training:
+                self.done += 1
+                self.process.position = (self.done, self.batch_count)
+            if view is batch:
+                return step
+            return _real_step(self.net, step, view, real, self.training, self.autocast)
+
+        return real_step
+
+
+def _size(batch):
+    return get_len(batch[0]) if isinstance(batch, (tuple, list)) else get_len(batch)
 
 
 def _real_step(net, step, view, real, training, autocast):
     """The step's loss and prediction for the real samples of its batch."""
     y_pred = leading_samples(step["y_pred"], real)
+    if not real:
+        return dict(step, loss=torch.zeros((), device=step["loss"].device), y_pred=y_pred)
     Xi, yi = unpack_data(view)
     with torch.no_grad(), autocast():
         loss = net.get_loss(y_pred, yi, X=Xi, training=training)

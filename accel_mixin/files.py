@@ -30,7 +30,11 @@ from skorch.history import History
 from accel_mixin.state_dict import CheckpointError
 
 __all__ = [
+    "atomic_files",
     "atomic_write",
+    "check_readable",
+    "history_error",
+    "read_error",
     "read_history",
     "read_state",
     "replacing_after",
@@ -96,47 +100,80 @@ def _sweep(path):
                     os.unlink(full)
 
 
-# Replacing the last name of a file frees its blocks inside the rename, a
-# third of a second for 200 MB here; a file at least this large first gets a
-# second name, and its blocks are freed in the background. A smaller one is
-# freed faster than a thread starts.
-FREE_IN_BACKGROUND_FROM = 16 * 2**20
-
-
-def _second_name(path, tmp):
-    """Link the file at ``path`` under a temporary name, or return None."""
-    previous = tmp + "-previous"
-    try:
-        os.link(path, previous)
-    except OSError:  # no previous file, or no hard links on this filesystem
-        return None
-    return previous
-
-
-def _unlink_in_background(path):
-    threading.Thread(target=_unlink_quietly, args=(path,), daemon=True).start()
-
-
-def _unlink_quietly(path):
-    with contextlib.suppress(OSError):
-        os.unlink(path)
-
-
 _GATE = threading.local()
 
 
 @contextlib.contextmanager
 def replacing_after(wait):
     """Within the block, atomic writes of this thread call ``wait()`` just
-    before they replace their target: a write prepared while other processes
+    before they replace their targets: a write prepared while other processes
     arrive becomes visible only once they all have. If ``wait`` raises, the
-    target is left as it was."""
+    targets are left as they were."""
     previous = getattr(_GATE, "wait", None)
     _GATE.wait = wait
     try:
         yield
     finally:
         _GATE.wait = previous
+
+
+def _resolve_target(path):
+    """The file to replace for ``path``, and its status (None if missing)."""
+    path = os.fspath(path)
+    target = _target_status(path)
+    if target is not None and stat.S_ISLNK(target.st_mode):
+        # update the file the link points to; replacing the link itself
+        # would cut it off from its target
+        path = os.path.realpath(path)
+        target = _target_status(path)
+    if target is not None and stat.S_ISDIR(target.st_mode):
+        raise IsADirectoryError(
+            f"Cannot save to {path}: it is a directory; pass a file name such as "
+            f"{os.path.join(path, 'params.pt')}"
+        )
+    return path, target
+
+
+@contextlib.contextmanager
+def atomic_files(paths):
+    """Write the files ``paths`` as one unit: all of them or none.
+
+    Yields the names of temporary files, one per path in the same order and
+    directory, for the block to write (by name). After the block each is
+    fsynced and, once all are complete, renamed into place; an error before
+    that leaves every target as it was and removes the temporary files.
+    """
+    written = []  # (target, temporary, fd, mode)
+    try:
+        for path in paths:
+            path, target = _resolve_target(path)
+            _sweep(path)
+            fd, tmp = _create_temporary(path)
+            written.append((path, tmp, fd, _Mode(fd, target)))
+        yield [tmp for _, tmp, _, _ in written]
+        for _, _, fd, mode in written:
+            mode.finish()
+            os.fsync(fd)  # the same file, however it was written
+        wait = getattr(_GATE, "wait", None)
+        if wait is not None:
+            wait()
+        for path, tmp, _, _ in written:
+            os.replace(tmp, path)
+    except BaseException:
+        for _, tmp, _, _ in written:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        raise
+    finally:
+        for _, _, fd, _ in written:
+            os.close(fd)
+    for directory in {os.path.dirname(os.path.abspath(path)) for path, _, _, _ in written}:
+        with contextlib.suppress(OSError):  # make the renames themselves durable
+            dir_fd = os.open(directory, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
 
 
 def atomic_write(path, write, *, by_name=False):
@@ -157,51 +194,12 @@ def atomic_write(path, write, *, by_name=False):
       is faster than through a Python file object.
 
     """
-    path = os.fspath(path)
-    target = _target_status(path)
-    if target is not None and stat.S_ISLNK(target.st_mode):
-        # update the file the link points to; replacing the link itself
-        # would cut it off from its target
-        path = os.path.realpath(path)
-        target = _target_status(path)
-    if target is not None and stat.S_ISDIR(target.st_mode):
-        raise IsADirectoryError(
-            f"Cannot save to {path}: it is a directory; pass a file name such as "
-            f"{os.path.join(path, 'params.pt')}"
-        )
-    directory = os.path.dirname(os.path.abspath(path))
-    _sweep(path)
-    fd, tmp = _create_temporary(path)
-    try:
-        with os.fdopen(fd, "wb") as f:  # closes the descriptor, whatever happens next
-            mode = _Mode(fd, target)
-            if by_name:
-                write(tmp)
-            else:
+    with atomic_files([path]) as (tmp,):
+        if by_name:
+            write(tmp)
+        else:
+            with open(tmp, "wb") as f:
                 write(f)
-                f.flush()
-            mode.finish()
-            os.fsync(f.fileno())  # the same file, however it was written
-        wait = getattr(_GATE, "wait", None)
-        if wait is not None:
-            wait()
-        large = target is not None and target.st_size >= FREE_IN_BACKGROUND_FROM
-        previous = _second_name(path, tmp) if large else None
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    with contextlib.suppress(OSError):  # make the rename itself durable
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    if previous:
-        # after the fsync, whose journal commit would otherwise wait for
-        # the freeing of the old file's blocks
-        _unlink_in_background(previous)
 
 
 def _target_status(path):
@@ -288,7 +286,7 @@ def write_history(history, f):
         f.write(content)
 
 
-def _check_readable(f):
+def check_readable(f):
     if not _is_path(f):
         return
     if os.path.isdir(f):
@@ -335,7 +333,7 @@ def read_state(f, *, use_safetensors=False, torch_load_kwargs=None, map_location
       If the file is truncated, corrupt, or would run code when unpickled.
 
     """
-    _check_readable(f)
+    check_readable(f)
     if use_safetensors:
         return _read_safetensors(f, map_location)
     kwargs = {"weights_only": True} if torch_load_kwargs is None else dict(torch_load_kwargs)
@@ -344,29 +342,48 @@ def read_state(f, *, use_safetensors=False, torch_load_kwargs=None, map_location
         kwargs["mmap"] = True
     try:
         return torch.load(f, **kwargs)
-    except pickle.UnpicklingError as exc:
-        # the refusal of a global, as torch words it across releases
-        if kwargs.get("weights_only") and any(
-            hint in str(exc)
-            for hint in ("allowed global", "Unsupported global", "Unsupported class")
-        ):
-            raise CheckpointError(
+    except Exception as exc:  # pylint: disable=broad-except
+        error = read_error(f, exc, weights_only=kwargs.get("weights_only"))
+        if error is None:
+            raise
+        raise error from exc
+
+
+# how torch words the refusal of a global under weights_only, across releases
+_REFUSALS = ("allowed global", "unsupported global", "unsupported class", "blocked")
+
+
+def read_error(f, exc, *, weights_only, use_safetensors=False):
+    """The ``CheckpointError`` that says what is wrong with the file ``f``,
+    whose reading raised ``exc``; None where the environment failed, not the
+    file (``OSError``, ``ImportError``, ``MemoryError``)."""
+    if isinstance(exc, CheckpointError):
+        return exc
+    if use_safetensors:
+        if isinstance(exc, (safetensors.SafetensorError, ValueError, OSError)):
+            return CheckpointError(
+                f"{f} is not a complete safetensors file, it may be truncated, corrupt, or "
+                f"saved without use_safetensors=True ({exc})"
+            )
+        return None
+    if isinstance(exc, pickle.UnpicklingError):
+        if weights_only and any(hint in str(exc).lower() for hint in _REFUSALS):
+            return CheckpointError(
                 f"Refused to load {f}: it holds objects whose unpickling would run code, "
                 "and files are loaded with weights_only=True. If you trust the file and "
                 "its source, pass torch_load_kwargs={'weights_only': False} to the net."
-            ) from exc
-        raise _unreadable(f, exc) from exc
-    except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile) as exc:
-        raise CheckpointError(
+            )
+        return _unreadable(f, exc)
+    if isinstance(exc, (RuntimeError, EOFError, ValueError, zipfile.BadZipFile)):
+        return CheckpointError(
             f"{f} is not a complete torch file, it may be truncated or corrupt "
             f"({type(exc).__name__}: {exc}){_safetensors_hint(f)}; load an earlier checkpoint "
             "or save again."
-        ) from exc
-    except (OSError, ImportError, MemoryError):
-        raise  # the environment, not the file
-    except Exception as exc:  # pylint: disable=broad-except
-        # garbage makes the unpickler fail in any way (IndexError, KeyError, ...)
-        raise _unreadable(f, exc) from exc
+        )
+    if isinstance(exc, (OSError, ImportError, MemoryError)):
+        return None  # the environment, not the file
+    # garbage makes the unpickler fail in any way (IndexError, KeyError, ...)
+    return _unreadable(f, exc)
 
 
 def _unreadable(f, exc):
@@ -398,18 +415,26 @@ def _read_safetensors(f, map_location):
             return safetensors.torch.load_file(f, device=device)
         return safetensors.torch.load(f.read())
     except (safetensors.SafetensorError, ValueError, OSError) as exc:
-        raise CheckpointError(
-            f"{f} is not a complete safetensors file, it may be truncated, corrupt, or "
-            f"saved without use_safetensors=True ({exc})"
-        ) from exc
+        raise read_error(f, exc, weights_only=True, use_safetensors=True) from exc
 
 
 def read_history(f):
     """Load a skorch History from JSON, with an error that names the file."""
-    _check_readable(f)
+    check_readable(f)
     try:
         return History.from_file(f)
-    except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as exc:
-        raise CheckpointError(
+    except Exception as exc:  # pylint: disable=broad-except
+        error = history_error(f, exc)
+        if error is None:
+            raise
+        raise error from exc
+
+
+def history_error(f, exc):
+    """The ``CheckpointError`` for the history file ``f`` whose reading
+    raised ``exc``, or None if the file is not to blame."""
+    if isinstance(exc, (json.JSONDecodeError, UnicodeDecodeError, TypeError)):
+        return CheckpointError(
             f"{f} is not a history file that save_params wrote (invalid JSON: {exc})"
-        ) from exc
+        )
+    return None

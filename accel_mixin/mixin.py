@@ -5,20 +5,19 @@ and leaves what accelerate adds to a module of its own (the README's
 development section maps them).
 """
 
-import inspect
 import weakref
 from contextlib import contextmanager
 from typing import ClassVar
 
 from accelerate.utils import DistributedType, convert_to_fp32
 from skorch.dataset import unpack_data
-from skorch.net import NeuralNet
 
 from accel_mixin.background import finished_on_error
 from accel_mixin.checkpointing import CheckpointingMixin
-from accel_mixin.epochs import end_epoch, run_epoch
+from accel_mixin.epochs import EpochBatches, end_epoch
 from accel_mixin.native_output import native_warnings_dropped
 from accel_mixin.net_objects import (
+    bare_modules,
     check_optimizers,
     check_params,
     net_modules,
@@ -26,7 +25,11 @@ from accel_mixin.net_objects import (
     raw,
     slots,
 )
-from accel_mixin.notifications import callbacks_during_fit, notify_callbacks, notify_in_section
+from accel_mixin.notifications import (
+    callbacks_during_fit,
+    callbacks_of_this_rank,
+    notify_in_section,
+)
 from accel_mixin.output import quiet_unless_main, sink_for
 from accel_mixin.portable import PortableAccelerator, settle_unpickled
 from accel_mixin.process_layout import (
@@ -35,22 +38,15 @@ from accel_mixin.process_layout import (
     collect_garbage_at_exit,
 )
 from accel_mixin.process_state import ATTRIBUTE as PROCESS_STATE
-from accel_mixin.replicas import check_net_replicas, check_same_data, named_parameters
+from accel_mixin.replicas import check_net_replicas, check_same_data
 from accel_mixin.resuming import begin_epoch, continue_epoch, epochs_to_train
 from accel_mixin.skorch_callbacks import main_process_pickles, progress_of_this_rank
 from accel_mixin.stepping import Stepper
 from accel_mixin.training_state import apply_prepared_states, apply_train_begin_states
-from accel_mixin.training_step import clear_gradients, step_optimizers, train_step
+from accel_mixin.training_step import check_overrides, clear_gradients
 from accel_mixin.wrapping import prepare_dataloader
 
 __all__ = ["AccelerateMixin"]
-
-# skorch >= 1.4 tells partial_fit that fit called it, for metadata routing
-_FIT_ROUTING = (
-    {"_routing_method": "fit"}
-    if "_routing_method" in inspect.signature(NeuralNet.fit_loop).parameters
-    else {}
-)
 
 
 class AccelerateMixin(CheckpointingMixin):
@@ -154,6 +150,8 @@ class AccelerateMixin(CheckpointingMixin):
     def initialize(self):
         """Initializes all of its components as skorch does, then prepares
         them for the accelerator; returns self."""
+        if self._process.keep_loaded:
+            return self  # fit after load_state: skorch's fit goes on from it
         self._process.forget_loaded_state()  # a fresh start
         with quiet_unless_main(self.accelerator):
             super().initialize()
@@ -191,6 +189,7 @@ class AccelerateMixin(CheckpointingMixin):
         if self.accelerator.distributed_type != DistributedType.NO:
             collect_garbage_at_exit()
         check_optimizers(self)
+        check_overrides(self, AccelerateMixin)
         self._process.prepared.prepare(self.accelerator, slots(self))
         return self
 
@@ -210,10 +209,13 @@ class AccelerateMixin(CheckpointingMixin):
                 self._process.prepared.wrap(self.accelerator)
 
     def get_all_learnable_params(self):
-        # As in skorch, but from the raw objects, so that the names carry no
-        # DDP prefix, and lazily, as callers may consume it.
-        objects = (raw(self, name) for name in self._modules + self._criteria)
-        return named_parameters(("", obj) for obj in objects if hasattr(obj, "named_parameters"))
+        # skorch's (or an override's) with the net's own modules in place of
+        # their wrappers: names carry no DDP prefix, and an override reaches
+        # the module's attributes. Lazily, as skorch's, but taken whole under
+        # the swap, which must not outlast the call.
+        with bare_modules(self):
+            params = list(super().get_all_learnable_params())
+        yield from params
 
     # --- training -----------------------------------------------------------
 
@@ -237,11 +239,11 @@ class AccelerateMixin(CheckpointingMixin):
             # before initialize(), whose preparation runs DDP's collectives:
             # a rank in another call learns it here, naming both calls
             self._coordinator.barrier("fit")
-            if not (self.initialized_ and self._process.resumed):
+            self._process.keep_loaded = bool(self.initialized_ and self._process.resumed)
+            try:
                 return super().fit(X, y, **fit_params)
-            # skorch's fit, without its initialize()
-            self.partial_fit(X, y, **_FIT_ROUTING, **fit_params)
-            return self
+            finally:
+                self._process.keep_loaded = False
 
     def partial_fit(self, X, y=None, classes=None, **fit_params):
         if not self.initialized_:  # as skorch does first, for the callbacks' contexts
@@ -271,6 +273,10 @@ class AccelerateMixin(CheckpointingMixin):
     def notify(self, method_name, **cb_kwargs):
         # Every notification is a section (see notifications.py); what goes
         # into collectives follows once every rank's callbacks succeeded.
+        if method_name == "on_grad_computed":
+            if not self._stepper.sync_gradients:
+                return  # partial sums of an accumulation window (training_step.py)
+            self._stepper.unscale([getattr(self, name + "_") for name in self._optimizers])
         step = self._NOTIFIED.get(method_name)
         notify_in_section(
             self._coordinator,
@@ -288,10 +294,8 @@ class AccelerateMixin(CheckpointingMixin):
             prepare_retrainable_modules(self)  # after Freezer, Unfreezer and the like
 
     def _notify_callbacks(self, method_name, **cb_kwargs):
-        if self.accelerator.num_processes == 1:
+        with callbacks_of_this_rank(self, self._coordinator):
             super().notify(method_name, **cb_kwargs)
-        else:
-            notify_callbacks(self, self._coordinator, method_name, **cb_kwargs)
 
     def _train_begins(self, **cb_kwargs):
         # Callbacks set up on the net's own objects (an LR scheduler is built
@@ -337,41 +341,65 @@ class AccelerateMixin(CheckpointingMixin):
             )
 
     def run_single_epoch(self, iterator, training, prefix, step_fn, **fit_params):
-        """Run one epoch of training or validation, as skorch does; the
-        padding of even batches trains but is not counted (see ``epochs``)."""
-        if iterator is not None:
-            run_epoch(
-                self, iterator, training, prefix, step_fn, self._stepper.autocast, **fit_params
-            )
+        """Run one epoch of training or validation: skorch's loop over the
+        real samples of each batch; the padding of even batches trains but
+        is not counted (see ``epochs``)."""
+        if iterator is None:
+            return super().run_single_epoch(iterator, training, prefix, step_fn, **fit_params)
+        batches = EpochBatches(self, iterator, training, self._stepper.autocast)
+        super().run_single_epoch(batches, training, prefix, batches.step(step_fn), **fit_params)
+        self.history.record(prefix + "_batch_count", batches.batch_count)
+        return None
 
     def train_step_single(self, batch, **fit_params):
+        stepper = self._stepper
+        if stepper.plain_backward:
+            with stepper.autocast():
+                return super().train_step_single(batch, **fit_params)
+        # accelerate's backward divides the loss for accumulation and scales
+        # it for the gradient scaler, which skorch's loss.backward() cannot
         self._set_training(True)
         Xi, yi = unpack_data(batch)
-        with self._stepper.autocast():
+        with stepper.autocast():
             y_pred = self.infer(Xi, **fit_params)
             loss = self.get_loss(y_pred, yi, X=Xi, training=True)
-        self._stepper.backward(loss)
+        self.accelerator.backward(loss)
         return {
             "loss": loss,
             "y_pred": y_pred,
         }
 
     def train_step(self, batch, **fit_params):
-        """Forward, backward, optimizer step and zeroing of the gradients,
-        with accelerate's gradient accumulation and scaling; see
-        ``accel_mixin.training_step`` for when the optimizers step and
-        ``on_grad_computed`` is notified."""
-        return train_step(self, self._stepper, batch, **fit_params)
-
-    def _step_optimizer(self, step_fn, closures=None):
+        """skorch's ``train_step`` within accelerate's gradient accumulation;
+        see ``accel_mixin.training_step`` for when the optimizers step, the
+        gradients are zeroed and ``on_grad_computed`` is notified."""
+        stepper = self._stepper
         optimizers = [getattr(self, name + "_") for name in self._optimizers]
-        if closures is None:
-            closures = self._stepper.closures_for(optimizers)
-        step_optimizers(self._stepper, optimizers, step_fn, closures)
+        wrapped = lambda: [module for _, module in net_modules(self, unwrapped=False)]  # noqa: E731
+        with stepper.accumulate(wrapped):
+            with stepper.step_window(stepper.closures_for(optimizers)):
+                step = super().train_step(batch, **fit_params)
+            if stepper.steps > 1 and stepper.sync_gradients:
+                self._zero_grad_optimizer()  # skorch's zeroing, after the step
+        return step
+
+    def _step_optimizer(self, step_fn):
+        stepper = self._stepper
+        optimizers = [getattr(self, name + "_") for name in self._optimizers]
+        if step_fn is not None and stepper.closures_for(optimizers):
+            return super()._step_optimizer(stepper.closure(step_fn))
+        # compute the gradients once; every optimizer steps on them
+        if step_fn is not None:
+            step_fn()
+        with stepper.one_scaler_update():
+            return super()._step_optimizer(None)
 
     def _zero_grad_optimizer(self, set_to_none=None):
-        for name in self._optimizers:
-            self._stepper.zero_grad(getattr(self, name + "_"), set_to_none=set_to_none)
+        if self._stepper.deferring:
+            return  # inside an accumulation window: after the step (train_step)
+        if set_to_none is None:
+            return super()._zero_grad_optimizer()
+        return super()._zero_grad_optimizer(set_to_none=set_to_none)
 
     def validation_step(self, batch, **fit_params):
         with self._stepper.autocast():

@@ -10,6 +10,8 @@ decides which modules must be prepared again because their trainable
 parameters changed.
 """
 
+from contextlib import contextmanager
+
 import torch
 from accelerate.utils import DistributedType
 from skorch.callbacks import LRScheduler
@@ -20,6 +22,7 @@ from accel_mixin.stepping import takes_closures
 from accel_mixin.wrapping import Slot, requires_closure
 
 __all__ = [
+    "bare_modules",
     "check_optimizers",
     "check_params",
     "net_modules",
@@ -75,6 +78,25 @@ def net_modules(net, unwrapped=True):
         module = raw(net, name) if unwrapped else getattr(net, name + "_", None)
         if isinstance(module, torch.nn.Module):
             yield name, module
+
+
+@contextmanager
+def bare_modules(net):
+    """Within the block the net's module and criterion attributes hold the
+    objects the net built, not their wrappers; a cheap swap, for code that
+    reads the modules as skorch leaves them (``get_all_learnable_params``)."""
+    swapped = []
+    for name in net._modules + net._criteria:  # pylint: disable=protected-access
+        current = getattr(net, name + "_", None)
+        bare = raw(net, name)
+        if bare is not current:
+            swapped.append((name + "_", current))
+            setattr(net, name + "_", bare)
+    try:
+        yield
+    finally:
+        for attr, current in swapped:
+            setattr(net, attr, current)
 
 
 def check_params(net):

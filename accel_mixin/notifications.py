@@ -27,7 +27,7 @@ from contextlib import ExitStack, contextmanager
 from accel_mixin.coordination import DistributedError, Preempted
 from accel_mixin.skorch_callbacks import main_process_only
 
-__all__ = ["callbacks_during_fit", "hook", "notify_callbacks", "notify_in_section"]
+__all__ = ["callbacks_during_fit", "callbacks_of_this_rank", "hook", "notify_in_section"]
 
 _BARRIER_AFTER = frozenset(["on_train_begin", "on_epoch_begin"])
 _PER_BATCH = frozenset(["on_batch_begin", "on_batch_end", "on_grad_computed"])
@@ -51,22 +51,48 @@ def notify_in_section(coordinator, method_name, notify):
                 coordinator.barrier(method_name)
 
 
-def notify_callbacks(net, coordinator, method_name, **cb_kwargs):
-    """skorch's ``notify`` on several processes, loggers on the main one only.
-
-    A collective call that a logger makes raises at once on every rank,
-    naming the logger (``save_params`` excepted, which the main process then
-    writes alone: ``WandbLogger(save_model=True)``, ``MlflowLogger``).
-    """
-    # skorch's loop, which has no way to leave a callback out
-    getattr(net, method_name)(net, **cb_kwargs)
+@contextmanager
+def callbacks_of_this_rank(net, coordinator):
+    """Within the block ``net.callbacks_`` holds what this rank runs, for
+    skorch's ``notify``: loggers on the main process only, where a collective
+    call that one makes raises at once on every rank, naming the logger
+    (``save_params`` excepted, which the main process then writes alone:
+    ``WandbLogger(save_model=True)``, ``MlflowLogger``). Without loggers (the
+    common case) nothing changes."""
+    callbacks = net.callbacks_
+    if not any(main_process_only(cb) for _, cb in callbacks):
+        yield
+        return
     main = net.accelerator.is_main_process
-    for name, cb in net.callbacks_:
-        if not main_process_only(cb):
-            getattr(cb, method_name)(net, **cb_kwargs)
-        elif main:
-            with coordinator.running_alone(f"the callback {name!r}"):
-                getattr(cb, method_name)(net, **cb_kwargs)
+    net.callbacks_ = [
+        (name, _RunningAlone(cb, coordinator, name) if main_process_only(cb) else cb)
+        for name, cb in callbacks
+        if main or not main_process_only(cb)
+    ]
+    try:
+        yield
+    finally:
+        net.callbacks_ = callbacks
+
+
+class _RunningAlone:
+    """A main-process-only callback whose notifications run alone."""
+
+    def __init__(self, callback, coordinator, name):
+        self._callback = callback
+        self._coordinator = coordinator
+        self._who = f"the callback {name!r}"
+
+    def __getattr__(self, name):
+        attr = getattr(self._callback, name)
+        if not name.startswith("on_") or not callable(attr):
+            return attr
+
+        def alone(*args, **kwargs):
+            with self._coordinator.running_alone(self._who):
+                return attr(*args, **kwargs)
+
+        return alone
 
 
 def hook(callback, name):

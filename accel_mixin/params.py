@@ -1,9 +1,13 @@
 """save_params and load_params whose files users can trust."""
 
-import torch
-from skorch.utils import _check_f_arguments, get_map_location
+import os
+import zipfile
+from contextlib import contextmanager
 
-from accel_mixin.files import read_history, read_state, write_history, write_state
+import torch
+from skorch.utils import _check_f_arguments
+
+from accel_mixin.files import atomic_files, check_readable, history_error, read_error
 from accel_mixin.state_dict import CheckpointError, clean_state_dict, load_module_state
 
 __all__ = ["SafeParamsMixin", "load_optimizer_state"]
@@ -23,18 +27,20 @@ class SafeParamsMixin:
     """``save_params`` and ``load_params`` for files users can trust.
 
     Works with any skorch net, e.g. ``class Net(SafeParamsMixin,
-    NeuralNetClassifier)``; ``AccelerateMixin`` builds on it. Compared with
-    skorch's own methods:
+    NeuralNetClassifier)``; ``AccelerateMixin`` builds on it. skorch's own
+    methods run (and so do overrides of them on a class below this one),
+    with what they read and write adapted:
 
-    - Files are written atomically: to a temporary file in the target
-      directory, flushed, fsynced and renamed into place. A crash or an
-      error during a save leaves the previous file as it was.
+    - Files are written atomically: skorch writes them under temporary
+      names in their target directories; once all of them are complete they
+      are fsynced and renamed into place together. A crash or an error
+      during a save leaves the previous files as they were.
     - Module keys are saved without the ``module.`` and ``_orig_mod.``
       prefixes of DDP and ``torch.compile``; loading strips such prefixes
       when every key of the file carries them.
     - Loading uses ``weights_only=True`` (or skorch's ``torch_load_kwargs``)
-      and maps torch files into memory, so it adds about one file's size to
-      peak memory, not two.
+      and maps module files into memory, so it adds about one file's size
+      to peak memory, not two.
     - A missing, truncated or corrupt file, a directory, another
       architecture or a file with code in it raises an error that names the
       file, the key and, where the shapes differ, both shapes.
@@ -55,24 +61,22 @@ class SafeParamsMixin:
     ):
         """Save the state of the net's modules, optimizers and history.
 
-        See ``skorch.net.NeuralNet.save_params``; files are written
-        atomically and module keys carry no wrapper prefix.
+        See ``skorch.net.NeuralNet.save_params``, which this calls (an
+        override of it on a class below this one runs too), with temporary
+        file names beside the targets: the files are renamed into place
+        together once all are written, and module keys carry no wrapper
+        prefix.
 
         """
-        kwargs_module, kwargs_other = _check_f_arguments(
-            "save_params",
+        files = dict(
             f_params=f_params,
             f_optimizer=f_optimizer,
             f_criterion=f_criterion,
             f_history=f_history,
             **kwargs,
         )
-        if not kwargs_module and not kwargs_other:
-            if self.verbose:
-                print("Nothing to save")
-            return
-
-        states = {}
+        kwargs_module, _ = _check_f_arguments("save_params", **files)
+        # everything is checked before the first file is written
         for attr, f in kwargs_module.items():
             obj = self._checked_attribute(attr, "save")
             if use_safetensors and not isinstance(obj, torch.nn.Module):
@@ -81,14 +85,10 @@ class SafeParamsMixin:
                     "safetensors stores tensors only, and the state of an optimizer "
                     "holds other objects; save it without safetensors."
                 )
-            states[attr] = (
-                clean_state_dict(obj) if isinstance(obj, torch.nn.Module) else obj.state_dict()
-            )
-        # everything is checked before the first file is written
-        for attr, f in kwargs_module.items():
-            write_state(states[attr], f, use_safetensors=use_safetensors)
-        if kwargs_other.get("f_history") is not None:
-            write_history(self.history, kwargs_other["f_history"])
+        named = {key: f for key, f in files.items() if isinstance(f, (str, os.PathLike))}
+        with atomic_files(named.values()) as temporaries, self._accessing(_Saving):
+            files.update(zip(named, temporaries))
+            super().save_params(use_safetensors=use_safetensors, **files)
 
     def load_params(
         self,
@@ -102,62 +102,142 @@ class SafeParamsMixin:
     ):
         """Load the state of the net's modules, optimizers and history.
 
-        See ``skorch.net.NeuralNet.load_params``; loading is safe, lean and
-        tolerant of wrapper prefixes, and errors name the file.
+        See ``skorch.net.NeuralNet.load_params``, which this calls (an
+        override of it on a class below this one runs too); loading is safe
+        and tolerant of wrapper prefixes, and errors name the file.
 
         """
-        kwargs_full = {}
-        if checkpoint is not None:
-            if not self.initialized_:
-                self.initialize()
-            if f_history is None and checkpoint.f_history is not None:
-                self.history = read_history(checkpoint.f_history_)
-            kwargs_full.update(**checkpoint.get_formatted_files(self))
-        kwargs_full.update(**kwargs)
-        for key, val in (
-            ("f_params", f_params),
-            ("f_optimizer", f_optimizer),
-            ("f_criterion", f_criterion),
-            ("f_history", f_history),
-        ):
-            if val:
-                kwargs_full[key] = val
-        kwargs_module, kwargs_other = _check_f_arguments("load_params", **kwargs_full)
-        if not kwargs_module and not kwargs_other:
-            if self.verbose:
-                print("Nothing to load")
-            return
+        explicit = dict(kwargs, f_params=f_params, f_optimizer=f_optimizer, f_criterion=f_criterion)
 
-        if kwargs_other.get("f_history") is not None:
-            self.history = read_history(kwargs_other["f_history"])
-        map_location = get_map_location(self.device)
-        self.device = self._check_device(self.device, map_location)
-        for attr, f in kwargs_module.items():
-            obj = self._checked_attribute(attr, "load")
-            is_module = isinstance(obj, torch.nn.Module)
-            if use_safetensors and not is_module:
-                raise ValueError(
-                    f"Cannot load f_{attr[:-1]} from {f} with use_safetensors=True: "
-                    "optimizers are not saved with safetensors."
+        def files():
+            # as skorch resolves them, once it read a checkpoint's history,
+            # which its file names may be formatted with
+            resolved = dict(kwargs)
+            if checkpoint is not None:
+                resolved = dict(checkpoint.get_formatted_files(self), **kwargs)
+            resolved.update({key: val for key, val in explicit.items() if val})
+            return _check_f_arguments("load_params", **resolved)[0]
+
+        if f_history is None and checkpoint is not None and checkpoint.f_history is not None:
+            f_history_read = checkpoint.f_history_
+        else:
+            f_history_read = f_history
+        check_readable(f_history_read)  # skorch reads it first
+        # skorch reads every file with the same torch_load_kwargs, which it
+        # takes once: a dict of ours, in which module files get mmap=True
+        # (loading then adds one file's size to peak memory, not two) and
+        # optimizer files, whose tensors the optimizer keeps, do not
+        user_kwargs = self.torch_load_kwargs
+        load_kwargs = {"weights_only": True} if user_kwargs is None else dict(user_kwargs)
+        loading = _Loading(files, f_history_read, use_safetensors, load_kwargs)
+        weights_only = load_kwargs.get("weights_only")
+        self.torch_load_kwargs = load_kwargs
+        with self._accessing(loading.adapter):
+            try:
+                super().load_params(
+                    f_params=f_params,
+                    f_optimizer=f_optimizer,
+                    f_criterion=f_criterion,
+                    f_history=f_history,
+                    checkpoint=checkpoint,
+                    use_safetensors=use_safetensors,
+                    **kwargs,
                 )
-            state = read_state(
-                f,
-                use_safetensors=use_safetensors,
-                torch_load_kwargs=self.torch_load_kwargs,
-                map_location=map_location,
-                # an optimizer keeps the loaded tensors: copy them, do not map
-                mmap=is_module,
-            )
-            if is_module:
-                load_module_state(obj, state, source=f, name=attr)
-            else:
-                load_optimizer_state(obj, state, source=f, name=attr)
-            del state
+            except Exception as exc:  # pylint: disable=broad-except
+                error = loading.error(exc, weights_only)
+                if error is None or error is exc:
+                    raise
+                raise error from exc
+            finally:
+                self.torch_load_kwargs = user_kwargs
+
+    @contextmanager
+    def _accessing(self, adapter):
+        """Within the block ``_get_module`` returns ``adapter(attr, obj)``."""
+        self.__dict__[_ADAPTER] = adapter
+        try:
+            yield
+        finally:
+            self.__dict__.pop(_ADAPTER, None)
+
+    def _get_module(self, name, msg):
+        module = super()._get_module(name, msg)
+        adapter = self.__dict__.get(_ADAPTER)
+        return module if adapter is None else adapter(name, module)
 
     def _checked_attribute(self, attr, action):
         if attr.endswith("_") and not self.initialized_:
             self.check_is_fitted([attr], msg=_NOT_INITIALIZED.format(action))
         return self._get_module(attr, msg=_NO_ATTRIBUTE.format(action))
+
+
+_ADAPTER = "_accel_mixin_params_adapter"
+
+
+class _Saving:
+    """What skorch's save_params saves of a module or optimizer: module
+    keys without wrapper prefixes."""
+
+    def __init__(self, attr, obj):
+        self._obj = obj
+
+    def state_dict(self):
+        if isinstance(self._obj, torch.nn.Module):
+            return clean_state_dict(self._obj)
+        return self._obj.state_dict()
+
+
+class _Loading:
+    """Where skorch's load_params loads: checked loads, and the file that a
+    failure is about."""
+
+    def __init__(self, files, f_history, use_safetensors, load_kwargs):
+        self._files, self.files = files, None
+        self.f_history = f_history
+        self.use_safetensors = use_safetensors
+        self.load_kwargs = load_kwargs
+        self.mmap = "mmap" not in load_kwargs  # unless the user decides
+        self.reading = None  # the file skorch reads now
+
+    def adapter(self, attr, obj):
+        # skorch reads the file next
+        if self.files is None:
+            self.files = self._files()
+        self.reading = self.files.get(attr)
+        check_readable(self.reading)
+        if self.mmap:
+            self.load_kwargs.pop("mmap", None)
+            if isinstance(obj, torch.nn.Module) and _is_zip(self.reading):
+                self.load_kwargs["mmap"] = True
+        return _Loader(self, attr, obj)
+
+    def error(self, exc, weights_only):
+        if self.reading is not None:
+            return read_error(
+                self.reading, exc, weights_only=weights_only, use_safetensors=self.use_safetensors
+            )
+        if self.f_history is not None:
+            return history_error(self.f_history, exc)
+        return None
+
+
+def _is_zip(f):
+    return isinstance(f, (str, os.PathLike)) and zipfile.is_zipfile(f)
+
+
+class _Loader:
+    def __init__(self, loading, attr, obj):
+        self._loading, self._attr, self._obj = loading, attr, obj
+
+    def state_dict(self):
+        return self._obj.state_dict()
+
+    def load_state_dict(self, state):
+        source, self._loading.reading = self._loading.reading, None
+        if isinstance(self._obj, torch.nn.Module):
+            load_module_state(self._obj, state, source=source, name=self._attr)
+        else:
+            load_optimizer_state(self._obj, state, source=source, name=self._attr)
 
 
 def load_optimizer_state(optimizer, state, *, source, name):

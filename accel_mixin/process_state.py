@@ -37,6 +37,8 @@ class ProcessState:
     pending: dict = field(default_factory=dict)
     # set by load_state: the next fit goes on from the loaded state
     resumed: Optional[dict] = None
+    # while a fit goes on from a loaded state: initialize() keeps it
+    keep_loaded: bool = False
     # while an epoch's training batches run: (batches done, batches with real
     # samples), what a training state saved there records
     position: Optional[tuple] = None

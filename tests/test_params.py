@@ -506,29 +506,6 @@ def test_a_symlinked_target_keeps_its_link_and_updates_the_file(tmp_path):
     nets()["plain skorch"].load_params(f_params=link)
 
 
-def test_a_large_replaced_file_is_freed_in_the_background(tmp_path, monkeypatch):
-    from accel_mixin import files
-
-    monkeypatch.setattr(files, "FREE_IN_BACKGROUND_FROM", 1)  # every file counts as large
-    target = tmp_path / "params.pt"
-    target.write_bytes(b"old")
-    linked = []
-    second_name = files._second_name  # pylint: disable=protected-access
-
-    def spying(path, tmp):
-        linked.append(second_name(path, tmp))
-        return linked[-1]
-
-    monkeypatch.setattr(files, "_second_name", spying)
-    files.write_state({"w": torch.ones(3)}, target)
-    assert linked and linked[0].endswith("-previous")
-    deadline = time.monotonic() + 10
-    while stray_files(tmp_path) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert stray_files(tmp_path) == []
-    assert torch.equal(torch.load(target)["w"], torch.ones(3))
-
-
 def write_as_another_user(path, umask):
     """write_state in a forked child that runs as nobody with ``umask``;
     returns the child's exit status and the file's mode."""

@@ -1,33 +1,28 @@
-"""Stepper does what accelerate's calls do, in the plain case and otherwise.
+"""What the mixin adds to skorch's training step (``stepping.Stepper``).
 
-Every configuration its plain path covers is trained through it and through
-accelerate's calls, which must give the same weights bit for bit (in one
-process here, in two through ``launched/stepping_check.py``); every
-configuration it does not cover must send each call through accelerate.
+skorch's own step runs with accelerate's optimizers; these tests check what
+the Stepper adds around it: accumulation, autocast, the backward that
+decides whether skorch's ``train_step_single`` can run, one gradient scaler
+update for several optimizers, and a real gradient scaler through the mixin.
 """
 
 import contextlib
-import copy
 import functools
 
 import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
-from accelerate.state import PartialState
-from accelerate.utils import DistributedType
 from common import MLP, AcceleratedNet
-from harness import run_processes
 from skorch.callbacks import Callback, GradientNormClipping
-from stepping_check import CONFIGURATIONS, compare
 
-from accel_mixin.stepping import COVERED_TYPES, Stepper
+from accel_mixin.stepping import Stepper, plain_backward
 
 ACCELERATOR_CALLS = ("accumulate", "autocast", "backward")
 OPTIMIZER_CALLS = ("step", "zero_grad")
-# each call of a training step, in order, where all go through accelerate;
-# zero_grad skips accelerate's in every configuration (stepping.py says why)
-THROUGH_ACCELERATE = [*ACCELERATOR_CALLS, "step"]
+# each call of a training step with a gradient scaler, in order: skorch's
+# zeroing, accelerate's backward (which scales the loss), the step
+WITH_A_SCALER = ["zero_grad", "backward", "step"]
 
 
 def model_and_optimizer(accelerator):
@@ -37,27 +32,38 @@ def model_and_optimizer(accelerator):
     return accelerator.prepare(model, optimizer)
 
 
-def test_without_accumulation_every_step_syncs():
-    accelerator = Accelerator(cpu=True)
-    accelerator.gradient_state._set_sync_gradients(False)
-    stepper = Stepper(accelerator)
-    assert stepper.plain and stepper.sync_gradients
+def test_without_accumulation_the_window_is_a_no_op():
+    stepper = Stepper(Accelerator(cpu=True))
     with stepper.accumulate(lambda: pytest.fail("modules are not needed")):
         pass
+    with stepper.step_window(closures=False):
+        assert not stepper.deferring  # skorch zeroes before the forward pass
 
 
-def test_accumulation_skips_steps_and_zeroing_until_sync():
+def test_accumulation_defers_zeroing_and_skips_steps_until_sync():
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
     model, optimizer = model_and_optimizer(accelerator)
     stepper = Stepper(accelerator)
-    before = copy.deepcopy(model.state_dict())
-    with stepper.accumulate(lambda: [model]):
-        stepper.backward(model(torch.ones(2, 4)).sum())
-        stepper.step(optimizer)
-        stepper.zero_grad(optimizer)
-    assert not stepper.sync_gradients
+    before = model.weight.detach().clone()
+    with stepper.accumulate(lambda: [model]), stepper.step_window(closures=False):
+        assert stepper.deferring
+        accelerator.backward(model(torch.ones(2, 4)).sum())
+        optimizer.step()
+    assert not stepper.deferring and not stepper.sync_gradients
     assert model.weight.grad is not None  # kept for the next batch
-    torch.testing.assert_close(model.state_dict()["weight"], before["weight"])
+    assert torch.equal(model.weight, before)
+
+
+def test_plain_backward_only_without_accumulation_and_scaler():
+    assert plain_backward(Accelerator(cpu=True))
+    from conftest import reset_accelerate
+
+    reset_accelerate()
+    assert not plain_backward(Accelerator(cpu=True, gradient_accumulation_steps=2))
+    reset_accelerate()
+    accelerator = Accelerator(cpu=True)
+    accelerator.scaler = torch.amp.GradScaler("cpu")
+    assert not plain_backward(accelerator)
 
 
 def test_autocast_follows_the_precision():
@@ -71,63 +77,33 @@ def test_autocast_follows_the_precision():
         assert torch.nn.Linear(2, 2)(torch.ones(1, 2)).dtype == torch.float32
 
 
-def test_zero_grad_passes_set_to_none():
+def test_several_optimizers_update_the_scaler_once():
     accelerator = Accelerator(cpu=True)
-    model, optimizer = model_and_optimizer(accelerator)
+    scaler = accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=1)
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+    first, second, opt1, opt2 = accelerator.prepare(
+        first,
+        second,
+        torch.optim.SGD(first.parameters(), lr=0.1),
+        torch.optim.SGD(second.parameters(), lr=0.1),
+    )
+    accelerator.backward((first(torch.ones(1, 4)) + second(torch.ones(1, 4))).sum())
     stepper = Stepper(accelerator)
-    model(torch.ones(1, 4)).sum().backward()
-    stepper.zero_grad(optimizer, set_to_none=False)
-    assert torch.equal(model.weight.grad, torch.zeros_like(model.weight))
-    stepper.zero_grad(optimizer)
-    assert model.weight.grad is None
-
-
-@pytest.mark.parametrize("mixed_precision", ["no", "bf16", "fp16"])  # fp16: no scaler on the CPU
-@pytest.mark.parametrize(
-    "plugin",
-    [
-        dict(num_steps=1),
-        dict(num_steps=3),
-        dict(num_steps=3, sync_with_dataloader=False),
-    ],
-    ids=["accum1", "accum3", "accum3-no_sync_with_dataloader"],
-)
-def test_one_process_matches_accelerate_bit_for_bit(mixed_precision, plugin):
-    result = compare(mixed_precision=mixed_precision, **plugin)
-    assert result["plain"] and result["moved"]
-    assert result["equal"], result["max_difference"]
-
-
-@pytest.fixture(scope="module")
-def two_processes():
-    """One launch for every 2-process configuration: each costs seconds to start."""
-    return run_processes("stepping_check.py", timeout=120).check()
-
-
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("name", list(CONFIGURATIONS))
-def test_two_processes_match_accelerate_bit_for_bit(two_processes, name):
-    results = [rank["configurations"][name] for rank in two_processes]
-    expected_type = CONFIGURATIONS[name]["relabel"] or DistributedType.MULTI_CPU
-    for result in results:
-        assert result["plain"] and result["moved"]
-        assert result["distributed_type"] == expected_type.value
-        assert result["equal"], result["max_difference"]
-    assert results[0]["digest"] == results[1]["digest"]  # DDP kept the ranks in step
-
-
-@pytest.fixture
-def accelerate_calls(monkeypatch):
-    """accelerate's per-batch methods, replaced on their classes by recorders
-    of their names. On the classes, so that the Stepper still sees them as
-    accelerate's own."""
-    return recorded_calls(monkeypatch, make_them=False)
+    with stepper.step_window(closures=False):
+        stepper.unscale([opt1, opt2])
+        stepper.unscale([opt1, opt2])  # once per step: a second call does nothing
+        with stepper.one_scaler_update():
+            opt1.step()
+            opt2.step()  # accelerate's update after opt1 would unscale opt2 again
+    assert scaler.get_scale() == 8.0  # one update, after a finite step
+    assert "update" not in vars(scaler)
 
 
 @pytest.fixture
 def accelerate_calls_made(monkeypatch):
-    """The names of accelerate's per-batch methods called, in order; unlike
-    ``accelerate_calls``, each call is then made."""
+    """The names of accelerate's per-batch methods called, in order; each
+    call is then made."""
     return recorded_calls(monkeypatch, make_them=True)
 
 
@@ -148,35 +124,6 @@ def recorded_calls(monkeypatch, make_them):
         for name in names:
             monkeypatch.setattr(cls, name, recorder(cls, name))
     return calls
-
-
-def one_step(stepper, model, optimizer):
-    """A training step, as the mixin makes it."""
-    with stepper.accumulate(lambda: [model]):
-        with stepper.autocast():
-            loss = model(torch.ones(1, 4)).sum()
-        stepper.backward(loss)
-        stepper.step_all([optimizer])
-        stepper.zero_grad(optimizer)
-
-
-def fallback_calls(accelerator, calls, after_prepare=lambda: None):
-    """The calls one step made through accelerate; fails if the Stepper is plain."""
-    model, optimizer = model_and_optimizer(accelerator)
-    after_prepare()
-    stepper = Stepper(accelerator)
-    assert not stepper.plain
-    one_step(stepper, model, optimizer)
-    return calls
-
-
-def test_the_plain_path_makes_none_of_the_calls(accelerate_calls):
-    accelerator = Accelerator(cpu=True)
-    model, optimizer = model_and_optimizer(accelerator)
-    stepper = Stepper(accelerator)
-    assert stepper.plain
-    one_step(stepper, model, optimizer)
-    assert accelerate_calls == []
 
 
 # --- a real gradient scaler ---------------------------------------------------
@@ -233,8 +180,8 @@ def test_a_gradient_scaler_scales_the_loss_and_steps_with_the_true_gradients(
     accelerate_calls_made.clear()
     scaler = torch.amp.GradScaler("cpu", init_scale=SCALE, growth_interval=1)
     scaled, gradients = fit_one_step(X, y, scaler)
-    # the Stepper leaves the scaler to accelerate's calls
-    assert accelerate_calls_made == THROUGH_ACCELERATE
+    # skorch's calls, and accelerate's backward, which scales the loss
+    assert accelerate_calls_made == WITH_A_SCALER
     # backward ran on the scaled loss ...
     assert len(gradients.computed_) == len(fp32_gradients.computed_) == 4
     for grad, true in zip(gradients.computed_, fp32_gradients.computed_):
@@ -263,73 +210,3 @@ def test_a_gradient_scaler_skips_a_step_with_infinite_gradients_and_backs_off(da
     for param, before in zip(scaled.module_.parameters(), gradients.start_):
         assert torch.equal(param, before)  # the step was skipped
     assert scaler.get_scale() == 0.25 * SCALE
-
-
-@pytest.mark.parametrize("distributed_type", sorted(set(DistributedType) - COVERED_TYPES))
-def test_an_uncovered_distributed_type_falls_back(accelerate_calls, monkeypatch, distributed_type):
-    accelerator = Accelerator(cpu=True)
-
-    def relabel():  # after prepare, which would prepare for that type
-        for state in (PartialState(), accelerator.state):
-            monkeypatch.setattr(state, "distributed_type", distributed_type)
-
-    assert fallback_calls(accelerator, accelerate_calls, relabel) == THROUGH_ACCELERATE
-
-
-def test_fp8_falls_back(accelerate_calls, monkeypatch):
-    accelerator = Accelerator(cpu=True)
-    monkeypatch.setattr(accelerator.state, "_mixed_precision", "fp8")
-    assert fallback_calls(accelerator, accelerate_calls) == THROUGH_ACCELERATE
-
-
-def test_a_lomo_optimizer_falls_back(accelerate_calls, monkeypatch):
-    accelerator = Accelerator(cpu=True)
-    monkeypatch.setattr(accelerator, "has_lomo_optimizer", True)  # as prepare sets it
-    assert fallback_calls(accelerator, accelerate_calls) == THROUGH_ACCELERATE
-
-
-@pytest.mark.parametrize("name", ACCELERATOR_CALLS)
-def test_an_accelerator_subclass_overriding_a_call_falls_back(accelerate_calls, name):
-    def override(self, *args, **kwargs):
-        return getattr(Accelerator, name)(self, *args, **kwargs)
-
-    accelerator = type("CustomAccelerator", (Accelerator,), {name: override})(cpu=True)
-    assert fallback_calls(accelerator, accelerate_calls) == THROUGH_ACCELERATE
-
-
-@pytest.mark.parametrize("name", ACCELERATOR_CALLS)
-def test_a_call_replaced_on_the_accelerator_falls_back(accelerate_calls, monkeypatch, name):
-    accelerator = Accelerator(cpu=True)
-    monkeypatch.setattr(
-        accelerator, name, functools.partial(getattr(Accelerator, name), accelerator)
-    )
-    assert fallback_calls(accelerator, accelerate_calls) == THROUGH_ACCELERATE
-
-
-@pytest.mark.parametrize("name", OPTIMIZER_CALLS)
-def test_an_optimizer_call_replaced_on_the_instance_is_made(accelerate_calls, monkeypatch, name):
-    accelerator = Accelerator(cpu=True)
-    model, optimizer = model_and_optimizer(accelerator)
-    monkeypatch.setattr(
-        optimizer, name, functools.partial(getattr(AcceleratedOptimizer, name), optimizer)
-    )
-    stepper = Stepper(accelerator)
-    assert stepper.plain  # the other optimizers keep the plain path
-    one_step(stepper, model, optimizer)
-    assert accelerate_calls == [name]  # the replaced call, made; the other skipped
-
-
-def test_a_zero_grad_of_its_own_gets_skorchs_arguments_as_in_plain_skorch():
-    class KeepsGradients(torch.optim.SGD):
-        def zero_grad(self, set_to_none=False):
-            super().zero_grad(set_to_none=set_to_none)
-
-    accelerator = Accelerator(cpu=True)
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    model, optimizer = accelerator.prepare(model, KeepsGradients(model.parameters(), lr=0.1))
-    model(torch.ones(1, 4)).sum().backward()
-    Stepper(accelerator).zero_grad(optimizer)
-    # the optimizer's own default, as optimizer.zero_grad() in plain skorch;
-    # accelerate's zero_grad would pass set_to_none=True
-    assert torch.equal(model.weight.grad, torch.zeros_like(model.weight))
