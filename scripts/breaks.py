@@ -169,8 +169,8 @@ BREAKS = [
         "training_step",
         "skip the unscale before on_grad_computed",
         "accel_mixin/mixin.py",
-        '            self._stepper.unscale([getattr(self, name + "_") for name in self._optimizers])\n',
-        "",
+        '            self._stepper.unscale([getattr(self, name + "_")',
+        '            ([getattr(self, name + "_")',
         ("tests/test_divergence.py", "-m", "not multiprocess"),
     ),
     Break(
@@ -604,7 +604,8 @@ BREAKS = [
         "epochs",
         "a resumed epoch does not restore the generators of its last batch",
         "accel_mixin/epochs.py",
-        '                        restore_rng(self.resume["rng"])\n                        self.resume = None',
+        '                        restore_rng(self.resume["rng"])\n'
+        "                        self.resume = None",
         "                        self.resume = None",
         ("tests/test_mid_epoch.py",),
     ),
