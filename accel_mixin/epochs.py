@@ -84,6 +84,15 @@ class EpochBatches:
                 h for _, cb in net.callbacks_ for h in [hook(cb, "on_batch_finished")] if h
             ]
 
+    def __len__(self):
+        return len(self.iterator)
+
+    def __getattr__(self, name):
+        # an override of run_single_epoch may read the DataLoader's attributes
+        if name == "iterator":
+            raise AttributeError(name)
+        return getattr(self.iterator, name)
+
     def __iter__(self):
         net, accelerator = self.net, self.net.accelerator
         if self.training and self.processes > 1:

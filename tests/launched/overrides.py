@@ -129,7 +129,8 @@ def last_layer_only():
 
 class CountsEpochs(NeuralNetClassifier):
     def run_single_epoch(self, iterator, training, prefix, step_fn, **fit_params):
-        self.history.record(prefix + "_seen", True)
+        # what users read of the DataLoader they are given
+        self.history.record(prefix + "_seen", len(iterator) > 0 and iterator.dataset is not None)
         return super().run_single_epoch(iterator, training, prefix, step_fn, **fit_params)
 
 
