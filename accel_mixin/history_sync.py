@@ -8,22 +8,57 @@ batch records and the predictions that scoring callbacks cached, once, and
 every rank then holds the records and caches of the whole epoch, in dataset
 order. Epoch scores computed from them are the scores of one process on the
 whole data; rank 0's row is then taken as the row of every rank.
+
+A skorch ``DistributedHistory`` is therefore not needed: a net given one
+records into its plain ``History`` instead (``adopt_history``).
 """
+
+import warnings
 
 import numpy as np
 import torch
 from accelerate.utils import gather_object, recursively_apply
 from skorch.callbacks import EpochScoring
+from skorch.history import DistributedHistory
 
 from accel_mixin.coordination import DistributedError, failure_message
 
 __all__ = [
+    "NOTICE",
+    "adopt_history",
     "agree_on_row",
     "interleave",
     "leading_samples",
     "merge_epoch",
     "real_samples",
 ]
+
+
+NOTICE = (
+    "accel_mixin shares the history across processes itself: the net records into "
+    "the plain History inside its DistributedHistory, whose store is not needed "
+    "(history=DistributedHistory(...) and its TCPStore can go)"
+)
+
+
+def adopt_history(net):
+    """Record into the plain ``History`` inside a ``DistributedHistory``.
+
+    skorch's ``DistributedHistory`` writes every batch record to a store and
+    reads every rank's back; the net shares its records itself, so through
+    the store every batch would be recorded twice. The net takes the
+    ``History`` the ``DistributedHistory`` wraps: its rows are those of a
+    net given a plain ``History``, the user's ``DistributedHistory`` shows
+    them too (nothing waits in its queue), and the store is never touched,
+    so it stays the user's. The main process says so once, in one line.
+    """
+    history = net.history_
+    if not isinstance(history, DistributedHistory):
+        return
+    # pylint: disable-next=protected-access
+    net.history_ = history._history
+    if net.accelerator.is_main_process:
+        warnings.warn(NOTICE, UserWarning, stacklevel=2)
 
 
 def real_samples(gradient_state, num_processes, process_index, batch_size):

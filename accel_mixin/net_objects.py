@@ -15,8 +15,8 @@ from contextlib import contextmanager
 import torch
 from accelerate.utils import DistributedType
 from skorch.callbacks import LRScheduler
-from skorch.history import DistributedHistory
 
+from accel_mixin.history_sync import adopt_history
 from accel_mixin.process_state import process_state
 from accel_mixin.stepping import takes_closures
 from accel_mixin.wrapping import Slot, requires_closure
@@ -100,16 +100,11 @@ def bare_modules(net):
 
 
 def check_params(net):
-    """Refuse parameters that contradict the accelerator or the mixin."""
+    """Refuse parameters that contradict the accelerator or the mixin; a
+    ``DistributedHistory`` is not refused but set aside (``adopt_history``)."""
     if net.accelerator.device_placement and (net.device is not None):
         raise ValueError("When device placement is performed by the accelerator, set device=None")
-    if isinstance(net.history_, DistributedHistory):
-        raise ValueError(
-            "AccelerateMixin shares the history between the processes itself: remove "
-            "history=DistributedHistory(...) (and the TCPStore made for it), or every "
-            "batch would be recorded twice. See 'Migrating from skorch.hf' in the user "
-            "guide (docs/guide/migrating.md)."
-        )
+    adopt_history(net)
     every = net.replica_check_every
     if every is not None and (not isinstance(every, int) or every < 0):
         raise ValueError(
