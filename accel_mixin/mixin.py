@@ -15,6 +15,7 @@ from skorch.dataset import unpack_data
 from accel_mixin.background import finished_on_error
 from accel_mixin.checkpointing import CheckpointingMixin
 from accel_mixin.epochs import EpochBatches, end_epoch
+from accel_mixin.history_sync import adopt_history
 from accel_mixin.native_output import native_warnings_dropped
 from accel_mixin.net_objects import (
     bare_modules,
@@ -248,6 +249,7 @@ class AccelerateMixin(CheckpointingMixin):
     def partial_fit(self, X, y=None, classes=None, **fit_params):
         if not self.initialized_:  # as skorch does first, for the callbacks' contexts
             self.initialize()
+        adopt_history(self)  # a DistributedHistory assigned after initialize
         others = self.accelerator.num_processes > 1 and not self.accelerator.is_main_process
         with (
             self._coordinator.session("partial_fit"),
