@@ -7,7 +7,8 @@ from contextlib import contextmanager
 import torch
 from skorch.utils import _check_f_arguments
 
-from accel_mixin.files import atomic_files, check_readable, history_error, read_error
+from accel_mixin import files as _files
+from accel_mixin.files import check_readable, history_error, read_error
 from accel_mixin.state_dict import CheckpointError, clean_state_dict, load_module_state
 
 __all__ = ["SafeParamsMixin", "load_optimizer_state"]
@@ -86,7 +87,7 @@ class SafeParamsMixin:
                     "holds other objects; save it without safetensors."
                 )
         named = {key: f for key, f in files.items() if isinstance(f, (str, os.PathLike))}
-        with atomic_files(named.values()) as temporaries, self._accessing(_Saving):
+        with _files.atomic_files(named.values()) as temporaries, self._accessing(_Saving):
             files.update(zip(named, temporaries))
             super().save_params(use_safetensors=use_safetensors, **files)
 

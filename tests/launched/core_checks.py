@@ -147,32 +147,37 @@ def only_main_writes():
     import accel_mixin.files as files
 
     calls = []
-    saved = torch.save, History.to_file, files.atomic_write
+    saved = torch.save, History.to_file, files.atomic_files
+
+    def direct(f):
+        # ours hands skorch's writers the temporary files of an atomic
+        # write, which counting_atomic_files counts
+        return isinstance(f, (str, os.PathLike)) and ".accel_mixin-tmp-" not in str(f)
 
     def counting_save(obj, f, *args, **kwargs):
-        # ours hands torch.save the temporary file of an atomic write, which
-        # counting_atomic_write counts
-        if isinstance(f, (str, os.PathLike)) and ".accel_mixin-tmp-" not in str(f):
+        if direct(f):
             calls.append(f)
         return saved[0](obj, f, *args, **kwargs)
 
     def counting_to_file(self, f):
-        calls.append(f)
+        if direct(f):
+            calls.append(f)
         return saved[1](self, f)
 
-    def counting_atomic_write(path, write, **kwargs):
-        calls.append(path)
-        return saved[2](path, write, **kwargs)
+    def counting_atomic_files(paths):
+        paths = list(paths)
+        calls.extend(paths)
+        return saved[2](paths)
 
-    torch.save, History.to_file, files.atomic_write = (
+    torch.save, History.to_file, files.atomic_files = (
         counting_save,
         counting_to_file,
-        counting_atomic_write,
+        counting_atomic_files,
     )
     try:
         net.save_params(f_params="p.pt", f_optimizer="o.pt", f_history="h.json")
     finally:
-        torch.save, History.to_file, files.atomic_write = saved
+        torch.save, History.to_file, files.atomic_files = saved
     return {"writes": len(calls)}
 
 

@@ -82,17 +82,18 @@ class CountWrites:
         import accel_mixin.files as files
 
         self.calls = []
-        self.saved = (files.atomic_write, training.open_file_like)
+        self.saved = (files.atomic_files, training.open_file_like)
 
-        def atomic_write(path, write, **kwargs):
-            self.calls.append(str(path))
-            return self.saved[0](path, write, **kwargs)
+        def atomic_files(paths):
+            paths = list(paths)
+            self.calls.extend(str(path) for path in paths)
+            return self.saved[0](paths)
 
         def open_file_like(f, mode):
             self.calls.append(str(f))
             return self.saved[1](f, mode)
 
-        files.atomic_write, training.open_file_like = atomic_write, open_file_like
+        files.atomic_files, training.open_file_like = atomic_files, open_file_like
         return self
 
     def __exit__(self, *exc):
@@ -100,7 +101,7 @@ class CountWrites:
 
         import accel_mixin.files as files
 
-        files.atomic_write, training.open_file_like = self.saved
+        files.atomic_files, training.open_file_like = self.saved
 
 
 @checks
