@@ -2,9 +2,19 @@
 
 import threading
 import warnings
+import weakref
 from contextlib import contextmanager
 
-__all__ = ["BackgroundWriter", "finished_on_error"]
+__all__ = ["BackgroundWriter", "finished_on_error", "join_all"]
+
+# every writer of this process, so that a load waits for any write in flight
+_WRITERS = weakref.WeakSet()
+
+
+def join_all():
+    """Wait until no writer of this process has a job in flight."""
+    for writer in list(_WRITERS):
+        writer.join()
 
 
 class BackgroundWriter:
@@ -20,6 +30,7 @@ class BackgroundWriter:
     def __init__(self):
         self._thread = None
         self._error = None
+        _WRITERS.add(self)
 
     def submit(self, job):
         self.wait()
@@ -33,6 +44,12 @@ class BackgroundWriter:
             job()
         except BaseException as exc:  # pylint: disable=broad-except
             self._error = exc
+
+    def join(self):
+        """Wait for the current job, keeping what it raised for ``wait``."""
+        thread = self._thread
+        if thread is not None:
+            thread.join()
 
     def wait(self):
         if self._thread is not None:

@@ -12,6 +12,7 @@ import warnings
 
 from skorch.exceptions import DeviceWarning
 
+from accel_mixin.background import join_all
 from accel_mixin.files import replacing_after, write_state
 from accel_mixin.internals import batch_sampler_owner
 from accel_mixin.output import quiet_unless_main
@@ -79,7 +80,9 @@ class CheckpointingMixin(SafeParamsMixin):
             self.initialize()
         load = lambda: super(CheckpointingMixin, self).load_params(*args, **kwargs)  # noqa: E731
         with self._unwrapped(), quiet_unless_main(self.accelerator):
-            self._coordinator.run(load, what="load_params")
+            with self._coordinator.session("load_params"):
+                self._wait_for_writes_in_flight("load_params")
+                self._coordinator.run(load, what="load_params")
 
     def _check_device(self, requested_device, map_device):
         if requested_device is None:
@@ -168,6 +171,17 @@ class CheckpointingMixin(SafeParamsMixin):
             self._process.background_writer().wait, what="asynchronous save_state"
         )
 
+    def _wait_for_writes_in_flight(self, what):
+        """Before a load, on every rank: wait until the asynchronous writes
+        of this process (this net's and any other's) are done, so that no
+        rank reads the previous file; a failed write of this net raises."""
+
+        def finish():
+            join_all()
+            self._process.background_writer().wait()
+
+        self._coordinator.run(finish, what=f"{what}: asynchronous saves in flight")
+
     def load_state(self, path):
         """Restore a training state that ``save_state`` wrote.
 
@@ -193,6 +207,7 @@ class CheckpointingMixin(SafeParamsMixin):
         """
         with quiet_unless_main(self.accelerator), self._coordinator.session("load_state"):
             self._coordinator.barrier("load_state")  # before initialize(), as in fit
+            self._wait_for_writes_in_flight("load_state")
             if not self.initialized_:
                 self.initialize()
             resume(self, path)

@@ -227,6 +227,15 @@ BREAKS = [
         "        if True:\n            return step_fn\n",
         (MP + "test_closure_optimizers_step_alike_on_every_rank",),
     ),
+    launched(
+        "checkpointing-load-during-a-save",
+        "checkpointing",
+        "loads do not wait for the asynchronous saves in flight",
+        "accel_mixin/checkpointing.py",
+        "        def finish():\n            join_all()\n",
+        "        def finish():\n            return\n",
+        ("tests/test_resume.py::test_loads_wait_for_asynchronous_saves_in_flight",),
+    ),
     # --- coordination ------------------------------------------------------
     Break(
         "coordination-run-no-final-barrier",

@@ -169,6 +169,12 @@ def test_a_failed_asynchronous_write_raises_on_every_rank(state_checks):
     )
 
 
+@multiprocess
+def test_loads_wait_for_asynchronous_saves_in_flight(state_checks):
+    for value in values(state_checks, "load_right_after_an_asynchronous_save"):
+        assert value == {"other_net": True, "same_net": True, "params_waited": True}
+
+
 # --- one process, in this process ----------------------------------------------
 
 

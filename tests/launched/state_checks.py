@@ -99,4 +99,50 @@ def asynchronous_failure_reaches_every_rank():
     return {"error": outcome(lambda: net.fit(X, y))}
 
 
+@checks
+def load_right_after_an_asynchronous_save():
+    """load_state and load_params, of this net and of a fresh one, right
+    after save_state(asynchronous=True) of a write that takes a while: each
+    loads the new state."""
+    import time
+
+    import accel_mixin.checkpointing as checkpointing
+
+    net = make_net(max_epochs=1)
+    net.fit(X, y)
+    net.save_state("slow.pt")
+    write_state = checkpointing.write_state
+
+    def slow_write_state(*args, **kwargs):
+        time.sleep(1.0)
+        return write_state(*args, **kwargs)
+
+    def saved_slowly(net):
+        net.partial_fit(X, y)
+        checkpointing.write_state = slow_write_state
+        try:
+            net.save_state("slow.pt", asynchronous=True)
+        finally:
+            checkpointing.write_state = write_state
+        return [p.detach().clone() for p in net.module_.parameters()]
+
+    def loaded(net, expected):
+        return all(torch.equal(a, b) for a, b in zip(net.module_.parameters(), expected))
+
+    expected = saved_slowly(net)
+    fresh = make_net(max_epochs=1)
+    fresh.load_state("slow.pt")
+    other_net = loaded(fresh, expected)
+    expected = saved_slowly(net)
+    net.load_state("slow.pt")
+    same_net = loaded(net, expected)
+    net.save_params(f_params="slow-params.pt")
+    expected = saved_slowly(net)  # a state in flight, then params of an older epoch
+    net.load_params(f_params="slow-params.pt")
+    # on return the state in flight is in its file, on every rank
+    written = torch.load("slow.pt", weights_only=True)["modules"]["module"]
+    params_waited = all(torch.equal(a, b) for a, b in zip(written.values(), expected))
+    return {"other_net": other_net, "same_net": same_net, "params_waited": params_waited}
+
+
 report({"rank": rank, "checks": checks.results})
