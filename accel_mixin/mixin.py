@@ -443,7 +443,9 @@ class AccelerateMixin(CheckpointingMixin):
         """
         if self.accelerator.num_processes > 1:
             self._coordinator.barrier("inference (predict, predict_proba, forward, score)")
-        yield from super().forward_iter(X, training=training, device=device)
+        # warnings and output of inference are the main process's, as in training
+        with quiet_unless_main(self.accelerator):
+            yield from super().forward_iter(X, training=training, device=device)
 
     def evaluation_step(self, batch, training=False):
         # Autocast here rather than only in the prepared module's forward, so

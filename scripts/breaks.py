@@ -395,6 +395,15 @@ BREAKS = [
         "        return convert_to_fp32(y_infer)",
         (MP + "test_predict_returns_every_row_in_order",),
     ),
+    launched(
+        "mixin-inference-warns-everywhere",
+        "mixin",
+        "warnings of inference appear on every rank",
+        "accel_mixin/mixin.py",
+        "        with quiet_unless_main(self.accelerator):\n            yield from super().forward_iter",
+        "        if True:\n            yield from super().forward_iter",
+        (SYNC + "test_one_voice",),
+    ),
     Break(
         "net_objects-device-not-refused",
         "net_objects",

@@ -86,6 +86,7 @@ def test_one_voice(launch):
     assert "Perhaps you meant" in err0  # skorch's warning, as in one process
     assert "%|" in err0  # the progress bar
     assert "find_unused_parameters=True was specified" in err0  # DDP's reducer, from C++
+    assert "forward pass in evaluation mode" in err0  # a warning in predict
     # rank 1 said nothing at all
     assert out1 == err1 == ""
 

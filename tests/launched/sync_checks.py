@@ -8,6 +8,7 @@ import base64
 import pickle
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import ClassVar
 
@@ -214,6 +215,15 @@ def train_end_checkpoint():
     return {"writes": len(writes.calls), "files": sorted(p.name for p in Path("cp_end").iterdir())}
 
 
+class WarningMLP(MLP):
+    """Warns in every forward pass outside training."""
+
+    def forward(self, X):
+        if not self.training:
+            warnings.warn("forward pass in evaluation mode", UserWarning)
+        return super().forward(X)
+
+
 @checks
 def one_voice():
     # in both streams: warnings and progress bars go to stderr
@@ -234,6 +244,12 @@ def one_voice():
         ),
     )
     unused.fit(X, y)
+    # a Python warning in the module's forward, during inference
+    warns = make_net(module=WarningMLP, max_epochs=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fit's warnings are not the point here
+        warns.fit(X, y)
+    warns.predict(X)
     for stream in (sys.stdout, sys.stderr):
         print("=== one voice ends", file=stream, flush=True)
     return {"epochs": len(net.history)}
