@@ -12,10 +12,13 @@ file is wrong and what to do.
 """
 
 import contextlib
+import errno
+import hashlib
 import json
 import os
 import pickle
 import secrets
+import shutil
 import socket
 import stat
 import threading
@@ -45,7 +48,9 @@ __all__ = [
 _TMP = ".accel_mixin-tmp-"
 # In temporary names: a process id means something on its own machine only,
 # and a shared filesystem may hold the writes of several machines.
-_HOST = socket.gethostname().replace("-", "_").replace(".", "_").replace(os.sep, "_") or "host"
+# Hashed to a fixed length, so that temporary names are short whatever the
+# host (a pod's name may be 63 characters).
+_HOST = hashlib.blake2s(socket.gethostname().encode(), digest_size=4).hexdigest()
 
 
 def _is_path(f):
@@ -159,11 +164,15 @@ def atomic_files(paths):
             wait()
         for path, tmp, _, _ in written:
             os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
+        # before the temporary files go, which frees the space they took
+        error = write_error([p for p, *_ in written] or list(paths), exc)
         for _, tmp, _, _ in written:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-        raise
+        if error is None:
+            raise
+        raise error from exc
     finally:
         for _, _, fd, _ in written:
             os.close(fd)
@@ -174,6 +183,44 @@ def atomic_files(paths):
                 os.fsync(dir_fd)
             finally:
                 os.close(dir_fd)
+
+
+_WRITE_CAUSES = {
+    errno.ENOSPC: ("no space is left on the device of {dir}", "free space or save elsewhere"),
+    errno.EDQUOT: ("the disk quota of {dir} is exceeded", "free space or save elsewhere"),
+    errno.EROFS: ("{dir} is on a read-only filesystem", "save to a writable directory"),
+    errno.EACCES: (
+        "permission to write in {dir} is denied",
+        "save to a directory this user can write to, or change its permissions",
+    ),
+    errno.EPERM: (
+        "the filesystem of {dir} does not permit the write",
+        "save to a directory this user can write to",
+    ),
+}
+
+
+def write_error(paths, exc):
+    """An ``OSError`` that names the files ``paths``, the cause of ``exc``
+    in words and what to do, or None where ``exc`` says it already."""
+    if isinstance(exc, CheckpointError) or not isinstance(exc, (OSError, RuntimeError)):
+        return None
+    directory = os.path.dirname(os.path.abspath(paths[0])) if paths else "."
+    code = getattr(exc, "errno", None)
+    if code is None:
+        # torch's C++ writer reports a full disk without an errno
+        with contextlib.suppress(OSError):
+            if shutil.disk_usage(directory).free == 0:
+                code = errno.ENOSPC
+    if code not in _WRITE_CAUSES:
+        return None
+    cause, fix = _WRITE_CAUSES[code]
+    names = ", ".join(os.fspath(p) for p in paths)
+    return OSError(
+        code,
+        f"Cannot save {names}: {cause.format(dir=directory)}; {fix}. The files that were "
+        f"there before are unchanged. ({type(exc).__name__}: {exc})",
+    )
 
 
 def atomic_write(path, write, *, by_name=False):
@@ -214,24 +261,41 @@ def _create_temporary(path):
 
     It gets the mode a plain open would give it: the umask applies.
     """
-    directory, name = os.path.split(os.path.abspath(path))
-    # the name has a dot after ``name``: torch.save refuses a file whose
-    # name, up to its last dot, is empty
-    prefix = os.path.join(directory, f".{name}{_TMP}{_HOST}-{os.getpid()}-")
+    directory = os.path.dirname(os.path.abspath(path))
+    # Of a fixed length (under 50 bytes), not the target's name and more: any
+    # name the filesystem admits for the target saves. It ends in ".tmp":
+    # torch.save refuses a file whose name, up to its last dot, is empty.
+    prefix = os.path.join(directory, f"{_TMP}{_HOST}-{os.getpid()}-")
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
     while True:
-        tmp = prefix + secrets.token_hex(4)
+        tmp = prefix + secrets.token_hex(4) + ".tmp"
         try:
             return os.open(tmp, flags, 0o666), tmp
         except FileExistsError:
             continue
         except (FileNotFoundError, NotADirectoryError):
+            parent = _existing_parent(directory)
+            if parent is not None and not os.path.isdir(parent):
+                raise NotADirectoryError(
+                    f"Cannot save to {path}: {parent} is a file, not a directory; "
+                    "choose another path, or move that file away"
+                ) from None
             if not os.path.isdir(directory):
                 raise FileNotFoundError(
                     f"Cannot save to {path}: the directory {directory} does not exist; "
                     "create it first"
                 ) from None
             raise
+
+
+def _existing_parent(directory):
+    """The deepest existing path on the way to ``directory``, or None."""
+    while directory and not os.path.lexists(directory):
+        parent = os.path.dirname(directory)
+        if parent == directory:
+            return None
+        directory = parent
+    return directory or None
 
 
 class _Mode:

@@ -2,6 +2,7 @@
 
 import os
 import zipfile
+from collections.abc import Mapping
 from contextlib import contextmanager
 
 import torch
@@ -9,7 +10,12 @@ from skorch.utils import _check_f_arguments
 
 from accel_mixin import files as _files
 from accel_mixin.files import check_readable, history_error, read_error
-from accel_mixin.state_dict import CheckpointError, clean_state_dict, load_module_state
+from accel_mixin.state_dict import (
+    CheckpointError,
+    clean_state_dict,
+    describe_content,
+    load_module_state,
+)
 
 __all__ = ["SafeParamsMixin", "load_optimizer_state"]
 
@@ -244,6 +250,12 @@ class _Loader:
 def load_optimizer_state(optimizer, state, *, source, name):
     """``optimizer.load_state_dict(state)``, or a ``CheckpointError`` that
     names the file ``source``, the attribute ``name`` and the fix."""
+    if not (isinstance(state, Mapping) and "param_groups" in state and "state" in state):
+        raise CheckpointError(
+            f"{source} is not an optimizer state for {name}: it holds "
+            f"{describe_content(state)}; save it with net.save_params(f_optimizer=...) or "
+            "torch.save(optimizer.state_dict(), path)."
+        )
     try:
         optimizer.load_state_dict(state)
     except (ValueError, KeyError, TypeError) as exc:

@@ -7,6 +7,7 @@ model, and is reported rather than guessed at.
 """
 
 from collections import OrderedDict
+from collections.abc import Mapping
 
 import torch
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
@@ -128,6 +129,33 @@ def _extra_prefix(unexpected, missing):
     return None
 
 
+def describe_content(value):
+    """What ``value`` is, in words, for a message."""
+    if isinstance(value, torch.Tensor):
+        return f"a single tensor of shape {tuple(value.shape)}"
+    if isinstance(value, Mapping):
+        bad = next((k for k in value if not isinstance(k, str)), None)
+        if bad is None:
+            return f"a dict with the keys {_shorten(list(value))}"
+        return f"a dict whose keys are not names (e.g. {bad!r} of type {type(bad).__name__})"
+    if value is None:
+        return "None"
+    return f"a {type(value).__name__}"
+
+
+def check_is_state_dict(state, *, source, name):
+    """Raise a ``CheckpointError`` that says what the file ``source`` holds
+    instead, unless ``state`` is a dict of tensors under names."""
+    if isinstance(state, Mapping) and all(isinstance(k, str) for k in state):
+        return
+    raise CheckpointError(
+        f"{source} is not a state dict for {name}: it holds {describe_content(state)}. save_params "
+        f"writes what module.state_dict() returns (a dict of tensors under parameter "
+        "names); save it with net.save_params(f_params=...) or "
+        "torch.save(module.state_dict(), path)."
+    )
+
+
 def load_module_state(module, state_dict, *, source, name):
     """Load ``state_dict`` into ``module``, tolerating wrapper prefixes.
 
@@ -153,6 +181,7 @@ def load_module_state(module, state_dict, *, source, name):
 
     """
     target = unwrap_module(module)
+    check_is_state_dict(state_dict, source=source, name=name)
     state_dict = strip_wrapper_prefixes(state_dict)
     expected = target.state_dict()
     missing = [k for k in expected if k not in state_dict]

@@ -173,6 +173,31 @@ def test_a_replaced_file_keeps_its_mode(tmp_path, mode):
     assert (tmp_path / "params.pt").stat().st_mode & 0o777 == mode
 
 
+def test_any_name_the_filesystem_admits_saves(tmp_path):
+    name_max = os.pathconf(tmp_path, "PC_NAME_MAX")
+    net = nets()["accelerated, wrapped"]
+    files = {
+        "f_params": tmp_path / ("p" * (name_max - 3) + ".pt"),
+        "f_optimizer": tmp_path / ("o" * (name_max - 3) + ".pt"),
+        "f_history": tmp_path / ("h" * (name_max - 5) + ".json"),
+    }
+    net.save_params(**files)
+    assert all(len(f.name) >= name_max - 1 for f in files.values())
+    fresh = nets()["plain skorch"]
+    fresh.load_params(**files)
+    assert stray_files(tmp_path) == []
+
+
+def test_temporary_names_are_short_whatever_the_host(tmp_path):
+    from accel_mixin import files
+
+    for _ in range(3):
+        fd, tmp = files._create_temporary(tmp_path / ("x" * 200))  # pylint: disable=protected-access
+        os.close(fd)
+        assert len(os.path.basename(tmp)) < 50
+    assert len(files._HOST) == 8  # pylint: disable=protected-access
+
+
 def test_a_save_sweeps_abandoned_temporary_files_only(tmp_path):
     import os
     import time
@@ -557,7 +582,105 @@ def test_modes_that_forbid_writing_by_name_still_save(existing, umask, expected)
         shutil.rmtree(folder)
 
 
-def test_a_file_where_a_directory_is_expected(tmp_path):
-    (tmp_path / "afile").write_bytes(b"")
-    with pytest.raises(FileNotFoundError, match="does not exist; create it first"):
-        nets()["accelerated, wrapped"].save_params(f_params=tmp_path / "afile" / "params.pt")
+# --- bad files and failed writes: errors that name the file and the cause -----
+
+
+class RunsCode:
+    """A pickle that calls ``function(*args)`` when loaded: the payloads users meet."""
+
+    def __init__(self, function, *args):
+        self.call = (function, args)
+
+    def __reduce__(self):
+        return self.call
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        (os.system, "true"),
+        (subprocess.call, ["true"]),
+        (eval, "1"),
+        (exec, "x = 1"),
+    ],
+    ids=["os.system", "subprocess", "eval", "builtins.exec"],
+)
+def test_every_payload_that_would_run_code_is_refused_as_such(tmp_path, payload):
+    torch.save({"weight": RunsCode(*payload)}, tmp_path / "evil.pt")
+    with pytest.raises(CheckpointError, match=r"Refused to load .*evil.pt: it holds objects whose"):
+        nets()["accelerated, wrapped"].load_params(f_params=tmp_path / "evil.pt")
+
+
+@pytest.mark.parametrize(
+    ("content", "holds"),
+    [
+        (torch.ones(3), r"a single tensor of shape \(3,\)"),
+        ([torch.ones(3)], "a list"),
+        ({0: torch.ones(3)}, "keys are not names .*0 of type int"),
+        (None, "None"),
+    ],
+    ids=["tensor", "list", "int keys", "None"],
+)
+def test_a_params_file_that_is_no_state_dict_says_what_it_holds(tmp_path, content, holds):
+    torch.save(content, tmp_path / "params.pt")
+    for net in nets().values():
+        with pytest.raises(CheckpointError, match=rf"params.pt is not a state dict .*{holds}"):
+            net.load_params(f_params=tmp_path / "params.pt")
+
+
+def test_an_optimizer_file_that_is_no_optimizer_state_says_what_it_holds(tmp_path):
+    torch.save(torch.ones(3), tmp_path / "optimizer.pt")
+    with pytest.raises(CheckpointError, match=r"optimizer.pt is not an optimizer state .*tensor"):
+        nets()["accelerated, wrapped"].load_params(f_optimizer=tmp_path / "optimizer.pt")
+
+
+def test_a_parent_path_that_is_a_file_is_named(tmp_path):
+    (tmp_path / "runs").write_text("a file")
+    with pytest.raises(NotADirectoryError, match=r"runs is a file, not a directory"):
+        nets()["accelerated, wrapped"].save_params(f_params=tmp_path / "runs" / "p.pt")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A mount of 64 KiB, or a skip where this user cannot mount one."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+
+    def mounted(*options):
+        command = ["mount", "-t", "tmpfs", "-o", ",".join(["size=64k", *options]), "tmpfs"]
+        if subprocess.run([*command, str(mount)], capture_output=True, check=False).returncode:
+            pytest.skip("mounting a small tmpfs needs root")
+        return mount
+
+    yield mounted
+    subprocess.run(["umount", str(mount)], capture_output=True, check=False)
+
+
+class Big(torch.nn.Module):
+    """A module whose file does not fit in 64 KiB."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(20, 2000)
+
+    def forward(self, X):
+        return torch.softmax(self.lin(X)[:, :2], dim=-1)
+
+
+def test_a_full_disk_is_named_and_leaves_the_previous_files(small_disk):
+    disk = small_disk()
+    small = nets()["accelerated, wrapped"]
+    files = dict(f_params=disk / "params.pt", f_history=disk / "history.json")
+    small.save_params(**files)
+    before = {name: f.read_bytes() for name, f in files.items()}
+    big = AcceleratedNet(Big, accelerator=Accelerator(cpu=True)).initialize()
+    with pytest.raises(OSError, match=r"Cannot save .*params.pt.*: no space is left on the device"):
+        big.save_params(**files)
+    assert {name: f.read_bytes() for name, f in files.items()} == before
+    assert stray_files(disk) == []
+
+
+def test_a_read_only_filesystem_is_named(small_disk):
+    disk = small_disk("ro")
+    with pytest.raises(OSError, match=r"Cannot save .*params.pt: .* is on a read-only filesystem"):
+        nets()["accelerated, wrapped"].save_params(f_params=disk / "params.pt")
