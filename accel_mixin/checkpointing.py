@@ -13,7 +13,7 @@ import warnings
 from skorch.exceptions import DeviceWarning
 
 from accel_mixin.background import join_all
-from accel_mixin.files import replacing_after, write_state
+from accel_mixin.files import write_state
 from accel_mixin.internals import batch_sampler_owner
 from accel_mixin.output import quiet_unless_main
 from accel_mixin.params import SafeParamsMixin
@@ -29,6 +29,13 @@ from accel_mixin.training_state import (
 )
 
 __all__ = ["CheckpointingMixin"]
+
+
+def _files_of(args, kwargs):
+    """The files a save_params or load_params call names, for messages."""
+    names = [str(f) for f in args if f is not None]
+    names += [f"{key}={f}" for key, f in kwargs.items() if key.startswith("f_") and f is not None]
+    return ", ".join(names) or None
 
 
 class CheckpointingMixin(SafeParamsMixin):
@@ -63,7 +70,11 @@ class CheckpointingMixin(SafeParamsMixin):
                 save()
                 return
             self._coordinator.run(
-                save, what="save_params", here=writes_files(self.accelerator), gate=replacing_after
+                save,
+                what="save_params",
+                files=_files_of(args, kwargs),
+                here=writes_files(self.accelerator),
+                io_timeout=self.io_timeout,
             )
 
     def load_params(self, *args, **kwargs):
@@ -82,7 +93,12 @@ class CheckpointingMixin(SafeParamsMixin):
         with self._unwrapped(), quiet_unless_main(self.accelerator):
             with self._coordinator.session("load_params"):
                 self._wait_for_writes_in_flight("load_params")
-                self._coordinator.run(load, what="load_params")
+                self._coordinator.run(
+                    load,
+                    what="load_params",
+                    files=_files_of(args, kwargs),
+                    io_timeout=self.io_timeout,
+                )
 
     def _check_device(self, requested_device, map_device):
         if requested_device is None:
@@ -155,7 +171,11 @@ class CheckpointingMixin(SafeParamsMixin):
             writes = writes_files(self.accelerator)
             if not asynchronous:
                 self._coordinator.run(
-                    lambda: write(state), what="save_state", here=writes, gate=replacing_after
+                    lambda: write(state),
+                    what="save_state",
+                    files=str(path),
+                    here=writes,
+                    io_timeout=self.io_timeout,
                 )
             elif writes:
                 # the previous write is done: its snapshot's memory is free

@@ -24,24 +24,45 @@ intervals doubling up to 2 ms, so that a long wait costs little CPU. The
 last rank to arrive thus makes one round trip only.
 torch's ``Store.wait`` with a timeout would wake them sooner, but every
 timeout of it prints a warning from C++. A rank that gives up waiting first
-takes its arrival back, then
-reports the timeout as a failure of its section, so a slower rank that
-arrives afterwards raises too instead of going on alone; if everyone arrived
-meanwhile, the barrier is passed after all. The timeout counts time without
-progress only: while ``run`` executes its function on some rank (a large
-save), that rank shows a heartbeat, and the others keep waiting as long as it
-beats. The process group's timeout, which users shorten so that errors inside
-training steps surface fast, thus never cuts a slow save short.
+takes its arrival back, then reports the timeout as a failure of its
+section, so a slower rank that arrives afterwards raises too instead of
+going on alone; if everyone arrived meanwhile, the barrier is passed after
+all.
+
+Two things bound a wait besides the timeout:
+
+- Presence. Every rank's coordinator keeps a key of its own fresh (a
+  thread sets it every second, with the process's host, id and current
+  call). A waiting rank looks at the others' keys: a rank whose process is
+  gone from this machine, or whose key has not changed for
+  ``DEAD_AFTER_BEATS`` beats (another machine's process that died, or left),
+  is gone, and every waiting rank raises, naming it and its last call,
+  within seconds rather than after the process group's timeout.
+- Progress. ``run`` executes its function (a save, a load) in a worker
+  thread under ``progress.supervised``: while it reads, writes or computes,
+  the ranks waiting for it see its progress and wait on, however long that
+  takes; once it made no progress for the I/O timeout (a hung filesystem),
+  it fails, and with it every rank. The process group's timeout, which
+  users shorten so that errors inside training steps surface fast, thus
+  never cuts a slow save short, and a stuck one never keeps the job
+  waiting forever.
 """
 
+import atexit
 import contextlib
+import gc
+import itertools
+import os
+import socket
 import threading
 import time
+import weakref
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from accel_mixin.internals import default_store
+from accel_mixin.progress import supervised
 
 __all__ = ["Coordinator", "DistributedError", "Preempted", "coordinator_for", "failure_message"]
 
@@ -55,8 +76,13 @@ COLLECTIVE = (
     "load_params, save_state, load_state, wait_for_saves, wait_for_everyone"
 )
 
-# how often a rank running a long function beats
-_HEARTBEAT_SECONDS = 1.0
+# a rank's presence key is set every beat; one that has not changed for this
+# many beats belongs to a rank that is gone
+_BEAT_SECONDS = 1.0
+DEAD_AFTER_BEATS = 15
+# how often a waiting rank looks at the others' presence
+_PRESENCE_EVERY = 0.5
+_HOST = socket.gethostname()
 
 
 class DistributedError(RuntimeError):
@@ -74,6 +100,20 @@ class Preempted(Exception):
     its history ending with the unfinished epoch's row): run the script
     again rather than training on in the same process.
     """
+
+
+def namespace():
+    """The prefix of this attempt's keys in the process group's store.
+
+    Launchers may keep one store across the restarts of a job (torchrun's
+    static rendezvous of ``--master_addr``/``--master_port``, and c10d's):
+    the keys of every attempt are then apart, so that no barrier counter or
+    failure of a dead attempt is ever read by the next, whose counters start
+    from 1 again.
+    """
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"accel_mixin/{run}/{attempt}" if run else f"accel_mixin/{attempt}"
 
 
 def failure_message(what, rank, exc):
@@ -102,14 +142,37 @@ class Coordinator:
         self.num_processes = num_processes
         self.process_index = process_index
         self.timeout = timeout
-        self.store = None if store is None else dist.PrefixStore("accel_mixin", store)
+        self.store = None if store is None else dist.PrefixStore(namespace(), store)
         self._generation = 0
         self._alone = None  # what runs on this rank only, if anything
         self._agreed = 0  # the last generation whose call the ranks compared
         # the sections this rank is in, outermost first: [key, children so far, what]
         self._open = []
+        # the others' presence as last seen: rank -> (value, when it changed)
+        self._peers = {}
+        self._last_call = None  # the last top-level call this rank entered
+        self.beat = min(_BEAT_SECONDS, timeout / 8)
+        # a presence key unchanged this long belongs to a rank that is gone
+        self.dead_after = DEAD_AFTER_BEATS * self.beat
+        self._presence = None
         if self.store is not None:
-            self._heartbeat = _Heartbeat(self.store, min(_HEARTBEAT_SECONDS, timeout / 4))
+            self._presence = _Presence(self)
+            self._presence.start()
+
+    def announce(self):
+        """Set this rank's presence key now: where it is changed."""
+        if self._presence is not None:
+            try:
+                self._presence.announce(self)
+            except Exception:  # pylint: disable=broad-except
+                pass  # the store is gone: the beats stop, as the group is torn down
+
+    @property
+    def where(self):
+        """Where this rank is, for the others: in which call, or after which."""
+        if self._open:
+            return f"in {self._open[0][2]}"
+        return f"after {self._last_call}" if self._last_call else "before any collective call"
 
     @property
     def distributed(self):
@@ -184,10 +247,28 @@ class Coordinator:
                 return self.store.get(key).decode()
         return None
 
-    def _heartbeats(self):
-        """The beats of the sections this rank is in: they grow while some
-        rank works in one of them."""
+    def _progress(self):
+        """The progress of the sections this rank is in: it grows while
+        some rank's ``run`` advances in one of them."""
         return sum(self.store.add(key + "/alive", 0) for key, *_ in self._open)
+
+    def gone(self):
+        """A rank that is gone, as ``(rank, its last call)``, or None."""
+        now = time.monotonic()
+        for rank in range(self.num_processes):
+            if rank == self.process_index:
+                continue
+            key = f"presence/{rank}"
+            value = self.store.get(key).decode() if self.store.check([key]) else None
+            seen = self._peers.get(rank)
+            if seen is None or seen[0] != value:
+                self._peers[rank] = (value, now)
+                if value is None or not _exited(value):
+                    continue
+            elif now - seen[1] <= self.dead_after and not (value is not None and _exited(value)):
+                continue
+            return rank, (value.split("|", 1)[1] if value else "") or "before any collective call"
+        return None
 
     def barrier(self, what):
         """Wait for every rank, or raise as soon as one failed.
@@ -206,26 +287,11 @@ class Coordinator:
             with self.session(what):
                 self.barrier(what)
             return
-        self._arrive(what)()
-
-    def _arrive(self, what):
-        """Arrive at the next barrier; return the wait for the others.
-
-        The wait may be called more than once: it waits the first time only.
-        """
         if self._agreed != self._generation:
             self._agree_on_the_call()
         key = self._child("b")
-        if self.store.add(key, 1) >= self.num_processes:
-            return _passed
-        waited = []
-
-        def wait():
-            if not waited:
-                self._wait(key, what)
-                waited.append(True)
-
-        return wait
+        if self.store.add(key, 1) < self.num_processes:
+            self._wait(key, what)
 
     def _agree_on_the_call(self):
         """At the first barrier of a session, check that every rank is in the
@@ -246,9 +312,10 @@ class Coordinator:
 
     def _wait(self, key, what):
         deadline = time.monotonic() + self.timeout
-        beats = None  # read at the first look: a short wait never pays for it
+        progress = None  # read at the first look: a short wait never pays for it
         pause, look = _POLL_FIRST, time.monotonic() + _LOOK_EVERY
         slow_down = time.monotonic() + _POLL_FAST_FOR
+        presence = time.monotonic() + _PRESENCE_EVERY
         while self.store.add(key, 0) < self.num_processes:
             time.sleep(pause)
             if time.monotonic() > slow_down:
@@ -259,12 +326,28 @@ class Coordinator:
             failure = self.failure()
             if failure is not None:
                 raise DistributedError(failure)
-            now = self._heartbeats()
-            if now != beats:  # a rank is still working: wait on
-                beats, deadline = now, time.monotonic() + self.timeout
+            if time.monotonic() > presence:
+                presence = time.monotonic() + _PRESENCE_EVERY
+                gone = self.gone()
+                if gone is not None:
+                    self._lost(what, *gone)
+            now = self._progress()
+            if now != progress:  # a rank's run advances: wait on
+                progress, deadline = now, time.monotonic() + self.timeout
             elif time.monotonic() > deadline:
                 self._give_up(key, what)
                 return
+
+    def _lost(self, what, rank, where):
+        """Fail the section: ``rank`` is gone."""
+        message = (
+            f"{what}: rank {rank} is gone (its process ended, or stopped answering for "
+            f"{self.dead_after:.0f} s), last seen {where}; the other ranks cannot "
+            "go on without it. Its own output says why it ended."
+        )
+        if self._open:
+            self._publish(self._open[-1][0], message)
+        raise DistributedError(message)
 
     def _give_up(self, key, what):
         """Leave a barrier that timed out, so that every rank agrees on it."""
@@ -280,7 +363,7 @@ class Coordinator:
         self._publish(self._open[-1][0], message)
         raise DistributedError(message)
 
-    def run(self, fn, *, what, here=True, gate=None):
+    def run(self, fn, *, what, here=True, io_timeout=None, files=None):
         """Run ``fn`` on the ranks where ``here`` is true, and agree on the outcome.
 
         Every rank starts once all have arrived, and returns only once ``fn``
@@ -291,94 +374,92 @@ class Coordinator:
 
         Parameters
         ----------
-        gate : callable or None (default=None)
-          For a ``fn`` whose effects become visible at one point, such as a
-          write that ends with a rename: ``gate(wait)`` gives a context in
-          which ``fn`` calls ``wait()`` just before that point. ``fn`` then
-          starts on arrival and does its work while the other ranks arrive;
-          nothing becomes visible before all have.
+        io_timeout : float or None (default=None)
+          Seconds ``fn`` may go without progress (``progress.supervised``)
+          before it fails; None: the coordinator's timeout.
+
+        files : str or None (default=None)
+          The files ``fn`` reads or writes, for the error if it stalls.
 
         """
         with self.session(what):
-            early = gate is not None and here and self.distributed
-            if early:
-                arrived = self._arrive(what)
-            else:
-                self.barrier(what)
+            self.barrier(what)
             if here and self.distributed:
-                with self._heartbeat.beating(self._open[-1][0] + "/alive"):
-                    if early:
-                        # no heartbeat while waiting at the gate: this rank
-                        # would see its own beats and wait forever
-                        with gate(self._heartbeat.paused(arrived)):
-                            result = fn()
-                    else:
-                        result = fn()
+                key = self._open[-1][0] + "/alive"
+                result = supervised(
+                    fn,
+                    io_timeout=self.timeout if io_timeout is None else io_timeout,
+                    on_progress=lambda: self.store.add(key, 1),
+                    what=what if files is None else f"{what} of {files}",
+                )
             else:
                 result = fn() if here else None
-            if early:
-                arrived()  # a fn that never reached the gate
             self.barrier(what)
         return result
 
 
-def _passed():
-    pass
+def _exited(value):
+    """Whether the presence ``value`` is of a process of this machine that
+    has ended."""
+    beat_host_pid = value.split("|", 1)[0].split(" ")
+    if len(beat_host_pid) != 3 or beat_host_pid[1] != _HOST or not beat_host_pid[2].isdigit():
+        return False
+    try:
+        os.kill(int(beat_host_pid[2]), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
 
 
-class _Heartbeat:
-    """Beats under a key while a block runs, so that ranks waiting for this
-    one know it is working rather than gone.
+_PRESENCES = weakref.WeakSet()
 
-    One thread per coordinator, started on first use and idle between
-    blocks: starting a thread for every save would cost more than a small
-    save's barriers.
-    """
 
-    def __init__(self, store, interval):
-        self.store = store
-        self.interval = interval
-        self.key = None
-        self.working = threading.Event()
-        self.thread = None
+def _stop_at_exit():
+    """Stop the presence threads and let go of the coordinators, and with them
+    the stores, while the interpreter still runs: a thread still talking to a
+    store that the interpreter's finalization tears down can abort the
+    process after its work is done."""
+    for presence in list(_PRESENCES):
+        presence.stopped.set()
+    for presence in list(_PRESENCES):
+        presence.join(timeout=2)
+    _COORDINATORS.clear()
+    gc.collect()
 
-    def _beat(self):
+
+class _Presence(threading.Thread):
+    """Sets the coordinator's presence key every beat, with the process's
+    host, id and where the rank is; ends with the coordinator or the store."""
+
+    def __init__(self, coordinator):
+        super().__init__(daemon=True, name="accel_mixin-presence")
+        # weakly: the thread ends once the coordinator is gone
+        self.coordinator = weakref.ref(coordinator)
+        self.key = f"presence/{coordinator.process_index}"
+        self.store = coordinator.store
+        self.beat = coordinator.beat
+        self.count = itertools.count(1)
+        self.stopped = threading.Event()
+        _PRESENCES.add(self)
+
+    def announce(self, coordinator):
+        value = f"{next(self.count)} {_HOST} {os.getpid()}|{coordinator.where}"
+        self.store.set(self.key, value)
+
+    def run(self):
         while True:
-            self.working.wait()  # a block runs
-            time.sleep(self.interval)
-            key = self.key
-            if self.working.is_set() and key is not None:
-                try:
-                    self.store.add(key, 1)
-                except Exception:  # pylint: disable=broad-except
-                    return  # the store is gone: the group is being torn down
-
-    def paused(self, wait):
-        """``wait``, wrapped to run without beats."""
-
-        def paused_wait():
-            self.working.clear()
+            coordinator = self.coordinator()
+            if coordinator is None:
+                return
             try:
-                wait()
-            finally:
-                self.working.set()
-
-        return paused_wait
-
-    @contextlib.contextmanager
-    def beating(self, key):
-        if self.thread is None:
-            self.thread = threading.Thread(
-                target=self._beat, daemon=True, name="accel_mixin-heartbeat"
-            )
-            self.thread.start()
-        self.key = key
-        self.working.set()
-        try:
-            yield
-        finally:
-            self.working.clear()
-            self.key = None
+                self.announce(coordinator)
+            except Exception:  # pylint: disable=broad-except
+                return  # the store is gone: the group is being torn down
+            del coordinator
+            if self.stopped.wait(self.beat):
+                return
 
 
 class _Section:
@@ -392,12 +473,20 @@ class _Section:
         self.what = what
 
     def __enter__(self):
-        self.coordinator._open.append([self.key, 0, self.what])  # pylint: disable=protected-access
+        coordinator = self.coordinator
+        outermost = not coordinator._open  # pylint: disable=protected-access
+        if outermost:
+            coordinator._last_call = self.what  # pylint: disable=protected-access
+        coordinator._open.append([self.key, 0, self.what])  # pylint: disable=protected-access
+        if outermost:
+            coordinator.announce()
         return self
 
     def __exit__(self, exc_type, exc, traceback):
         coordinator = self.coordinator
         coordinator._open.pop()  # pylint: disable=protected-access
+        if not coordinator._open:  # pylint: disable=protected-access
+            coordinator.announce()
         # a stop every rank takes is no failure
         if exc_type is None or issubclass(exc_type, (KeyboardInterrupt, GeneratorExit, Preempted)):
             return False
@@ -413,6 +502,7 @@ class _Section:
 
 
 _COORDINATORS = {}
+_EXIT_HOOK = []
 
 
 def coordinator_for(accelerator):
@@ -426,6 +516,8 @@ def coordinator_for(accelerator):
     store = default_store() if accelerator.num_processes > 1 else None
     key = (accelerator.num_processes, accelerator.process_index, id(store))
     if key not in _COORDINATORS:
+        if not _EXIT_HOOK:
+            _EXIT_HOOK.append(atexit.register(_stop_at_exit))
         handler = getattr(accelerator, "init_handler", None)
         timeout = getattr(handler, "timeout", None) or timedelta(minutes=30)
         _COORDINATORS.clear()  # an older process group is gone

@@ -18,7 +18,7 @@ from accelerate.utils import gather_object
 import accel_mixin
 from accel_mixin.process_layout import check_process_layout
 
-__all__ = ["environment_report", "rank_line"]
+__all__ = ["environment_report", "rank_line", "restart_store"]
 
 _LAUNCH_VARIABLES = (
     "WORLD_SIZE",
@@ -43,6 +43,22 @@ def _versions():
         f"accelerate {accelerate.__version__}",
         f"skorch {skorch.__version__}",
     ]
+
+
+def restart_store():
+    """Whether the launch's rendezvous keeps its store across restarts, in
+    words, or None outside an elastic launch."""
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        return None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return (
+            "restarts: the rendezvous store is shared across restarts (static "
+            "--master_addr/--master_port, or c10d's default); accel_mixin keeps its keys "
+            "apart per attempt, but torch's gloo may read a dead attempt's addresses and "
+            "fail or hang in init_process_group: use --rdzv-backend c10d --rdzv-endpoint "
+            "HOST:PORT with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+        )
+    return "restarts: every attempt gets a store of its own"
 
 
 def rank_line(accelerator):
@@ -81,4 +97,5 @@ def environment_report(accelerator=None):
         lines = gather_object(lines)
     if not accelerator.is_main_process:
         return None
-    return "\n".join(_versions() + lines)
+    restarts = restart_store()
+    return "\n".join(_versions() + ([restarts] if restarts else []) + lines)

@@ -21,7 +21,6 @@ import secrets
 import shutil
 import socket
 import stat
-import threading
 import time
 import zipfile
 
@@ -40,7 +39,6 @@ __all__ = [
     "read_error",
     "read_history",
     "read_state",
-    "replacing_after",
     "write_history",
     "write_state",
 ]
@@ -105,23 +103,6 @@ def _sweep(path):
                     os.unlink(full)
 
 
-_GATE = threading.local()
-
-
-@contextlib.contextmanager
-def replacing_after(wait):
-    """Within the block, atomic writes of this thread call ``wait()`` just
-    before they replace their targets: a write prepared while other processes
-    arrive becomes visible only once they all have. If ``wait`` raises, the
-    targets are left as they were."""
-    previous = getattr(_GATE, "wait", None)
-    _GATE.wait = wait
-    try:
-        yield
-    finally:
-        _GATE.wait = previous
-
-
 def _resolve_target(path):
     """The file to replace for ``path``, and its status (None if missing)."""
     path = os.fspath(path)
@@ -159,9 +140,6 @@ def atomic_files(paths):
         for _, _, fd, mode in written:
             mode.finish()
             os.fsync(fd)  # the same file, however it was written
-        wait = getattr(_GATE, "wait", None)
-        if wait is not None:
-            wait()
         for path, tmp, _, _ in written:
             os.replace(tmp, path)
     except BaseException as exc:

@@ -107,6 +107,16 @@ class AccelerateMixin(CheckpointingMixin):
       check off. It costs one small collective and a pass over the
       parameters (see the benchmarks).
 
+    io_timeout : float or None (default=None)
+      With several processes, the seconds a save or a load that every
+      process waits for (``save_params``, ``load_params``, ``save_state``,
+      ``load_state``) may go without reading or writing anything before it
+      fails on every process, naming the files (a hung filesystem would
+      otherwise keep every process waiting forever). None: the process
+      group's timeout (30 minutes unless set with accelerate's
+      ``InitProcessGroupKwargs``). A slow save that keeps writing is never
+      cut short.
+
     **kwargs
       The other parameters of the skorch net class it is mixed into
       (``max_epochs``, ``callbacks`` ...).
@@ -133,6 +143,7 @@ class AccelerateMixin(CheckpointingMixin):
         unwrap_after_train=True,
         callbacks__print_log__sink="auto",
         replica_check_every=1,
+        io_timeout=None,
         **kwargs,
     ):
         super().__init__(
@@ -141,6 +152,7 @@ class AccelerateMixin(CheckpointingMixin):
         self.accelerator = accelerator
         self.unwrap_after_train = unwrap_after_train
         self.replica_check_every = replica_check_every
+        self.io_timeout = io_timeout
 
     # --- initialization -----------------------------------------------------
 

@@ -111,6 +111,14 @@ def check_params(net):
             f"replica_check_every must be a whole number of epochs (0 turns the check "
             f"off), got {every!r}"
         )
+    io_timeout = net.io_timeout
+    if io_timeout is not None and (
+        isinstance(io_timeout, bool) or not isinstance(io_timeout, (int, float)) or io_timeout <= 0
+    ):
+        raise ValueError(
+            f"io_timeout must be a number of seconds above 0, or None for the process "
+            f"group's timeout, got {io_timeout!r}"
+        )
 
 
 def check_optimizers(net):

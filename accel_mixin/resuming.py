@@ -41,7 +41,9 @@ def resume(net, path):
     coordinator = process.coordinator_for(net.accelerator)
     # a load that fails halfway leaves no earlier load to go on from
     process.forget_loaded_state()
-    state = coordinator.run(lambda: _read(net, path), what="load_state")
+    state = coordinator.run(
+        lambda: _read(net, path), what="load_state", files=str(path), io_timeout=net.io_timeout
+    )
     was_wrapped = _load_weights(net, coordinator, state, path)
     _prepare(net, was_wrapped)
     pending = coordinator.run(

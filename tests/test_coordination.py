@@ -3,12 +3,15 @@
 The same over real processes: test_multiprocess.py and test_sync.py.
 """
 
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 import torch.distributed as dist
 
+from accel_mixin import coordination
 from accel_mixin.coordination import Coordinator, DistributedError
 
 
@@ -173,19 +176,91 @@ def test_a_barrier_that_times_out_fails_on_every_rank():
     assert str(exc0) == str(exc1)  # rank 0 learns why
 
 
-def test_a_run_slower_than_the_timeout_succeeds_while_it_works():
+def test_a_run_slower_than_the_timeout_succeeds_while_it_writes(tmp_path):
     # the process group's timeout, kept short so that errors surface fast,
-    # must not cut a long save short
+    # must not cut a long save short while it makes progress
     rank0, rank1 = pair(timeout=0.3)
 
     def body(coordinator):
         def save():
-            time.sleep(1.5)  # five timeouts long
+            with open(tmp_path / "slow", "wb") as f:
+                for _ in range(10):  # five timeouts long
+                    f.write(b"x" * 100)
+                    f.flush()
+                    time.sleep(0.15)
             return "saved"
 
         return coordinator.run(save, what="save_params", here=coordinator.process_index == 0)
 
     assert run_ranks(lambda: body(rank0), lambda: body(rank1)) == [("ok", "saved"), ("ok", None)]
+
+
+def test_a_run_without_progress_fails_on_every_rank_after_its_io_timeout():
+    # a write stuck in a hung filesystem: nothing read, written or computed
+    rank0, rank1 = pair(timeout=30)
+    stuck = threading.Event()
+
+    def body(coordinator):
+        return coordinator.run(
+            stuck.wait,
+            what="save_params",
+            files="p.pt",
+            here=coordinator.process_index == 0,
+            io_timeout=1,
+        )
+
+    start = time.monotonic()
+    (state0, exc0), (state1, exc1) = run_ranks(lambda: body(rank0), lambda: body(rank1))
+    stuck.set()
+    assert time.monotonic() - start < 10  # not the 30 s timeout, nor forever
+    assert (state0, state1) == ("raised", "raised")
+    assert isinstance(exc0, TimeoutError)
+    assert str(exc0).startswith("save_params of p.pt made no progress for 1 s")
+    assert isinstance(exc1, DistributedError)
+    assert "save_params failed on rank 0: Stalled: save_params of p.pt made no" in str(exc1)
+
+
+def test_a_rank_whose_process_ended_is_named_within_seconds():
+    rank0, rank1 = pair(timeout=30)
+    ended = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    host = coordination._HOST  # pylint: disable=protected-access
+    del rank1  # its presence stops; its last value names a process that ended
+    time.sleep(0.1)
+    rank0.store.set("presence/1", f"7 {host} {ended}|in predict")
+    start = time.monotonic()
+    with pytest.raises(DistributedError, match=r"rank 1 is gone .*, last seen in predict"):
+        rank0.barrier("save_params")
+    assert time.monotonic() - start < 5
+
+
+def test_a_rank_that_stopped_answering_is_named():
+    # another machine's process: no process id to look at, its key stands still
+    rank0, rank1 = pair(timeout=30)
+    rank0.dead_after = 1.0
+    del rank1
+    time.sleep(0.1)
+    rank0.store.set("presence/1", "7 otherhost 123|after fit")
+    start = time.monotonic()
+    with pytest.raises(DistributedError, match=r"rank 1 is gone .*, last seen after fit"):
+        rank0.barrier("on_epoch_end")
+    assert 1.0 <= time.monotonic() - start < 5
+
+
+def test_a_live_rank_keeps_the_others_waiting():
+    rank0, rank1 = pair(timeout=30)
+    rank0.dead_after = 0.5  # beats come every second: a key unchanged for longer...
+
+    def late():
+        time.sleep(1.5)  # ...would be gone, but rank 1's process is this one, alive
+        rank1.barrier("b")
+
+    results = run_ranks(lambda: rank0.barrier("b"), late)
+    assert results == [("ok", None), ("ok", None)]
 
 
 def test_a_rank_that_times_out_just_as_the_last_arrives_passes():
@@ -196,70 +271,6 @@ def test_a_rank_that_times_out_just_as_the_last_arrives_passes():
         rank1._give_up(key, "x")  # pylint: disable=protected-access
         assert rank1.store.add(key, 0) == 2
         assert rank1.failure() is None
-
-
-def gated_save(coordinator, path, content, events):
-    """A save through the gate, as save_params makes it: the write starts on
-    arrival, the rename waits for every rank."""
-    from accel_mixin.files import atomic_write, replacing_after
-
-    def write():
-        events.append(("writing", time.monotonic()))
-        atomic_write(path, lambda f: f.write(content))
-        events.append(("renamed", time.monotonic()))
-
-    return coordinator.run(
-        write, what="save_params", here=coordinator.process_index == 0, gate=replacing_after
-    )
-
-
-def test_a_gated_write_works_early_and_becomes_visible_once_all_arrived(tmp_path):
-    rank0, rank1 = pair()
-    path = tmp_path / "params.pt"
-    path.write_bytes(b"old")
-    events = []
-
-    def late():
-        time.sleep(0.5)
-        events.append(("arrived", time.monotonic()))
-        assert path.read_bytes() == b"old"  # nothing visible before everyone arrived
-        return gated_save(rank1, path, b"new", events)
-
-    results = run_ranks(lambda: gated_save(rank0, path, b"new", events), late)
-    assert [result[0] for result in results] == ["ok", "ok"]
-    times = dict(events)
-    assert times["writing"] < times["arrived"] < times["renamed"]
-    assert path.read_bytes() == b"new"
-
-
-def test_a_gated_write_leaves_the_file_when_another_rank_fails_before_arriving(tmp_path):
-    rank0, rank1 = pair()
-    path = tmp_path / "params.pt"
-    path.write_bytes(b"old")
-
-    def failing():
-        with rank1.session("save_params"):
-            raise ValueError("rank 1 broke before the save")
-
-    results = run_ranks(lambda: gated_save(rank0, path, b"new", []), failing)
-    assert isinstance(results[0][1], DistributedError)
-    assert "rank 1 broke before the save" in str(results[0][1])
-    assert path.read_bytes() == b"old"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["params.pt"]  # no temporary left
-
-
-def test_a_gated_write_does_not_keep_itself_waiting_with_its_own_heartbeat(tmp_path):
-    # the writer waits at the gate for a rank that never comes: its own
-    # heartbeat must not count as progress, or it would wait forever
-    rank0, _ = pair(timeout=0.5)
-    rank0._heartbeat.interval = 0.05  # pylint: disable=protected-access
-    path = tmp_path / "params.pt"
-    start = time.monotonic()
-    results = run_ranks(lambda: gated_save(rank0, path, b"new", []))
-    assert isinstance(results[0][1], DistributedError)
-    assert "neither arrived" in str(results[0][1])
-    assert time.monotonic() - start < 10
-    assert not path.exists()
 
 
 def test_ranks_in_different_calls_raise_at_once_naming_both():
@@ -309,3 +320,36 @@ def test_ranks_in_the_same_calls_compare_them_once_per_call():
 
     assert run_ranks(lambda: body(rank0), lambda: body(rank1)) == [("ok", None)] * 2
     assert sorted(compared) == sorted(f"g{g}/call" for g in (1, 2, 3, 4) for _ in range(2))
+
+
+def test_a_restarted_attempt_never_reads_the_keys_of_the_dead_one(monkeypatch):
+    # one store across the attempts, as torchrun's static rendezvous keeps it
+    store = dist.HashStore()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    dead = [Coordinator(2, rank, timeout=30, store=store) for rank in (0, 1)]
+
+    def fails(coordinator):
+        with coordinator.session("fit"):
+            coordinator.barrier("fit")
+            raise ValueError("attempt 0 dies")
+
+    run_ranks(*(lambda c=c: fails(c) for c in dead))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    rank0, rank1 = (Coordinator(2, rank, timeout=30, store=store) for rank in (0, 1))
+    arrived = []
+
+    def late():
+        time.sleep(1.0)
+        arrived.append(time.monotonic())
+        with rank1.session("fit"):
+            rank1.barrier("fit")
+
+    def early():
+        with rank0.session("fit"):
+            rank0.barrier("fit")
+        return time.monotonic()
+
+    (state0, done), (state1, _) = run_ranks(early, late)
+    assert (state0, state1) == ("ok", "ok")  # no failure of attempt 0 surfaced
+    assert done >= arrived[0]  # and barrier 1 waited for rank 1

@@ -61,3 +61,16 @@ def test_on_two_processes_the_main_process_reports_every_rank():
     assert "rank 1 of 2: distributed_type=MULTI_CPU" in out0
     assert out0.count("layout check: ok") == 2
     assert out1 == ""  # one voice
+
+
+def test_the_report_says_whether_restarts_share_the_store(monkeypatch):
+    from accel_mixin.diagnostics import restart_store
+
+    assert restart_store() is None or "TORCHELASTIC_RESTART_COUNT" in os.environ
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    shared = restart_store()
+    assert "shared across restarts" in shared and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in shared
+    assert shared in environment_report(Accelerator(cpu=True))
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    assert restart_store() == "restarts: every attempt gets a store of its own"

@@ -653,7 +653,8 @@ def small_disk(tmp_path):
         return mount
 
     yield mounted
-    subprocess.run(["umount", str(mount)], capture_output=True, check=False)
+    # lazily: a failed torch.save may hold its file open until collected
+    subprocess.run(["umount", "-l", str(mount)], capture_output=True, check=False)
 
 
 class Big(torch.nn.Module):
