@@ -35,6 +35,7 @@ __all__ = [
     "atomic_files",
     "atomic_write",
     "check_readable",
+    "check_same_save",
     "history_error",
     "read_error",
     "read_history",
@@ -120,14 +121,100 @@ def _resolve_target(path):
     return path, target
 
 
+# In a directory, which files of the last saves belong together: save id ->
+# {name: [size, mtime_ns, inode]} of each file as that save wrote it
+SETS = ".accel_mixin-sets.json"
+_SETS_KEPT = 8
+
+
+def _identity(st):
+    return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+
+def _read_sets(directory):
+    try:
+        with open(os.path.join(directory, SETS), encoding="utf-8") as f:
+            sets = json.load(f)
+        return sets if isinstance(sets, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _record_set(written):
+    """Record, in each directory, which files this save writes together: as
+    they will be once renamed (a rename keeps size, time and inode). It is
+    renamed into place before them, so that a save interrupted between its
+    renames leaves files that the record tells apart."""
+    by_directory = {}
+    for path, _, fd, _ in written:
+        by_directory.setdefault(os.path.dirname(os.path.abspath(path)), {})[
+            os.path.basename(path)
+        ] = _identity(os.fstat(fd))
+    save = f"{time.time():.6f}-{secrets.token_hex(4)}"
+    for directory, files in by_directory.items():
+        sets = _read_sets(directory)
+        sets[save] = files
+        kept = dict(sorted(sets.items())[-_SETS_KEPT:])
+        with atomic_files([os.path.join(directory, SETS)]) as (tmp,):
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(kept, f)
+
+
+def _when(save):
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(save.split("-")[0])))
+
+
+def check_same_save(paths):
+    """Raise a ``CheckpointError`` if files of ``paths`` that one directory's
+    record knows come from different saves; files it does not know (written
+    otherwise, or changed since) are not checked."""
+    by_directory = {}
+    for path in paths:
+        if _is_path(path):
+            by_directory.setdefault(os.path.dirname(os.path.abspath(path)), []).append(path)
+    for directory, files in by_directory.items():
+        if len(files) < 2:
+            continue
+        sets = _read_sets(directory)
+        if not sets:
+            continue
+        saves = {}
+        for path in files:
+            try:
+                identity = _identity(os.stat(path))
+            except OSError:
+                continue
+            name = os.path.basename(path)
+            save = next(
+                (
+                    s
+                    for s, members in sorted(sets.items(), reverse=True)
+                    if members.get(name) == identity
+                ),
+                None,
+            )
+            if save is not None:
+                saves[os.fspath(path)] = save
+        if len(set(saves.values())) > 1:
+            listed = ", ".join(f"{path} (saved {_when(save)})" for path, save in saves.items())
+            raise CheckpointError(
+                f"These files come from different saves: {listed}. A save of the set failed "
+                "or was cut off part way, or the files were saved apart; load files that one "
+                "save_params call wrote together (or load them one by one, if that is what "
+                "you mean)."
+            )
+
+
 @contextlib.contextmanager
-def atomic_files(paths):
+def atomic_files(paths, *, record=False):
     """Write the files ``paths`` as one unit: all of them or none.
 
     Yields the names of temporary files, one per path in the same order and
     directory, for the block to write (by name). After the block each is
     fsynced and, once all are complete, renamed into place; an error before
     that leaves every target as it was and removes the temporary files.
+    With ``record=True`` the directory's record of which files belong
+    together (``check_same_save``) learns of them first.
     """
     written = []  # (target, temporary, fd, mode)
     try:
@@ -140,6 +227,12 @@ def atomic_files(paths):
         for _, _, fd, mode in written:
             mode.finish()
             os.fsync(fd)  # the same file, however it was written
+        if (
+            record
+            and written
+            and (len(written) > 1 or any(_read_sets(os.path.dirname(p)) for p, *_ in written))
+        ):
+            _record_set(written)
         for path, tmp, _, _ in written:
             os.replace(tmp, path)
     except BaseException as exc:

@@ -9,7 +9,7 @@ import torch
 from skorch.utils import _check_f_arguments
 
 from accel_mixin import files as _files
-from accel_mixin.files import check_readable, history_error, read_error
+from accel_mixin.files import check_readable, check_same_save, history_error, read_error
 from accel_mixin.state_dict import (
     CheckpointError,
     clean_state_dict,
@@ -93,7 +93,10 @@ class SafeParamsMixin:
                     "holds other objects; save it without safetensors."
                 )
         named = {key: f for key, f in files.items() if isinstance(f, (str, os.PathLike))}
-        with _files.atomic_files(named.values()) as temporaries, self._accessing(_Saving):
+        with (
+            _files.atomic_files(named.values(), record=True) as temporaries,
+            self._accessing(_Saving),
+        ):
             files.update(zip(named, temporaries))
             super().save_params(use_safetensors=use_safetensors, **files)
 
@@ -210,6 +213,7 @@ class _Loading:
         # skorch reads the file next
         if self.files is None:
             self.files = self._files()
+            check_same_save([*self.files.values(), self.f_history])
         self.reading = self.files.get(attr)
         check_readable(self.reading)
         if self.mmap:

@@ -30,7 +30,7 @@ def run_ranks(*bodies):
         except BaseException as exc:  # pylint: disable=broad-except
             results[i] = ("raised", exc)
 
-    threads = [threading.Thread(target=target, args=(i,)) for i in range(len(bodies))]
+    threads = [threading.Thread(target=target, args=(i,), daemon=True) for i in range(len(bodies))]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -202,7 +202,7 @@ def test_a_run_without_progress_fails_on_every_rank_after_its_io_timeout():
 
     def body(coordinator):
         return coordinator.run(
-            stuck.wait,
+            lambda: stuck.wait(20),  # bounded: a watch that never fires fails the test
             what="save_params",
             files="p.pt",
             here=coordinator.process_index == 0,

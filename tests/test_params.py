@@ -685,3 +685,49 @@ def test_a_read_only_filesystem_is_named(small_disk):
     disk = small_disk("ro")
     with pytest.raises(OSError, match=r"Cannot save .*params.pt: .* is on a read-only filesystem"):
         nets()["accelerated, wrapped"].save_params(f_params=disk / "params.pt")
+
+
+def test_files_of_different_saves_are_refused_naming_them(tmp_path):
+    net = nets()["accelerated, wrapped"]
+    files = dict(f_params=tmp_path / "params.pt", f_optimizer=tmp_path / "optimizer.pt")
+    net.save_params(**files)
+    net.save_params(f_params=files["f_params"])  # one file saved apart
+    with pytest.raises(CheckpointError, match=r"come from different saves: .*params.pt \(saved"):
+        nets()["accelerated, wrapped"].load_params(**files)
+    # a file the record does not know (written otherwise): not checked
+    torch.save(net.optimizer_.state_dict(), files["f_optimizer"])
+    nets()["accelerated, wrapped"].load_params(**files)
+
+
+def test_a_save_cut_off_between_its_renames_is_told_apart(tmp_path, monkeypatch):
+    net = nets()["accelerated, wrapped"]
+    files = dict(f_params=tmp_path / "params.pt", f_history=tmp_path / "history.json")
+    net.save_params(**files)
+    renames = []
+    replace = os.replace
+
+    def cut_off(src, dst):
+        renames.append(dst)
+        if len(renames) == 3:  # the record, the params, then the machine died
+            raise KeyboardInterrupt
+        return replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", cut_off)
+    with pytest.raises(KeyboardInterrupt):
+        net.save_params(**files)
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(CheckpointError, match="come from different saves"):
+        nets()["plain skorch"].load_params(**files)
+    nets()["plain skorch"].load_params(f_params=files["f_params"])  # one by one: as meant
+
+
+def test_files_of_one_save_load_together(tmp_path):
+    net = nets()["accelerated, wrapped"]
+    files = dict(
+        f_params=tmp_path / "params.pt",
+        f_optimizer=tmp_path / "optimizer.pt",
+        f_history=tmp_path / "history.json",
+    )
+    for _ in range(3):
+        net.save_params(**files)
+        nets()["accelerated, unwrapped"].load_params(**files)
