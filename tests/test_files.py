@@ -76,7 +76,7 @@ def test_two_machines_without_a_shared_filesystem(nodes):
         assert value == {"cwd": f"node{node}", "rank": node, "local_main": True, "num_processes": 2}
     for value in values(nodes, "save_on_each_node"):
         assert value == {
-            "files": ["history.json", "params.pt"],
+            "files": [".accel_mixin-sets.json", "history.json", "params.pt"],
             "same_predictions": True,
             "history_epochs": 2,
         }

@@ -731,3 +731,17 @@ def test_files_of_one_save_load_together(tmp_path):
     for _ in range(3):
         net.save_params(**files)
         nets()["accelerated, unwrapped"].load_params(**files)
+
+
+def test_a_denied_permission_is_named(tmp_path, monkeypatch):
+    # as root every directory is writable: the refusal a user gets, simulated
+    import errno
+
+    from accel_mixin import files
+
+    def refused(path):
+        raise PermissionError(errno.EACCES, "Permission denied", path)
+
+    monkeypatch.setattr(files, "_create_temporary", refused)
+    with pytest.raises(OSError, match=r"Cannot save .*params.pt: permission to write in .* denied"):
+        nets()["accelerated, wrapped"].save_params(f_params=tmp_path / "params.pt")
