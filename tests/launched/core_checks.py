@@ -164,10 +164,11 @@ def only_main_writes():
             calls.append(f)
         return saved[1](self, f)
 
-    def counting_atomic_files(paths):
+    def counting_atomic_files(paths, **kwargs):
         paths = list(paths)
-        calls.extend(paths)
-        return saved[2](paths)
+        # the files the user named; the record of the set goes with them
+        calls.extend(p for p in paths if os.path.basename(p) != files.SETS)
+        return saved[2](paths, **kwargs)
 
     torch.save, History.to_file, files.atomic_files = (
         counting_save,

@@ -85,10 +85,11 @@ class CountWrites:
         self.calls = []
         self.saved = (files.atomic_files, training.open_file_like)
 
-        def atomic_files(paths):
+        def atomic_files(paths, **kwargs):
             paths = list(paths)
-            self.calls.extend(str(path) for path in paths)
-            return self.saved[0](paths)
+            # the files the user named; the record of the set goes with them
+            self.calls.extend(str(p) for p in paths if not str(p).endswith(files.SETS))
+            return self.saved[0](paths, **kwargs)
 
         def open_file_like(f, mode):
             self.calls.append(str(f))
