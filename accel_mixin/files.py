@@ -27,7 +27,6 @@ import zipfile
 import safetensors
 import safetensors.torch
 import torch
-from skorch.history import History
 
 from accel_mixin.state_dict import CheckpointError
 
@@ -38,9 +37,7 @@ __all__ = [
     "check_same_save",
     "history_error",
     "read_error",
-    "read_history",
     "read_state",
-    "write_history",
     "write_state",
 ]
 
@@ -412,15 +409,6 @@ def write_state(state, f, *, use_safetensors=False):
         _write(f, lambda target: torch.save(state, target), by_name=True)
 
 
-def write_history(history, f):
-    """Save a skorch History as JSON to a path (atomically) or a file object."""
-    content = json.dumps(history.to_list())
-    if _is_path(f):
-        atomic_write(f, lambda fh: fh.write(content.encode("utf-8")))
-    else:
-        f.write(content)
-
-
 def check_readable(f):
     if not _is_path(f):
         return
@@ -551,18 +539,6 @@ def _read_safetensors(f, map_location):
         return safetensors.torch.load(f.read())
     except (safetensors.SafetensorError, ValueError, OSError) as exc:
         raise read_error(f, exc, weights_only=True, use_safetensors=True) from exc
-
-
-def read_history(f):
-    """Load a skorch History from JSON, with an error that names the file."""
-    check_readable(f)
-    try:
-        return History.from_file(f)
-    except Exception as exc:  # pylint: disable=broad-except
-        error = history_error(f, exc)
-        if error is None:
-            raise
-        raise error from exc
 
 
 def history_error(f, exc):

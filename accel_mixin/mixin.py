@@ -399,8 +399,11 @@ class AccelerateMixin(CheckpointingMixin):
 
     def _step_optimizer(self, step_fn):
         stepper = self._stepper
-        optimizers = [getattr(self, name + "_") for name in self._optimizers]
-        if step_fn is not None and stepper.closures_for(optimizers):
+        closures = stepper.closures
+        if closures is None:  # called outside train_step
+            optimizers = [getattr(self, name + "_") for name in self._optimizers]
+            closures = stepper.closures_for(optimizers)
+        if step_fn is not None and closures:
             return super()._step_optimizer(stepper.closure(step_fn))
         # compute the gradients once; every optimizer steps on them
         if step_fn is not None:

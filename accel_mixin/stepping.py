@@ -89,6 +89,8 @@ class Stepper:
         self._autocast = accelerator.autocast if accelerator.native_amp else contextlib.nullcontext
         # while a train_step with accumulation runs, zeroing waits for its end
         self.deferring = False
+        # within a step: whether its optimizers step with closures
+        self.closures = None
         self._unscaled = False
 
     @property
@@ -109,11 +111,13 @@ class Stepper:
         """One training step; with accumulation (and no closures), skorch's
         zeroing before the forward pass waits until the block ends."""
         self._unscaled = False
+        self.closures = closures
         self.deferring = self.steps > 1 and not closures
         try:
             yield
         finally:
             self.deferring = False
+            self.closures = None
 
     def unscale(self, optimizers):
         """Divide the gradients of ``optimizers`` by the gradient scaler's
