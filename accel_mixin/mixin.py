@@ -9,7 +9,7 @@ import weakref
 from contextlib import contextmanager
 from typing import ClassVar
 
-from accelerate.utils import DistributedType, convert_to_fp32
+from accelerate.utils import convert_to_fp32
 from skorch.dataset import unpack_data
 
 from accel_mixin.background import finished_on_error
@@ -36,7 +36,6 @@ from accel_mixin.portable import PortableAccelerator, settle_unpickled
 from accel_mixin.process_layout import (
     check_process_layout,
     check_supported,
-    collect_garbage_at_exit,
 )
 from accel_mixin.process_state import ATTRIBUTE as PROCESS_STATE
 from accel_mixin.replicas import check_net_replicas, check_same_data
@@ -199,8 +198,6 @@ class AccelerateMixin(CheckpointingMixin):
         """
         check_process_layout(self.accelerator)
         check_supported(self.accelerator)
-        if self.accelerator.distributed_type != DistributedType.NO:
-            collect_garbage_at_exit()
         check_optimizers(self)
         check_overrides(self, AccelerateMixin)
         self._process.prepared.prepare(self.accelerator, slots(self))

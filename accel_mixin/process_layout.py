@@ -1,8 +1,6 @@
 """The layout of the processes: refuse the launches and backends that would
 train wrong models or hang, and say which processes write files."""
 
-import atexit
-import gc
 import os
 
 from accelerate.utils import DistributedType
@@ -11,7 +9,6 @@ __all__ = [
     "check_not_a_child_of_a_rank",
     "check_process_layout",
     "check_supported",
-    "collect_garbage_at_exit",
     "writes_files",
 ]
 
@@ -115,23 +112,6 @@ def check_supported(accelerator):
             "precision and gradient accumulation. Configure accelerate without it "
             "(`accelerate config`), or train with accelerate directly."
         )
-
-
-_EXIT_HOOK = []
-
-
-def collect_garbage_at_exit():
-    """Free what the nets left in reference cycles before Python shuts down.
-
-    DDP wrappers and the objects around them die in reference cycles. Left
-    to the interpreter's finalization, they are torn down while gloo's
-    threads still run, and the process can abort after all the work is done
-    ("terminate called without an active exception"), which launchers
-    report as a failed job. A collection at exit, while everything is still
-    alive, frees them in order. Registered once per process.
-    """
-    if not _EXIT_HOOK:
-        _EXIT_HOOK.append(atexit.register(gc.collect))
 
 
 def writes_files(accelerator):

@@ -273,6 +273,15 @@ BREAKS = [
         "                if False:\n                    self._lost(what, *gone)",
         ("tests/test_coordination.py",),
     ),
+    launched(
+        "coordination-presence-left-running-at-exit",
+        "coordination",
+        "the presence threads are not stopped before Python finalizes",
+        "accel_mixin/coordination.py",
+        "            _EXIT_HOOK.append(atexit.register(_stop_at_exit))",
+        "            _EXIT_HOOK.append(None)",
+        ("tests/test_exit.py::test_a_job_exits_cleanly_mid_store_call",),
+    ),
     Break(
         "coordination-dead-pid-alive",
         "coordination",
