@@ -20,6 +20,7 @@ from skorch.dataset import get_len, unpack_data
 
 from accel_mixin.coordination import DistributedError
 from accel_mixin.history_sync import agree_on_row, leading_samples, merge_epoch, real_samples
+from accel_mixin.loader_rng import start_workers_without_draws
 from accel_mixin.mid_epoch import skipping_batches
 from accel_mixin.notifications import hook
 from accel_mixin.process_state import process_state
@@ -99,6 +100,9 @@ class EpochBatches:
             check_same_steps(accelerator, self.iterator)
         try:
             with skipping_batches(self.iterator, self.done):
+                if self.process.resumed_fit and len(net.history) > 1:
+                    # the uninterrupted run started them in its first epoch
+                    start_workers_without_draws(self.iterator)
                 for batch in self.iterator:
                     if self.resume is not None:
                         # the generators as they were after the last batch trained

@@ -16,6 +16,9 @@ Each is used because no public API does the job:
   decide the shuffling that a training state saves, and the ``batch_sampler``
   of the DataLoader it wraps (``base_dataloader``), which a resumed epoch
   swaps for one that skips the batches already trained (``mid_epoch.py``);
+- torch's ``DataLoader._iterator`` and ``_get_iterator``: the iterator of
+  persistent workers, which a resumed fit starts with the generators put
+  back afterwards (``loader_rng.py``);
 - skorch's ``_check_f_arguments`` and ``NeuralNet._get_module``, which
   ``save_params`` and ``load_params`` share with skorch, and
   ``ProgressBar._get_batches_per_epoch_phase``, whose count of the whole
@@ -45,6 +48,7 @@ __all__ = [
     "check_progress_bar",
     "default_store",
     "missing",
+    "start_persistent_iterator",
 ]
 
 ACCELERATOR_LISTS = ("_models", "_optimizers", "_schedulers", "_dataloaders")
@@ -130,6 +134,22 @@ def check_dataloader(dataloader):
                 f"{type(dataloader).__name__}.{name}",
                 "to save and restore the shuffling of the training data",
             )
+
+
+def start_persistent_iterator(loader):
+    """Start the iterator of the torch DataLoader ``loader``, whose workers
+    persist, unless it has one; return whether it started one."""
+    if not hasattr(loader, "_iterator") or not hasattr(loader, "_get_iterator"):
+        raise _changed(
+            "torch",
+            "DataLoader._iterator and DataLoader._get_iterator",
+            "to start the persistent workers of a resumed fit without drawing their seed twice",
+        )
+    if loader._iterator is not None:  # pylint: disable=protected-access
+        return False
+    # DataLoader.__iter__ resets an iterator it has, and draws nothing then
+    loader._iterator = loader._get_iterator()  # pylint: disable=protected-access
+    return True
 
 
 def batch_sampler_owner(dataloader):

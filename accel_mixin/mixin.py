@@ -271,6 +271,7 @@ class AccelerateMixin(CheckpointingMixin):
 
     def fit_loop(self, X, y=None, epochs=None, **fit_params):
         resumed, self._process.resumed = self._process.resumed, None
+        self._process.resumed_fit = resumed is not None
         epochs = epochs_to_train(self, resumed, epochs)
         return super().fit_loop(X, y, epochs=epochs, **fit_params)
 

@@ -39,6 +39,8 @@ class ProcessState:
     resumed: Optional[dict] = None
     # while a fit goes on from a loaded state: initialize() keeps it
     keep_loaded: bool = False
+    # whether the running fit goes on from a training state (loader_rng)
+    resumed_fit: bool = False
     # while an epoch's training batches run: (batches done, batches with real
     # samples), what a training state saved there records
     position: Optional[tuple] = None

@@ -25,6 +25,7 @@ from accelerate.utils import gather_object
 from skorch.callbacks import EarlyStopping, LRScheduler
 from skorch.history import History
 
+from accel_mixin.loader_rng import generator_states, restore_generator_states
 from accel_mixin.mid_epoch import partial_epoch
 from accel_mixin.net_objects import net_modules, raw, raw_scheduler
 from accel_mixin.params import load_optimizer_state
@@ -295,19 +296,15 @@ def apply_epoch_states(pending, train_iterator):
     saved = pending.get("train_iterator") or {}
     if train_iterator is None:
         return
-    generator = getattr(train_iterator, "synchronized_generator", None)
-    if generator is not None and saved.get("generator") is not None:
-        generator.set_state(saved["generator"])
+    restore_generator_states(train_iterator, saved.get("generators", []))
     if saved.get("iteration") is not None and hasattr(train_iterator, "iteration"):
         train_iterator.iteration = saved["iteration"]
 
 
 def train_iterator_state(train_iterator):
-    """What decides the shuffling of the next epoch of ``train_iterator``."""
-    if train_iterator is None:
-        return {"generator": None, "iteration": None}
-    generator = getattr(train_iterator, "synchronized_generator", None)
+    """What decides the shuffling of the next epoch of ``train_iterator``:
+    its generators (``loader_rng``) and accelerate's count of its epochs."""
     return {
-        "generator": generator.get_state() if generator is not None else None,
+        "generators": generator_states(train_iterator),
         "iteration": getattr(train_iterator, "iteration", None),
     }

@@ -582,11 +582,23 @@ BREAKS = [
         "training_state-no-shuffling",
         "training_state",
         "stop restoring the training data's shuffling",
-        "accel_mixin/training_state.py",
-        '        generator.set_state(saved["generator"])',
-        "        pass",
+        "accel_mixin/loader_rng.py",
+        "            generator.set_state(state)",
+        "            pass",
         # one process shuffles with the global generator: two processes only
-        ("tests/test_resume.py::test_resumed_run_repeats_the_uninterrupted_one_bit_for_bit",),
+        (
+            "tests/test_resume.py::test_resumed_run_repeats_the_uninterrupted_one_bit_for_bit",
+            "tests/test_resume_loaders.py",
+        ),
+    ),
+    launched(
+        "loader_rng-persistent-workers-draw-again",
+        "loader_rng",
+        "a resumed fit's persistent workers draw their seed from the restored generators",
+        "accel_mixin/epochs.py",
+        "                    start_workers_without_draws(self.iterator)",
+        "                    pass",
+        ("tests/test_resume_loaders.py",),
     ),
     Break(
         "training_state-no-scheduler",

@@ -127,9 +127,7 @@ def report(payload):
     tmp = out / f"rank{_rank()}.json.tmp"
     tmp.write_text(json.dumps(payload, default=str))
     os.replace(tmp, out / f"rank{_rank()}.json")
-    # Left to the interpreter's exit, gloo's worker threads can abort the
-    # process ("terminate called without an active exception"); tearing the
-    # group down here, as accelerator.end_training() does, avoids that.
+    # as a script ends with accelerator.end_training()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
