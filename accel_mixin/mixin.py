@@ -16,7 +16,6 @@ from accel_mixin.background import finished_on_error
 from accel_mixin.checkpointing import CheckpointingMixin
 from accel_mixin.epochs import EpochBatches, end_epoch
 from accel_mixin.history_sync import adopt_history
-from accel_mixin.native_output import native_warnings_dropped
 from accel_mixin.net_objects import (
     bare_modules,
     check_optimizers,
@@ -259,11 +258,9 @@ class AccelerateMixin(CheckpointingMixin):
         if not self.initialized_:  # as skorch does first, for the callbacks' contexts
             self.initialize()
         adopt_history(self)  # a DistributedHistory assigned after initialize
-        others = self.accelerator.num_processes > 1 and not self.accelerator.is_main_process
         with (
             self._coordinator.session("partial_fit"),
             quiet_unless_main(self.accelerator),
-            native_warnings_dropped(active=others),
             finished_on_error(lambda: self._process.writer),
             callbacks_during_fit(self),
         ):

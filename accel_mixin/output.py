@@ -1,8 +1,10 @@
 """One voice: the main process speaks for all.
 
 Callbacks print epoch tables and progress bars, and code warns, on every
-process; the same line from every rank is noise. C++ warnings, which bypass
-Python's streams, are ``native_output``'s concern.
+process; the same line from every rank is noise. Lines that torch's C++
+code writes to the stderr descriptor bypass Python's streams and are left
+alone: ``TORCH_CPP_LOG_LEVEL=ERROR`` or torchrun's ``--local-ranks-filter 0``
+silence them (the guide's "One voice").
 """
 
 import contextlib

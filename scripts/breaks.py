@@ -821,16 +821,7 @@ BREAKS = [
         "",
         ("tests/test_portable.py",),
     ),
-    # --- native_output / diagnostics / __main__ ------------------------------
-    Break(
-        "native_output-last-line-lost",
-        "native_output",
-        "the filter drops a last line without a newline",
-        "accel_mixin/native_output.py",
-        "if pending and not warning.match(pending):\n    write(pending)",
-        "pass",
-        ("tests/test_native_output.py",),
-    ),
+    # --- diagnostics / __main__ ------------------------------------------
     Break(
         "diagnostics-layout-always-ok",
         "diagnostics",

@@ -237,7 +237,7 @@ def one_voice():
         callbacks=[ProgressBar(), Checkpoint(monitor="valid_loss", dirname="cp_voice", sink=print)],
     )
     net.fit(X, y)
-    # DDP's reducer warns from C++ (autograd's threads), on every rank
+    # DDP's reducer warns from C++ on every rank, unless TORCH_CPP_LOG_LEVEL=ERROR
     unused = make_net(
         max_epochs=1,
         accelerator=Accelerator(
