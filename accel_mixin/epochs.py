@@ -78,7 +78,8 @@ class EpochBatches:
         self.resume, self.done, self.batch_count, self.finished = None, 0, 0, []
         self._batch = self._real = None
         if training:
-            self.resume, self.process.resume_at = self.process.resume_at, None
+            plan = self.process.plan
+            self.resume = plan.resume_point() if plan is not None else None
             if self.resume is not None:
                 self.done, self.batch_count = self.resume["batches"], self.resume["batch_count"]
             self.finished = [
@@ -100,7 +101,7 @@ class EpochBatches:
             check_same_steps(accelerator, self.iterator)
         try:
             with skipping_batches(self.iterator, self.done):
-                if self.process.resumed_fit and len(net.history) > 1:
+                if self.process.plan is not None and len(net.history) > 1:
                     # the uninterrupted run started them in its first epoch
                     start_workers_without_draws(self.iterator)
                 for batch in self.iterator:

@@ -38,10 +38,9 @@ from accel_mixin.process_layout import (
 )
 from accel_mixin.process_state import ATTRIBUTE as PROCESS_STATE
 from accel_mixin.replicas import check_net_replicas, check_same_data
-from accel_mixin.resuming import begin_epoch, continue_epoch, epochs_to_train
+from accel_mixin.resuming import begin_epoch, continue_epoch
 from accel_mixin.skorch_callbacks import main_process_pickles, progress_of_this_rank
 from accel_mixin.stepping import Stepper
-from accel_mixin.training_state import apply_prepared_states, apply_train_begin_states
 from accel_mixin.training_step import check_overrides, clear_gradients
 from accel_mixin.wrapping import prepare_dataloader
 
@@ -248,7 +247,8 @@ class AccelerateMixin(CheckpointingMixin):
             # before initialize(), whose preparation runs DDP's collectives:
             # a rank in another call learns it here, naming both calls
             self._coordinator.barrier("fit")
-            self._process.keep_loaded = bool(self.initialized_ and self._process.resumed)
+            plan = self._process.plan
+            self._process.keep_loaded = bool(self.initialized_ and plan and not plan.fitting)
             try:
                 return super().fit(X, y, **fit_params)
             finally:
@@ -267,9 +267,12 @@ class AccelerateMixin(CheckpointingMixin):
             return super().partial_fit(X, y, classes=classes, **fit_params)
 
     def fit_loop(self, X, y=None, epochs=None, **fit_params):
-        resumed, self._process.resumed = self._process.resumed, None
-        self._process.resumed_fit = resumed is not None
-        epochs = epochs_to_train(self, resumed, epochs)
+        plan = self._process.plan
+        if plan is not None and plan.fitting:
+            plan = self._process.plan = None  # it belonged to the fit before
+        if plan is not None:
+            plan.fitting = True
+            epochs = plan.epochs_to_train(self, epochs)
         return super().fit_loop(X, y, epochs=epochs, **fit_params)
 
     _NOTIFIED: ClassVar[dict] = {
@@ -320,10 +323,13 @@ class AccelerateMixin(CheckpointingMixin):
         distributed = self.accelerator.num_processes > 1
         if distributed:
             check_same_data(self.accelerator, X, y)
-        apply_train_begin_states(self, self._process.pending)
+        plan = self._process.plan
+        if plan is not None:
+            plan.at_train_begin(self)
         self._initialize_accelerator()
         prepare_retrainable_modules(self)
-        apply_prepared_states(self, self._process.pending)
+        if plan is not None:
+            plan.once_prepared(self)
         if distributed and self.replica_check_every:
             # a load that worked on some ranks only (LoadInitState ignores
             # errors) shows here

@@ -33,26 +33,18 @@ class ProcessState:
     writer: Any = None
     snapshot: Any = None  # the CPU copy that asynchronous saves reuse, for one fit
     train_iterator: Any = None  # a weak reference to the running fit's dataloader
-    # what a load_state restored that the next fit still has to apply
-    pending: dict = field(default_factory=dict)
-    # set by load_state: the next fit goes on from the loaded state
-    resumed: Optional[dict] = None
+    # what a loaded training state gives the next fit (resume_plan.py)
+    plan: Any = None
     # while a fit goes on from a loaded state: initialize() keeps it
     keep_loaded: bool = False
-    # whether the running fit goes on from a training state (loader_rng)
-    resumed_fit: bool = False
     # while an epoch's training batches run: (batches done, batches with real
     # samples), what a training state saved there records
     position: Optional[tuple] = None
     epoch_start_iterator: Optional[dict] = None  # the shuffling state the epoch began with
     epoch_start_rng: Optional[dict] = None  # this rank's generators when it began
-    # a training state from inside an epoch, for the resumed epoch's batches
-    resume_at: Optional[dict] = None
 
     def forget_loaded_state(self):
-        self.pending = {}
-        self.resumed = None
-        self.resume_at = None
+        self.plan = None
 
     def coordinator_for(self, accelerator):
         """The coordinator of ``accelerator``, made once per accelerator."""

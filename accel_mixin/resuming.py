@@ -10,29 +10,27 @@ collective section that fails on every rank if it fails on one:
    callbacks;
 5. free the state and wait for every rank.
 
-The random number generators and the shuffling of the training data wait in
-the net's process state until the next epoch begins (``begin_epoch``); the
-next ``fit`` trains the epochs that remain (``epochs_to_train``). A state
-saved inside an epoch resumes that epoch where it was saved
-(``continue_epoch``, ``mid_epoch``).
+What goes back only during the next fit (the callbacks' state, the random
+number generators, the order of the training data) waits in a
+``ResumePlan`` (``resume_plan``), which that fit applies; a state saved
+inside an epoch resumes that epoch where it was saved (``continue_epoch``,
+``mid_epoch``).
 """
 
 import functools
-import warnings
 
 from accel_mixin.files import read_state
 from accel_mixin.mid_epoch import apply_partial_epoch
 from accel_mixin.process_state import process_state
-from accel_mixin.state_values import restore_rng, rng_state
+from accel_mixin.state_values import rng_state
 from accel_mixin.training_state import (
-    apply_epoch_states,
     restore_training_state,
     restore_weights,
     train_iterator_state,
     validate_state,
 )
 
-__all__ = ["begin_epoch", "continue_epoch", "epochs_to_train", "resume"]
+__all__ = ["begin_epoch", "continue_epoch", "resume"]
 
 
 def resume(net, path):
@@ -46,12 +44,11 @@ def resume(net, path):
     )
     was_wrapped = _load_weights(net, coordinator, state, path)
     _prepare(net, was_wrapped)
-    pending = coordinator.run(
+    plan = coordinator.run(
         functools.partial(restore_training_state, net, state, path), what="load_state"
     )
     del state  # before the wait: the largest object of the load
-    process.pending = pending
-    process.resumed = {"stopped": pending.pop("stopped", False)}
+    process.plan = plan
     coordinator.barrier("load_state")
 
 
@@ -84,23 +81,6 @@ def _prepare(net, was_wrapped):
         net._unwrap_accelerator()  # pylint: disable=protected-access
 
 
-def epochs_to_train(net, resumed, epochs):
-    """The epochs a ``fit_loop`` trains: after a resume (``resumed`` holds
-    what it said), those that remain up to ``max_epochs``, none if the run it
-    resumes was stopped early; otherwise ``epochs`` as given."""
-    if resumed is None or epochs is not None:
-        return epochs
-    if resumed["stopped"]:
-        warnings.warn(
-            f"The training state resumed from ends where EarlyStopping stopped "
-            f"training, after epoch {len(net.history)}: no epochs are trained. "
-            "To train on regardless, call partial_fit(X, y, epochs=n).",
-            RuntimeWarning,
-        )
-        return 0
-    return max(net.max_epochs - len(net.history), 0)
-
-
 def begin_epoch(net):
     """When an epoch begins, before the callbacks: restore the RNGs and the
     shuffling a resumed run saved (for a state from inside an epoch, those of
@@ -115,14 +95,7 @@ def begin_epoch(net):
     """
     process = process_state(net)
     iterator = process.running_train_iterator()
-    partial = process.pending.pop("mid_epoch", None)
-    if process.pending:
-        apply_epoch_states(process.pending, iterator)
-        process.pending.clear()
-    if partial is not None:
-        # the generators as the epoch began: a sampler without a generator
-        # of its own, a dataloader's seed, draw from them before any batch
-        restore_rng(partial["epoch_rng"])
+    partial = process.plan.at_epoch_begin(iterator) if process.plan is not None else None
     process.epoch_start_iterator = train_iterator_state(iterator)
     process.epoch_start_rng = rng_state()
     return partial
@@ -132,4 +105,3 @@ def continue_epoch(net, partial):
     """After the callbacks' ``on_epoch_begin``: the unfinished epoch's row
     and caches back, and its batches done to be skipped."""
     apply_partial_epoch(net, partial)
-    process_state(net).resume_at = partial

@@ -17,18 +17,17 @@ shuffling are restored at the start of the next epoch, after ``fit`` has set
 up its data, as the uninterrupted run had them there.
 """
 
-import copy
 import warnings
-from collections import OrderedDict
 
 from accelerate.utils import gather_object
 from skorch.callbacks import EarlyStopping, LRScheduler
 from skorch.history import History
 
-from accel_mixin.loader_rng import generator_states, restore_generator_states
+from accel_mixin.loader_rng import generator_states
 from accel_mixin.mid_epoch import partial_epoch
 from accel_mixin.net_objects import net_modules, raw, raw_scheduler
 from accel_mixin.params import load_optimizer_state
+from accel_mixin.resume_plan import BEST_IS_CURRENT, BEST_WEIGHTS, ResumePlan
 from accel_mixin.state_dict import (
     CheckpointError,
     clean_state_dict,
@@ -39,8 +38,6 @@ from accel_mixin.state_values import (
     as_plain,
     callback_state,
     history_state,
-    restore_callback_state,
-    restore_rng,
     rng_state,
 )
 
@@ -141,19 +138,15 @@ def collect_state(net, train_iterator_state, stopped=False, position=None):
     }
 
 
-# EarlyStopping(load_best=True) keeps a copy of the best weights; a state
-# holds it only where it differs from the weights saved anyway
-_BEST_WEIGHTS = "best_model_weights_"
-_BEST_IS_CURRENT = "accel_mixin:best_model_weights_are_the_current_ones"
-
-
 def _callback_state(net, cb):
+    # EarlyStopping(load_best=True) keeps a copy of the best weights; a state
+    # holds it only where it differs from the weights saved anyway
     state = callback_state(cb)
-    if isinstance(cb, EarlyStopping) and state.get(_BEST_WEIGHTS) is not None:
+    if isinstance(cb, EarlyStopping) and state.get(BEST_WEIGHTS) is not None:
         current = cb.best_epoch_ == net.history[-1, "epoch"]
-        state[_BEST_IS_CURRENT] = current
+        state[BEST_IS_CURRENT] = current
         # under the keys of the bare module, which fit any process layout
-        state[_BEST_WEIGHTS] = None if current else strip_wrapper_prefixes(state[_BEST_WEIGHTS])
+        state[BEST_WEIGHTS] = None if current else strip_wrapper_prefixes(state[BEST_WEIGHTS])
     return state
 
 
@@ -186,11 +179,9 @@ def restore_weights(net, state, source):
 def restore_training_state(net, state, source):
     """Restore optimizers, scaler, history, loop and callbacks.
 
-    Returns what can only be restored later: the LR schedulers, which
-    ``LRScheduler`` builds when training begins, and the callbacks' state,
-    which callbacks such as EarlyStopping reset when training begins, both
-    restored after the callbacks' ``on_train_begin``; and the random number
-    generators and dataloader shuffling, restored when the next epoch begins.
+    Returns the ``ResumePlan`` of what can only be restored during the next
+    fit: the callbacks' and schedulers' state once training begins, the
+    random number generators and the data's order once the epoch begins.
 
     """
     accelerator = net.accelerator
@@ -221,84 +212,26 @@ def restore_training_state(net, state, source):
             "resumed run will not repeat it exactly.",
             RuntimeWarning,
         )
-    pending = {
-        "schedulers": state["schedulers"],
-        "optimizer_groups": {
+    loop = state["loop"]
+    plan = ResumePlan(
+        stopped=loop.get("stopped", False),
+        # after on_train_begin, which starts every fit at step 0
+        accumulation_step=loop["accumulation_step"],
+        callbacks=state["callbacks"],
+        schedulers=state["schedulers"],
+        optimizer_groups={
             name: optimizer["param_groups"] for name, optimizer in state["optimizers"].items()
         },
-        "callbacks": state["callbacks"],
-        "rng": rngs[rank] if rank < len(rngs) else None,
-        "train_iterator": state["loop"]["train_iterator"],
-        "stopped": state["loop"].get("stopped", False),
-        # after on_train_begin, which starts every fit at step 0
-        "accumulation_step": state["loop"]["accumulation_step"],
-    }
-    batches = state["loop"].get("batches", 0)
-    if batches:
-        # the RNGs are those after batch `batches`, for the first resumed one
-        pending["mid_epoch"] = dict(
-            state["loop"]["partial_epoch"][rank], batches=batches, rng=pending.pop("rng")
+        rng=rngs[rank] if rank < len(rngs) else None,
+        train_iterator=loop["train_iterator"],
+    )
+    if loop.get("batches", 0):
+        # the RNGs are those after the last batch done, for the first resumed one
+        plan.partial_epoch = dict(
+            loop["partial_epoch"][rank], batches=loop["batches"], rng=plan.rng
         )
-        pending["rng"] = None
-    return pending
-
-
-def apply_train_begin_states(net, pending):
-    """After the callbacks' on_train_begin: their state, the state of the
-    schedulers they built, and the count of accumulation steps, which
-    on_train_begin sets to 0 for a fresh fit."""
-    if "accumulation_step" in pending:
-        net.accelerator.step = pending.pop("accumulation_step")
-    callbacks = dict(net.callbacks_)
-    best_weights = {}
-    for name, cb_state in pending.pop("callbacks", {}).items():
-        if name in callbacks:
-            if _BEST_IS_CURRENT in cb_state:
-                cb_state = dict(cb_state)
-                best_weights[name] = (cb_state.pop(_BEST_IS_CURRENT), cb_state.pop(_BEST_WEIGHTS))
-            restore_callback_state(callbacks[name], cb_state)
-    pending["best_weights"] = best_weights
-    schedulers = pending.pop("schedulers", {})
-    for name, cb in _schedulers(net):
-        if name in schedulers and getattr(cb, "lr_scheduler_", None) is not None:
-            cb.lr_scheduler_.load_state_dict(schedulers[name])
-    # A scheduler built after the restore (a callback after ResumeTraining,
-    # or a load_state before fit) was built with last_epoch from the restored
-    # history, and its constructor set the learning rate (and momentum) of
-    # the optimizer anew; the saved hyperparameters are the ones to go on with.
-    for name, groups in pending.pop("optimizer_groups", {}).items():
-        optimizer = raw(net, name)
-        for group, saved in zip(optimizer.param_groups, groups):
-            group.update({key: value for key, value in saved.items() if key != "params"})
-
-
-def apply_prepared_states(net, pending):
-    """Once the modules are prepared: EarlyStopping's best weights, under
-    the keys of ``module_`` as it is now wrapped, which is what it loads them
-    into when training ends."""
-    callbacks = dict(net.callbacks_)
-    for name, (current, weights) in pending.pop("best_weights", {}).items():
-        module_state = net.module_.state_dict()
-        if current:
-            callbacks[name].best_model_weights_ = copy.deepcopy(module_state)
-            continue
-        # wrapped keys by the bare keys they end in
-        keys = strip_wrapper_prefixes(OrderedDict((key, key) for key in module_state))
-        callbacks[name].best_model_weights_ = OrderedDict(
-            (keys.get(key, key), value) for key, value in weights.items()
-        )
-
-
-def apply_epoch_states(pending, train_iterator):
-    """Restore RNGs and shuffling at the start of the first resumed epoch."""
-    if pending.get("rng") is not None:
-        restore_rng(pending["rng"])
-    saved = pending.get("train_iterator") or {}
-    if train_iterator is None:
-        return
-    restore_generator_states(train_iterator, saved.get("generators", []))
-    if saved.get("iteration") is not None and hasattr(train_iterator, "iteration"):
-        train_iterator.iteration = saved["iteration"]
+        plan.rng = None
+    return plan
 
 
 def train_iterator_state(train_iterator):
