@@ -15,7 +15,7 @@ import warnings
 
 from accelerate.utils import gather_object
 
-from accel_mixin.state_dict import CheckpointError
+from accel_mixin.errors import CheckpointError
 
 __all__ = [
     "agreed_checkpoint",

@@ -60,6 +60,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from accel_mixin.errors import DistributedError, Preempted
 from accel_mixin.internals import default_store
 from accel_mixin.progress import supervised
 
@@ -82,23 +83,6 @@ DEAD_AFTER_BEATS = 15
 # how often a waiting rank looks at the others' presence
 _PRESENCE_EVERY = 0.5
 _HOST = socket.gethostname()
-
-
-class DistributedError(RuntimeError):
-    """Raised on every rank when a collective section failed on another rank."""
-
-
-class Preempted(Exception):
-    """Training stopped on a preemption notice, after a state was saved.
-
-    Every rank stops at the same batch and saves a training state there.
-    It ends ``fit`` with an error, so that a script that does not catch it
-    exits non-zero and the scheduler requeues the job; the next run resumes
-    from the saved state (``ResumeTraining``). Every rank raises it: it is no
-    failure of one rank. The net is left as training stopped (still wrapped,
-    its history ending with the unfinished epoch's row): run the script
-    again rather than training on in the same process.
-    """
 
 
 def namespace():

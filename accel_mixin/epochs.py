@@ -18,7 +18,7 @@ import inspect
 import torch
 from skorch.dataset import get_len, unpack_data
 
-from accel_mixin.coordination import DistributedError
+from accel_mixin.errors import DistributedError
 from accel_mixin.history_sync import agree_on_row, leading_samples, merge_epoch, real_samples
 from accel_mixin.loader_rng import start_workers_without_draws
 from accel_mixin.mid_epoch import skipping_batches

@@ -28,7 +28,7 @@ import safetensors
 import safetensors.torch
 import torch
 
-from accel_mixin.state_dict import CheckpointError
+from accel_mixin.errors import CheckpointError
 
 __all__ = [
     "atomic_files",

@@ -39,6 +39,8 @@ from skorch.callbacks import ProgressBar
 from skorch.net import NeuralNet
 from torch.utils.data import IterableDataset
 
+from accel_mixin.errors import InternalsChanged
+
 __all__ = [
     "InternalsChanged",
     "batch_sampler_owner",
@@ -53,10 +55,6 @@ __all__ = [
 
 ACCELERATOR_LISTS = ("_models", "_optimizers", "_schedulers", "_dataloaders")
 DATALOADER_ATTRIBUTES = ("synchronized_generator", "iteration")
-
-
-class InternalsChanged(RuntimeError):
-    """A private name of torch, accelerate or skorch that accel_mixin uses is gone."""
 
 
 def _changed(package, name, what):

@@ -20,15 +20,13 @@ heartbeat would.
 import threading
 import time
 
+from accel_mixin.errors import Stalled
+
 __all__ = ["Stalled", "supervised"]
 
 # how often the calling thread looks at the worker: soon for small saves,
 # then less often
 _LOOK_FIRST, _LOOK_MAX = 0.001, 0.25
-
-
-class Stalled(TimeoutError):
-    """A file operation made no progress for its I/O timeout."""
 
 
 class _Sampler:

@@ -26,7 +26,7 @@ import torch
 from accelerate.utils import gather
 from skorch.dataset import get_len
 
-from accel_mixin.coordination import DistributedError
+from accel_mixin.errors import DistributedError
 from accel_mixin.net_objects import net_modules
 
 __all__ = [

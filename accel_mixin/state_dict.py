@@ -12,6 +12,8 @@ from collections.abc import Mapping
 import torch
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
+from accel_mixin.errors import CheckpointError
+
 __all__ = [
     "CheckpointError",
     "clean_state_dict",
@@ -26,10 +28,6 @@ _OTHER_MODEL = (
     "The file was saved from another architecture, or with other module "
     "parameters: initialize the net as it was when the file was saved."
 )
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file that cannot be loaded: corrupt, unsafe or mismatched."""
 
 
 def strip_wrapper_prefixes(state_dict):

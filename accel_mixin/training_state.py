@@ -23,13 +23,13 @@ from accelerate.utils import gather_object
 from skorch.callbacks import EarlyStopping, LRScheduler
 from skorch.history import History
 
+from accel_mixin.errors import CheckpointError
 from accel_mixin.loader_rng import generator_states
 from accel_mixin.mid_epoch import partial_epoch
 from accel_mixin.net_objects import net_modules, raw, raw_scheduler
 from accel_mixin.params import load_optimizer_state
 from accel_mixin.resume_plan import BEST_IS_CURRENT, BEST_WEIGHTS, ResumePlan
 from accel_mixin.state_dict import (
-    CheckpointError,
     clean_state_dict,
     load_module_state,
     strip_wrapper_prefixes,
