@@ -46,6 +46,10 @@ class ProcessState:
     epoch_start_rng: Optional[dict] = None  # this rank's generators when it began
     # a training state from inside an epoch, for the resumed epoch's batches
     resume_at: Optional[dict] = None
+    # the running fit's fit parameters and, once computed, its run identity
+    # (runs.py): the checkpoint callbacks share one, hashing the data once
+    fit_params: dict = field(default_factory=dict)
+    identity: Any = None
 
     def forget_loaded_state(self):
         self.pending = {}
