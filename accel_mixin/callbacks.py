@@ -100,9 +100,10 @@ class TrainingCheckpoint(Callback):
     The net calls it after every other callback at the end of an epoch, so
     the state it saves is that of the finished epoch, with the decisions of
     the other callbacks in it. Every fit is a run with an identity of its
-    own (its hyperparameters and a fingerprint of its data, see
-    ``accel_mixin.runs``), and its files go to a folder of their own,
-    ``dirname/run-<id>/``, with a ``manifest.json`` that says what went into
+    own (what the user set, by content: the hyperparameters that differ from
+    their defaults and a hash of all of the data, see ``accel_mixin.runs``),
+    and its files go to a folder of their own, ``dirname/run-<id>/``
+    (``run-<run_name>-<id>/`` for a named run), with a ``manifest.json`` that says what went into
     the identity, which epochs are saved and whether the run is running,
     finished or stopped early. Files are named after the epoch,
     ``training-state-000012.pt``, so numbering continues after a resume, and
