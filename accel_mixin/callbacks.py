@@ -13,8 +13,11 @@ itself::
 
 import os
 import signal
+import uuid
+import warnings
 from contextlib import contextmanager
 
+from accelerate.utils import gather_object
 from skorch.callbacks import Callback
 
 from accel_mixin.checkpoint_files import (
@@ -26,8 +29,11 @@ from accel_mixin.checkpoint_files import (
 from accel_mixin.mid_epoch import resumable_inside_epochs
 from accel_mixin.preemption import NoticeBoard, Preempted, can_handle, handling_signals
 from accel_mixin.process_layout import writes_files
+from accel_mixin.process_state import process_state
 from accel_mixin.runs import (
+    check_run_name,
     describe_differences,
+    find_run,
     read_manifest,
     run_folders,
     run_identity,
@@ -50,15 +56,54 @@ def _check_net(net, callback):
         )
 
 
+def fit_identity(net, X, y):
+    """The run identity of the running fit, the same on every rank.
+
+    Computed once per fit, so that the checkpoint callbacks share it and the
+    data are hashed once, with the fit parameters that
+    ``AccelerateMixin.partial_fit`` kept and the run name of the net's
+    ``TrainingCheckpoint``. An unnamed fit that the identity cannot tell
+    from others gets a unique id, drawn on the main process. Under several
+    processes the ranks compare their identities, and every rank raises a
+    ``CheckpointError`` where they differ (other data on some rank).
+    """
+    state = process_state(net)
+    if state.identity is not None:
+        return state.identity
+    names = {cb.run_name for _, cb in net.callbacks_ if isinstance(cb, TrainingCheckpoint)}
+    names.discard(None)
+    if len(names) > 1:
+        raise ValueError(f"The net's TrainingCheckpoints name the run differently: {sorted(names)}")
+    identity = run_identity(net, X, y, state.fit_params, name=next(iter(names), None))
+    nonce = uuid.uuid4().hex[:16]
+    if net.accelerator.num_processes > 1:
+        # every rank comes here: the callbacks before succeeded on all of them
+        net.wait_for_everyone("the run identity")
+        everyone = gather_object([(identity.id, identity.described, nonce)])
+        nonce = everyone[0][2]
+        for rank, (id_, described, _) in enumerate(everyone):
+            if id_ != everyone[0][0]:
+                raise CheckpointError(
+                    f"The ranks fit different runs: the run identity of rank {rank} differs "
+                    f"from rank 0's in: {describe_differences(described, everyone[0][1])}. "
+                    "Every process must run the same script on the same data."
+                )
+    if identity.refused and identity.name is None:
+        identity = identity.unique(nonce)
+    state.identity = identity
+    return identity
+
+
 class TrainingCheckpoint(Callback):
     """Save the whole training state at the end of epochs, for resuming.
 
     The net calls it after every other callback at the end of an epoch, so
     the state it saves is that of the finished epoch, with the decisions of
     the other callbacks in it. Every fit is a run with an identity of its
-    own (its hyperparameters and a fingerprint of its data, see
-    ``accel_mixin.runs``), and its files go to a folder of their own,
-    ``dirname/run-<id>/``, with a ``manifest.json`` that says what went into
+    own (what the user set, by content: the hyperparameters that differ from
+    their defaults and a hash of all of the data, see ``accel_mixin.runs``),
+    and its files go to a folder of their own, ``dirname/run-<id>/``
+    (``run-<run_name>-<id>/`` for a named run), with a ``manifest.json`` that says what went into
     the identity, which epochs are saved and whether the run is running,
     finished or stopped early. Files are named after the epoch,
     ``training-state-000012.pt``, so numbering continues after a resume, and
@@ -115,6 +160,16 @@ class TrainingCheckpoint(Callback):
       handles none. The previous handlers are back once ``fit`` returns or
       raises. A state saved on a notice is written synchronously.
 
+    run_name : str or None (default=None)
+      A name for the run, in words (letters, digits, ``.``, ``_``, ``-``):
+      it is part of the run's identity and of its folder's name,
+      ``dirname/run-<run_name>-<id>/``, and ``ResumeTraining(run=...)``
+      accepts it. Fits that differ otherwise are still other runs. A name
+      also stands for what the identity cannot describe by content (an
+      object without attributes): a named fit with such a value resumes
+      its run, where an unnamed one starts afresh every time; give fits
+      that differ in such values different names.
+
     Attributes
     ----------
     run_ : accel_mixin.runs.RunIdentity
@@ -135,8 +190,10 @@ class TrainingCheckpoint(Callback):
         keep_last=2,
         asynchronous=False,
         signals=(signal.SIGTERM,),
+        run_name=None,
     ):
         self.dirname = dirname
+        self.run_name = run_name
         self.every_n_epochs = every_n_epochs
         self.every_n_batches = every_n_batches
         self.keep_last = keep_last
@@ -144,6 +201,7 @@ class TrainingCheckpoint(Callback):
         self.signals = signals
 
     def initialize(self):
+        check_run_name(self.run_name)
         if self.every_n_epochs < 1:
             raise ValueError(f"every_n_epochs must be at least 1, got {self.every_n_epochs}")
         if self.every_n_batches is not None and self.every_n_batches < 1:
@@ -162,7 +220,7 @@ class TrainingCheckpoint(Callback):
 
     def on_train_begin(self, net, X=None, y=None, **kwargs):
         _check_net(net, self)
-        self.run_ = run_identity(net, X, y)
+        self.run_ = fit_identity(net, X, y)
         run_folders(self.dirname)  # a clear error where dirname is a file
         self.run_folder_ = os.path.join(self.dirname, self.run_.folder)
         try:
@@ -306,7 +364,10 @@ class ResumeTraining(Callback):
     with other data or other hyperparameters (another fold of a
     cross-validation, another candidate of a search) is another run and
     starts afresh: one line says so, and what differs from the newest run in
-    the folder. Where machines keep their own copies (``save_on_each_node``),
+    the folder. A fit with a value that the identity cannot describe by
+    content (``accel_mixin.describe``) and no ``run_name`` is never resumed:
+    it starts afresh in a run of its own, and a warning on the main process
+    says which value and why, once. Where machines keep their own copies (``save_on_each_node``),
     every rank resumes from the newest epoch that all of them have, and all
     raise a ``CheckpointError`` if some have files and others none of those.
 
@@ -317,10 +378,11 @@ class ResumeTraining(Callback):
 
     run : str or None (default=None)
       To continue another run deliberately, say with a changed learning
-      rate: the id of that run (the name of its folder without ``run-``).
-      While this run has no training state of its own, training starts from
-      the newest state of that run; its checkpoints go to this run's own
-      folder, so a rerun after a crash resumes this run.
+      rate: the id of that run, its name (``TrainingCheckpoint(run_name=...)``)
+      or the name of its folder without ``run-``. While this run has no
+      training state of its own, training starts from the newest state of
+      that run; its checkpoints go to this run's own folder, so a rerun
+      after a crash resumes this run.
 
     sink : callable (default=print)
       Where the line about a new run next to older ones goes; silent when
@@ -346,31 +408,42 @@ class ResumeTraining(Callback):
 
     def on_train_begin(self, net, X=None, y=None, **kwargs):
         _check_net(net, self)
-        identity = run_identity(net, X, y)
+        identity = fit_identity(net, X, y)
         runs = run_folders(self.dirname)
         own = os.path.join(self.dirname, identity.folder)
-        if identity.id in runs:
+        if identity.key in runs:
             read_manifest(own)  # a clear error where it was edited
         if self.run is not None:
-            if self.run not in runs:
+            wanted = find_run(runs, self.run)
+            if wanted is None:
                 raise CheckpointError(
                     f"ResumeTraining(run={self.run!r}): {self.dirname} holds no run {self.run} "
-                    f"(it holds {sorted(runs) or 'none'}); pass the id of one of them, the "
-                    "name of its folder without 'run-'."
+                    f"(it holds {sorted(runs) or 'none'}); pass the id or the name of one of "
+                    "them, or the name of its folder without 'run-'."
                 )
-            read_manifest(runs[self.run])
+            read_manifest(runs[wanted])
+        if identity.refused and identity.name is None and net.accelerator.is_main_process:
+            # the same text for every such fit: Python shows it once
+            warnings.warn(
+                f"ResumeTraining: {identity.refused}; the run identity cannot describe it by "
+                "content, so such a fit is never resumed: it starts afresh in a run of its own. "
+                "Give the value get_params or plain attributes, or name the run "
+                "(TrainingCheckpoint(run_name=...)) to resume it.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         # every rank gets here before the ranks compare their files, or
         # raises if a callback before this one failed on some rank
         net.wait_for_everyone("ResumeTraining")
         path = agreed_checkpoint(own, net.accelerator)
         if path is None and self.run is not None:
-            path = agreed_checkpoint(runs[self.run], net.accelerator)
+            path = agreed_checkpoint(runs[wanted], net.accelerator)
         if path is not None:
             net.load_state(path)
             self.resumed_from_ = path
             return
-        others = [run for run in runs if run != identity.id]
-        if others and net.verbose:
+        others = [run for run in runs if run != identity.key]
+        if others and net.verbose and not identity.described.get("unique"):
             self.sink(self._new_run_line(identity, runs, others))
 
     def _new_run_line(self, identity, runs, others):
@@ -385,6 +458,6 @@ class ResumeTraining(Callback):
             else describe_differences(identity.described, manifest.get("identity", {}))
         )
         return (
-            f"ResumeTraining: run {identity.id} starts afresh in {self.dirname}, next to "
+            f"ResumeTraining: run {identity.key} starts afresh in {self.dirname}, next to "
             f"{len(others)} other run(s); it differs from the newest, {newest}, in: {differs}"
         )

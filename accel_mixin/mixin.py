@@ -258,6 +258,9 @@ class AccelerateMixin(CheckpointingMixin):
         if not self.initialized_:  # as skorch does first, for the callbacks' contexts
             self.initialize()
         adopt_history(self)  # a DistributedHistory assigned after initialize
+        # skorch's notifications pass no fit parameters; the run identity needs them
+        self._process.fit_params = {k: v for k, v in fit_params.items() if not k.startswith("_")}
+        self._process.identity = None
         with (
             self._coordinator.session("partial_fit"),
             quiet_unless_main(self.accelerator),

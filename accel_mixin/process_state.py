@@ -42,6 +42,10 @@ class ProcessState:
     position: Optional[tuple] = None
     epoch_start_iterator: Optional[dict] = None  # the shuffling state the epoch began with
     epoch_start_rng: Optional[dict] = None  # this rank's generators when it began
+    # the running fit's fit parameters and, once computed, its run identity
+    # (runs.py): the checkpoint callbacks share one, hashing the data once
+    fit_params: dict = field(default_factory=dict)
+    identity: Any = None
 
     def forget_loaded_state(self):
         self.plan = None

@@ -3,61 +3,72 @@
 A checkpoint folder outlives the fit that wrote it: the folds of a
 cross-validation, the candidates of a search and a rerun on other data may
 all use the same one. Every fit therefore has a run identity, a hash of what
-makes it that fit:
+the user set to make it that fit, described by content
+(``accel_mixin.describe``):
 
-- the net's class and its hyperparameters (``get_params``), except those that
-  only say how long or how loudly to train: ``max_epochs`` (so that raising
-  it continues the run), ``verbose``, ``warm_start``, ``device``, the
-  accelerator (a run resumes on another number of processes) and the
-  mixin's ``unwrap_after_train`` and ``replica_check_every``;
-- every callback with its parameters (``callbacks__*`` included), except
-  those that only log or checkpoint: skorch's logging callbacks (``PrintLog``,
-  ``ProgressBar``, ``EpochTimer``, the loggers), ``TrainingCheckpoint`` and
-  ``ResumeTraining``, and callbacks of your own whose class sets
-  ``in_run_identity = False`` (a logger, a preemption hook);
-- a fingerprint of ``X`` and ``y``: type, length, shapes and dtypes, and the
-  bytes of up to 64 rows at evenly spaced positions (cheap for any size of
-  data, and different for any other fold of it).
+- the net's class and the hyperparameters (``get_params``) that differ from
+  the defaults of its class's ``__init__``: a parameter that an upgrade of
+  skorch or accel_mixin adds with a default, or a value equal to its
+  default, is not there. Left out as well, so that changing them continues
+  the run: what only says how long, how loudly or where to train
+  (``max_epochs``, ``verbose``, ``warm_start``, ``device``, the accelerator,
+  so that a run resumes on another number of processes, ``io_timeout``,
+  ``torch_load_kwargs``, the mixin's ``unwrap_after_train`` and
+  ``replica_check_every``) and the DataLoader settings that do not change
+  what is trained (``iterator_*__`` ``num_workers``, ``pin_memory``,
+  ``pin_memory_device``, ``persistent_workers``, ``prefetch_factor``,
+  ``timeout``, ``multiprocessing_context``);
+- every callback with its parameters that differ from its class's defaults
+  (``callbacks__*`` included; ``sink``, where output goes, left out),
+  except those that only log or checkpoint: skorch's logging callbacks
+  (``PrintLog``, ``ProgressBar``, ``EpochTimer``, the loggers),
+  ``TrainingCheckpoint`` and ``ResumeTraining``, and callbacks of your own
+  whose class sets ``in_run_identity = False`` (a logger, a preemption hook);
+- the data: a fingerprint of ``X`` and of ``y`` that changes when any row or
+  label does (every byte is hashed; ``describe.fingerprint``), and of every
+  fit parameter (``fit(X, y, sample_weight=w)``);
+- the name of the run, where ``TrainingCheckpoint(run_name=...)`` gives one.
 
 The same script on the same data after a crash computes the same identity by
-itself; another fold, other data or another hyperparameter does not.
-Values are described by what they are, never by their address: classes and
-functions by their qualified names, estimators by their parameters, other
-objects by their type.
+itself, on every rank; another fold, other data or another hyperparameter
+does not. A value that cannot be described by its content is never guessed
+equal to another: the identity records why (``RunIdentity.refused``), and an
+unnamed fit with such a value is a run of its own that is never resumed by
+itself (``accel_mixin.callbacks`` draws it a unique id). A name stands for
+what cannot be described: a named fit resumes its run.
 
 Layout::
 
     dirname/
-      run-3f2a9c1b04de/
+      run-3f2a9c1b04de/               an unnamed run: its id
         manifest.json                 run id, its identity, epochs saved, status
         training-state-000003.pt
         training-state-000004.pt
-      run-8b0e77a2c5f1/
+      run-baseline-8b0e77a2c5f1/      a run named 'baseline'
         ...
 
 Rotation and numbering only ever look at the run's own folder.
 """
 
-import functools
 import hashlib
 import json
 import os
+import re
 import time
 
-import numpy as np
-import torch
 from skorch.callbacks import Callback
 from skorch.callbacks import logging as skorch_logging
-from skorch.dataset import get_len
-from skorch.utils import multi_indexing
 
+from accel_mixin.describe import Describer, fingerprint, init_defaults, name_of
 from accel_mixin.files import atomic_write
 from accel_mixin.state_dict import CheckpointError
 
 __all__ = [
     "MANIFEST",
     "RunIdentity",
+    "check_run_name",
     "describe_differences",
+    "find_run",
     "read_manifest",
     "run_folders",
     "run_identity",
@@ -67,7 +78,7 @@ __all__ = [
 MANIFEST = "manifest.json"
 RUN_PREFIX = "run-"
 _FORMAT = "accel_mixin.run"
-_SAMPLE_ROWS = 64
+_ID_LENGTH = 12
 
 # hyperparameters that say how long or how loudly to train, or where
 _CONTINUING = frozenset(
@@ -79,8 +90,23 @@ _CONTINUING = frozenset(
         "accelerator",
         "unwrap_after_train",
         "replica_check_every",
+        "io_timeout",
+        "torch_load_kwargs",
     ]
 )
+# DataLoader settings that change how fast batches come, not which
+_HARMLESS_LOADING = frozenset(
+    [
+        "num_workers",
+        "pin_memory",
+        "pin_memory_device",
+        "persistent_workers",
+        "prefetch_factor",
+        "timeout",
+        "multiprocessing_context",
+    ]
+)
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 def _is_bookkeeping(callback):
@@ -92,160 +118,179 @@ def _is_bookkeeping(callback):
     )
 
 
-def _name_of(obj):
-    return f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', type(obj).__name__)}"
+def _counts(key):
+    if key.startswith("_") or key in _CONTINUING or key.split("__")[0] == "callbacks":
+        return False
+    prefix, _, name = key.partition("__")
+    return not (prefix in ("iterator_train", "iterator_valid") and name in _HARMLESS_LOADING)
 
 
-def describe(value):
-    """``value`` as plain JSON data that says what it is, never where."""
-    if isinstance(value, np.generic):
-        value = value.item()
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    if isinstance(value, float):
-        return repr(value)  # exact, and NaN-safe in JSON
-    if isinstance(value, (list, tuple)):
-        return [describe(item) for item in value]
-    if isinstance(value, dict):
-        return {str(key): describe(item) for key, item in sorted(value.items(), key=str)}
-    if isinstance(value, functools.partial):  # skorch's Freezer keeps `at` so
-        return {
-            "partial": describe(value.func),
-            "args": describe(value.args),
-            "keywords": describe(value.keywords),
-        }
-    if isinstance(value, type) or (callable(value) and hasattr(value, "__qualname__")):
-        return _name_of(value)
-    if isinstance(value, torch.nn.Module):
-        return {"class": _name_of(type(value)), "architecture": repr(value)}
-    get_params = getattr(value, "get_params", None)
-    if callable(get_params):
-        try:
-            params = get_params(deep=False)
-        except TypeError:
-            params = get_params()
-        return {"class": _name_of(type(value)), "params": describe(params)}
-    return {"class": _name_of(type(value))}
-
-
-def _leaves(data):
-    """The arrays and tensors in ``data`` (nested in dicts, lists, tuples)."""
-    if isinstance(data, dict):
-        for key in sorted(data, key=str):
-            yield from _leaves(data[key])
-    elif isinstance(data, (list, tuple)):
-        for item in data:
-            yield from _leaves(item)
-    elif isinstance(data, torch.Tensor):
-        yield data.detach().cpu().contiguous().numpy()
-    elif isinstance(data, np.ndarray):
-        yield np.ascontiguousarray(data)
-    elif hasattr(data, "to_numpy"):  # pandas
-        yield np.ascontiguousarray(data.to_numpy())
-    elif data is not None:
-        yield np.asarray(repr(data))
-
-
-def fingerprint(data):
-    """Type, length, shapes and dtypes of ``data``, and a hash of up to 64
-    evenly spaced rows: cheap for large data, different for another fold."""
-    if data is None:
-        return None
-    out = {"type": _name_of(type(data))}
-    try:
-        n = get_len(data)
-    except (TypeError, ValueError):
-        return out  # an iterable: its type is all that can be said cheaply
-    out["length"] = n
-    rows = np.unique(np.linspace(0, n - 1, min(n, _SAMPLE_ROWS)).round().astype(np.int64))
-    try:
-        sample = multi_indexing(data, rows)
-    except Exception:  # pylint: disable=broad-except
-        sample = [data[int(i)] for i in rows]  # a Dataset
-    digest = hashlib.sha256(rows.tobytes())
-    shapes = []
-    for leaf in _leaves(sample):
-        shapes.append([str(leaf.dtype), list(leaf.shape[1:])])
-        digest.update(str(leaf.dtype).encode())
-        digest.update(leaf.tobytes() if leaf.dtype != object else repr(leaf.tolist()).encode())
-    out["rows"] = shapes
-    out["sample_sha256"] = digest.hexdigest()
-    return out
+def check_run_name(name):
+    """Raise a ``ValueError`` unless ``name`` can name a run folder."""
+    if name is not None and (not isinstance(name, str) or not _NAME.fullmatch(name)):
+        raise ValueError(
+            f"run_name must be a word of up to 64 letters, digits, '.', '_' or '-', starting "
+            f"with a letter or digit (it names the run's folder), got {name!r}"
+        )
 
 
 class RunIdentity:
     """What makes a fit that fit, and its id.
 
+    Parameters
+    ----------
+    described : dict
+      What went into it, as plain JSON data.
+
+    refused : str or None (default=None)
+      Why the fit cannot be described faithfully, in a line; None where it
+      can.
+
     Attributes
     ----------
     id : str
-      12 hexadecimal digits.
+      12 hexadecimal digits, the hash of ``described``.
 
-    described : dict
-      What went into it, as plain JSON data: ``net`` (class and
-      hyperparameters), ``callbacks``, ``data`` (fingerprints of X and y).
+    name : str or None
+      The run's name, if it has one (``described['name']``).
+
+    key : str
+      What names the run in its folder's name: ``<name>-<id>`` or ``<id>``.
 
     """
 
-    def __init__(self, described):
+    def __init__(self, described, refused=None):
         self.described = described
+        self.refused = refused
+        self.name = described.get("name")
         text = json.dumps(described, sort_keys=True)
-        self.id = hashlib.sha256(text.encode()).hexdigest()[:12]
+        self.id = hashlib.sha256(text.encode()).hexdigest()[:_ID_LENGTH]
+        self.key = f"{self.name}-{self.id}" if self.name else self.id
 
     @property
     def folder(self):
-        return RUN_PREFIX + self.id
+        return RUN_PREFIX + self.key
+
+    def unique(self, nonce):
+        """This identity made unique with ``nonce``, for a fit whose
+        identity cannot tell it from others."""
+        return RunIdentity({**self.described, "unique": nonce}, self.refused)
 
 
-def run_identity(net, X, y=None):
-    """The identity of fitting ``net`` (initialized) on ``X`` and ``y``."""
-    params = net.get_params(deep=False)
-    hyper = {
-        key: describe(value)
-        for key, value in params.items()
-        if key not in _CONTINUING and key != "callbacks" and not key.startswith("callbacks__")
-    }
+def run_identity(net, X, y=None, fit_params=None, name=None):
+    """The identity of fitting ``net`` (initialized) on ``X`` and ``y``.
+
+    Parameters
+    ----------
+    net : skorch.NeuralNet
+      Initialized: its callbacks are described from ``callbacks_``.
+
+    X, y
+      The data ``fit`` got.
+
+    fit_params : dict or None (default=None)
+      The fit parameters ``fit`` got.
+
+    name : str or None (default=None)
+      The run's name.
+
+    Returns
+    -------
+    identity : RunIdentity
+
+    """
+    describe = Describer()
+    defaults = init_defaults(type(net))
+    hyper = {}
+    for key, value in sorted(net.get_params(deep=False).items()):
+        if _counts(key):
+            described = describe.unless_default(value, defaults, key, key)
+            if described is not describe.DEFAULT:
+                hyper[key] = described
     callbacks = {
-        name: describe(cb)
+        name: {
+            "class": name_of(type(cb)),
+            "params": describe.params(cb, f"callbacks__{name}", skip=("sink",)),
+        }
         for name, cb in net.callbacks_
         if isinstance(cb, Callback) and not _is_bookkeeping(cb)
     }
-    return RunIdentity(
-        {
-            "net": {"class": _name_of(type(net)), "params": hyper},
-            "callbacks": callbacks,
-            "data": {"X": fingerprint(X), "y": fingerprint(y)},
+    data = {"X": fingerprint(X, describe, "X"), "y": fingerprint(y, describe, "y")}
+    if fit_params:
+        data["fit_params"] = {
+            key: fingerprint(value, describe, key) for key, value in sorted(fit_params.items())
         }
-    )
+    described = {
+        "net": {"class": name_of(type(net)), "params": hyper},
+        "callbacks": callbacks,
+        "data": data,
+    }
+    if name is not None:
+        described["name"] = name
+    refused = None
+    if describe.refusals:
+        (path, reason), more = describe.refusals[0], len(describe.refusals) - 1
+        refused = f"{path} is {reason}" + (f" (and {more} more such values)" if more else "")
+    return RunIdentity(described, refused)
 
 
-def _flatten(described, prefix=""):
-    if isinstance(described, dict) and described:
-        out = {}
-        for key, value in described.items():
-            out.update(_flatten(value, f"{prefix}{key}."))
-        return out
-    return {prefix[:-1]: described}
+def _units(described):
+    """What a description says, by what the user would name: a parameter,
+    a callback's parameter, a callback, the data, a fit parameter."""
+    units = {}
+    for key, value in described.get("net", {}).get("params", {}).items():
+        units[key] = value
+    units["net class"] = described.get("net", {}).get("class")
+    for name, callback in described.get("callbacks", {}).items():
+        units[f"callback {name}"] = callback.get("class")
+        for key, value in callback.get("params", {}).items():
+            units[f"callbacks__{name}__{key}"] = value
+    data = described.get("data", {})
+    for key in ("X", "y"):
+        units[f"{key} (other data)"] = data.get(key)
+    for key, value in data.get("fit_params", {}).items():
+        units[f"fit parameter {key} (other data)"] = value
+    for key in ("name", "unique"):
+        units[key] = described.get(key)
+    return {key: value for key, value in units.items() if value is not None}
+
+
+def _shown(value):
+    if value is _MISSING:
+        return "(default)"
+    return value if isinstance(value, (str, int, float, bool)) else "(a value)"
+
+
+_MISSING = object()
 
 
 def describe_differences(new, old, most=4):
-    """What differs between two identities' descriptions, in a few words."""
-    new_flat, old_flat = _flatten(new), _flatten(old)
-    keys = sorted(k for k in set(new_flat) | set(old_flat) if new_flat.get(k) != old_flat.get(k))
+    """What differs between two identities' descriptions, in a few words:
+    ``lr: 0.1 -> 0.05``, ``criterion__weight (other value)``, ``X (other
+    data)``; a parameter at its default shows as ``(default)``."""
+    new_units, old_units = _units(new), _units(old)
+    keys = sorted(
+        key
+        for key in set(new_units) | set(old_units)
+        if new_units.get(key, _MISSING) != old_units.get(key, _MISSING)
+    )
     parts = []
     for key in keys[:most]:
-        if key.startswith("data."):
-            parts.append(f"{key.split('.')[1]} (other data)")
+        before, after = old_units.get(key, _MISSING), new_units.get(key, _MISSING)
+        if key.endswith("(other data)"):
+            parts.append(key)
+        elif isinstance(before, (dict, list)) and isinstance(after, (dict, list)):
+            parts.append(f"{key} (other value)")
         else:
-            name = key[len("net.params.") :] if key.startswith("net.params.") else key
-            parts.append(f"{name}: {old_flat.get(key)} -> {new_flat.get(key)}")
+            parts.append(f"{key}: {_shown(before)} -> {_shown(after)}")
     if len(keys) > most:
         parts.append(f"and {len(keys) - most} more")
-    return ", ".join(dict.fromkeys(parts)) or "nothing that the identity records"
+    return ", ".join(parts) or "nothing that the identity records"
 
 
 def run_folders(dirname):
-    """The run folders in ``dirname``, by run id."""
+    """The run folders in ``dirname``, by run key (``RunIdentity.key``:
+    the id, after the name for a named run)."""
     if os.path.exists(dirname) and not os.path.isdir(dirname):
         raise CheckpointError(
             f"{dirname} is a file, not a folder of runs: pass TrainingCheckpoint and "
@@ -265,6 +310,26 @@ def run_folders(dirname):
         for name in sorted(names)
         if name.startswith(RUN_PREFIX) and os.path.isdir(os.path.join(dirname, name))
     }
+
+
+def find_run(runs, wanted):
+    """The key in ``runs`` (``run_folders``) of the run that ``wanted``
+    names: its key, its id or its name; None where none does.
+
+    Raises
+    ------
+    CheckpointError
+      If ``wanted`` is the name of several runs.
+
+    """
+    if wanted in runs:
+        return wanted
+    found = [key for key in runs if wanted in (key[-_ID_LENGTH:], key[: -_ID_LENGTH - 1])]
+    if len(found) > 1:
+        raise CheckpointError(
+            f"Several runs are named {wanted!r} ({', '.join(found)}); pass the id of one of them."
+        )
+    return found[0] if found else None
 
 
 def read_manifest(folder):
@@ -306,7 +371,10 @@ def write_manifest(folder, identity, positions, status):
     ``(epoch, batch)`` of its training states (``checkpoint_files``)."""
     manifest = {
         "format": _FORMAT,
-        "run": identity.id,
+        "run": identity.key,
+        "id": identity.id,
+        "name": identity.name,
+        "refused": identity.refused,
         "status": status,
         "epochs": sorted(epoch for epoch, batch in positions if not batch),
         "inside_epochs": sorted([epoch + 1, batch] for epoch, batch in positions if batch),

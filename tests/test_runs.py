@@ -3,6 +3,8 @@ cross-validation without leaks, stale folders, deliberate continuations,
 manifests and clear errors. One process here; searches interrupted in one
 and two real processes at the end."""
 
+import copy
+import inspect
 import json
 import os
 import tempfile
@@ -12,10 +14,20 @@ import numpy as np
 import pytest
 import torch
 from accelerate import Accelerator
-from common import MLP, AcceleratedNet
+from common import MLP, AcceleratedNet, make_data
 from harness import run_plain, run_processes
 from sklearn.model_selection import KFold, cross_val_score
-from skorch.callbacks import Callback, EarlyStopping, Freezer, LRScheduler, PrintLog
+from skorch.callbacks import (
+    Callback,
+    EarlyStopping,
+    EpochTimer,
+    Freezer,
+    LRScheduler,
+    PrintLog,
+    ProgressBar,
+)
+from skorch.dataset import Dataset, ValidSplit
+from skorch.helper import predefined_split
 
 from accel_mixin import CheckpointError
 from accel_mixin.callbacks import ResumeTraining, TrainingCheckpoint
@@ -36,7 +48,7 @@ class EpochCounter(Callback):
         self.trained += 1
 
 
-def make_net(dirname, accelerator=None, run=None, lines=None, **kwargs):
+def make_net(dirname, accelerator=None, run=None, lines=None, module=MLP, **kwargs):
     torch.manual_seed(0)
     params = dict(
         max_epochs=3,
@@ -51,7 +63,7 @@ def make_net(dirname, accelerator=None, run=None, lines=None, **kwargs):
         ],
     )
     params.update(kwargs)
-    return AcceleratedNet(MLP, accelerator=accelerator or Accelerator(cpu=True), **params)
+    return AcceleratedNet(module, accelerator=accelerator or Accelerator(cpu=True), **params)
 
 
 def identity(data, X=None, **kwargs):
@@ -94,7 +106,7 @@ def test_the_identity_continues_or_starts_a_new_run_as_documented(data):
     assert base not in other and len(other) == 10
 
 
-def test_a_fingerprint_reads_a_sample_of_the_rows():
+def test_a_fingerprint_changes_with_any_value_and_reads_a_dataset_s_sample():
     class Counting(torch.utils.data.Dataset):
         reads = 0
 
@@ -108,10 +120,17 @@ def test_a_fingerprint_reads_a_sample_of_the_rows():
     print_ = fingerprint(Counting())
     assert Counting.reads == 64 and print_["length"] == 10**6
     big = np.zeros((10**5, 4), dtype=np.float32)
-    changed = big.copy()
-    changed[-1, 0] = 1  # the last row is always in the sample
-    assert fingerprint(big)["sample_sha256"] != fingerprint(changed)["sample_sha256"]
-    assert fingerprint(big)["rows"] == [["float32", [4]]]
+    prints = {fingerprint(big)["sha256"]}
+    for row in (0, 12_345, 99_999):  # anywhere: every byte is hashed
+        changed = big.copy()
+        changed[row, 2] = 1e-7
+        prints.add(fingerprint(changed)["sha256"])
+    # the same values in a tensor: another type
+    prints.add(fingerprint(torch.as_tensor(big))["sha256"])
+    prints.add(fingerprint({"a": big[:, :2], "b": big[:, 2:]})["sha256"])
+    prints.add(fingerprint(["some", "text"])["sha256"])
+    prints.add(fingerprint(["some", "texts"])["sha256"])
+    assert len(prints) == 8
 
 
 # --- one folder per run -----------------------------------------------------
@@ -198,6 +217,189 @@ def test_the_manifest_says_what_went_into_the_run_and_how_it_ended(data, tmp_pat
     assert described["data"]["X"]["length"] == 200
     assert set(described["callbacks"]) >= {"EarlyStopping", "train_loss"}
     assert "TrainingCheckpoint" not in described["callbacks"]
+
+
+# --- by content -------------------------------------------------------------
+
+
+class Opaque:
+    """A value without attributes or a repr to describe it by."""
+
+    __slots__ = ()
+
+
+class Holding(Callback):
+    def __init__(self, thing=None, scale=1.0):
+        self.thing = thing
+        self.scale = scale
+
+
+def test_values_are_described_by_their_content(data):
+    X, y = data
+    sampler = torch.utils.data.WeightedRandomSampler
+    pairs = {
+        "criterion__weight": (torch.tensor([1.0, 1.0]), torch.tensor([1.0, 10.0])),
+        "train_split": (ValidSplit(0.1), ValidSplit(0.2)),
+        "predefined_split": (
+            predefined_split(Dataset(X[:20], y[:20])),
+            predefined_split(Dataset(X[20:40], y[20:40])),
+        ),
+        "iterator_train__sampler": (sampler([1.0] * 160, 160), sampler([1.0] * 159 + [2.0], 160)),
+        "callbacks": ([Holding(np.ones(3))], [Holding(np.array([1.0, 1.0, 2.0]))]),
+        "random_state": (
+            ValidSplit(0.2, random_state=np.random.RandomState(0)),
+            ValidSplit(0.2, random_state=np.random.RandomState(1)),
+        ),
+    }
+    for key, (one, other) in pairs.items():
+        key = "train_split" if key in ("predefined_split", "random_state") else key
+        first, second = identity(data, **{key: one}), identity(data, **{key: other})
+        assert first != second, key
+        assert identity(data, **{key: copy.deepcopy(one)}) == first, key  # an equal copy
+    assert identity(data, train_split=ValidSplit(5, stratified=True)) == identity(data)  # default
+
+
+def test_a_value_that_cannot_be_described_is_never_resumed(data, tmp_path):
+    with pytest.warns(RuntimeWarning) as caught:
+        fits = [make_net(tmp_path, callbacks__Holding=Holding(Opaque())) for _ in range(2)]
+        for net in fits:
+            net.set_params(callbacks=net.callbacks + [("Holding", Holding(Opaque()))]).fit(*data)
+    assert [trained(net) for net in fits] == [3, 3] and len(runs_in(tmp_path)) == 2
+    (reason,) = {str(w.message) for w in caught if "ResumeTraining" in str(w.message)}
+    assert reason.startswith(
+        "ResumeTraining: callbacks__Holding.thing is a test_runs.Opaque, which has neither "
+        "get_params, attributes nor a repr without its address"
+    )
+    assert "name the run (TrainingCheckpoint(run_name=...)) to resume it" in reason
+    manifest = json.loads(next(Path(tmp_path).glob("run-*/manifest.json")).read_text())
+    assert manifest["refused"].startswith("callbacks__Holding.thing is a test_runs.Opaque")
+    # a name stands for what cannot be described: the named run resumes
+    named = []
+    for _ in range(2):
+        net = make_net(tmp_path / "named", verbose=0)
+        net.callbacks[1].run_name = "opaque"
+        named.append(net.set_params(callbacks=net.callbacks + [Holding(Opaque())]).fit(*data))
+    assert [trained(net) for net in named] == [3, 0]
+
+
+def corrected(y, count):
+    """``y`` with ``count`` labels flipped, none of them where the fingerprint
+    once sampled its 64 rows."""
+    sampled = set(np.linspace(0, len(y) - 1, 64).round().astype(int))
+    rows = [i for i in range(len(y)) if i not in sampled][:count]
+    fixed = y.copy()
+    fixed[rows] = 1 - fixed[rows]
+    return fixed, rows
+
+
+def test_corrected_labels_or_rows_start_a_new_run(tmp_path):
+    X, y = make_data(333)
+    lines = []
+    assert trained(make_net(tmp_path, lines=lines).fit(X, y)) == 3
+    fixed_y, rows = corrected(y, 30)
+    assert trained(make_net(tmp_path, lines=lines).fit(X, fixed_y)) == 3
+    rescaled = X.copy()
+    rescaled[rows[:10]] *= 2
+    assert trained(make_net(tmp_path, lines=lines).fit(rescaled, y)) == 3
+    assert trained(make_net(tmp_path, lines=lines).fit(X, y)) == 0  # the first run, finished
+    assert len(runs_in(tmp_path)) == 3
+    assert lines[0].endswith("in: y (other data)") and "in: X (other data)" in lines[1]
+
+
+class WeightedMLP(MLP):
+    def forward(self, X, sample_weight=None):
+        return super().forward(X)
+
+
+def test_a_changed_fit_parameter_starts_a_new_run(data, tmp_path):
+    X, y = data
+    weights = np.ones(len(y), dtype=np.float32)
+    lines = []
+
+    def fit(w):
+        net = make_net(tmp_path, lines=lines, module=WeightedMLP, train_split=None)
+        return trained(net.fit(X, y, sample_weight=w))
+
+    heavier = weights.copy()
+    heavier[101] = 5.0
+    assert [fit(weights), fit(heavier), fit(weights), fit(heavier)] == [3, 3, 0, 0]
+    assert lines[0].endswith("in: fit parameter sample_weight (other data)")
+
+
+# --- what does not make a run ---------------------------------------------------
+
+
+def upgraded(name, base, **added):
+    """A subclass of ``base`` named ``name``, as the next version of a class
+    that adds ``added`` arguments with their defaults."""
+
+    def __init__(self, *args, **kwargs):
+        for key, default in added.items():
+            setattr(self, key, kwargs.pop(key, default))
+        base.__init__(self, *args, **kwargs)
+
+    params = [
+        inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=v) for k, v in added.items()
+    ]
+    __init__.__signature__ = inspect.Signature(
+        [inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)]
+        + [inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL)]
+        + params
+        + [inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)]
+    )
+    cls = type(name, (base,), {"__init__": __init__, "__module__": base.__module__})
+    cls.__qualname__ = name
+    return cls
+
+
+def test_an_upgrade_that_adds_defaulted_parameters_resumes(data, tmp_path):
+    """The next version of the net's class and of a callback's each add an
+    argument with a default: the run resumes; set to another value, it is
+    another run, and the line names it."""
+    Net = upgraded("Net", AcceleratedNet)
+    Scaled = upgraded("Scaled", Holding)
+    lines = []
+
+    def fit(net_cls, callback, **kwargs):
+        params = make_net(tmp_path, lines=lines).get_params(deep=False)
+        params["callbacks"] = params["callbacks"] + [callback]
+        return trained(net_cls(**params, **kwargs).fit(*data))
+
+    assert fit(Net, Scaled(scale=2.0)) == 3
+    Net = upgraded("Net", AcceleratedNet, new_option="auto")
+    Scaled = upgraded("Scaled", Holding, clip=None)
+    assert fit(Net, Scaled(scale=2.0)) == 0 and not lines
+    assert fit(Net, Scaled(scale=2.0), new_option="manual") == 3
+    assert lines[-1].endswith("in: new_option: (default) -> manual")
+
+
+def test_logging_callbacks_and_loading_settings_do_not_make_a_run(data, tmp_path):
+    assert trained(make_net(tmp_path).fit(*data)) == 3
+    rerun = make_net(
+        tmp_path,
+        iterator_train__num_workers=2,
+        iterator_train__persistent_workers=True,
+        iterator_valid__pin_memory=True,
+    )
+    rerun.set_params(callbacks=rerun.callbacks + [ProgressBar(), EpochTimer()])
+    assert trained(rerun.fit(*data)) == 0 and len(runs_in(tmp_path)) == 1
+
+
+def test_a_named_run(data, tmp_path):
+    net = make_net(tmp_path, verbose=0)
+    net.callbacks[1].run_name = "baseline"
+    net.fit(*data)
+    (folder,) = runs_in(tmp_path)
+    assert folder.startswith("run-baseline-") and len(folder) == len("run-baseline-") + 12
+    manifest = json.loads((tmp_path / folder / "manifest.json").read_text())
+    assert manifest["name"] == "baseline" and manifest["identity"]["name"] == "baseline"
+    # continued by its name, with a lower learning rate
+    tuned = make_net(tmp_path, verbose=0, run="baseline", lr=0.01, max_epochs=5).fit(*data)
+    assert trained(tuned) == 2
+    assert str(tmp_path / folder) in dict(tuned.callbacks_)["ResumeTraining"].resumed_from_
+    for bad in ("", "a/b", "-x", "x" * 65, 3):
+        with pytest.raises(ValueError, match="run_name must be a word"):
+            TrainingCheckpoint(tmp_path, run_name=bad).initialize()
 
 
 # --- clear errors -------------------------------------------------------------
@@ -295,7 +497,36 @@ def test_errors_of_run_folders_are_clear_on_every_rank(tmp_path):
         ("an_edited_manifest", "is not the manifest of run"),
         ("a_run_that_does_not_exist", "ResumeTraining(run='nope')"),
         ("a_folder_that_is_a_file", "is a file, not a folder of runs"),
+        ("ranks_with_other_data", "the run identity of rank 1 differs from rank 0's in: X"),
     ):
         for value in values(checks, name):
             assert value["error"].startswith("CheckpointError: ") and expected in value["error"]
             assert value["seconds"] < 25  # not the 30 s collective timeout
+    # a value without content to describe: every fit a run of its own, in
+    # the same folder on both ranks, and the main process says why
+    main, other = values(checks, "an_undescribable_value")
+    assert main["folders"] == other["folders"] and len(set(main["folders"])) == 2
+    assert len(main["on_disk"]) == 4  # both fits trained both epochs
+    (reason,) = set(main["warnings"])  # the same line for both fits: Python shows it once
+    assert len(main["warnings"]) == 2
+    assert "callbacks__Holding.thing is a builtins.object" in reason and not other["warnings"]
+
+
+@pytest.mark.multiprocess
+def test_a_search_over_tensor_values_with_checkpoints_scores_as_without(tmp_path):
+    """Two processes, GridSearchCV over criterion__weight tensors: with
+    checkpoints in an empty folder, every fit trains (no candidate resumes
+    another's run) and the scores are those without checkpoints; run again,
+    every fit resumes its own finished run, with the same scores."""
+    plain = run_processes("search_weights.py", "plain", timeout=300).check()
+    first = run_processes("search_weights.py", "checkpoints", tmp_path, timeout=300).check()
+    again = run_processes("search_weights.py", "checkpoints", tmp_path, timeout=300).check()
+    scores = plain[0]["test_scores"]
+    assert scores["split0_test_score"][0] != scores["split0_test_score"][1]
+    for rank in range(2):
+        assert first[rank]["test_scores"] == plain[rank]["test_scores"] == scores
+        assert again[rank]["test_scores"] == scores
+        assert plain[rank]["trained"] == first[rank]["trained"] == [3] * 5
+        assert again[rank]["trained"] == [0] * 5
+        assert first[rank]["best_weight"] == plain[rank]["best_weight"]
+    assert len(runs_in(tmp_path)) == 5

@@ -4,6 +4,7 @@ Usage: torchrun --nproc_per_node 2 runs_checks.py DIRNAME
 """
 
 import sys
+import warnings
 from pathlib import Path
 
 from common import (
@@ -15,6 +16,7 @@ from common import (
     make_data,
     report,
 )
+from skorch.callbacks import Callback
 
 from accel_mixin.callbacks import ResumeTraining, TrainingCheckpoint
 
@@ -24,15 +26,26 @@ X, y = make_data(200)
 checks = Checks()
 
 
-def fit(dirname, run=None):
+class Holding(Callback):
+    """A callback whose argument may be anything, for the run identity."""
+
+    def __init__(self, thing=None):
+        self.thing = thing
+
+
+def fit(dirname, run=None, data=(X, y), thing=None):
     net = AcceleratedNet(
         MLP,
         accelerator=accelerator,
         max_epochs=2,
         verbose=0,
-        callbacks=[TrainingCheckpoint(dirname), ResumeTraining(dirname, run=run)],
+        callbacks=[
+            Holding(thing),
+            TrainingCheckpoint(dirname),
+            ResumeTraining(dirname, run=run),
+        ],
     )
-    return net.fit(X, y)
+    return net.fit(*data)
 
 
 @checks
@@ -62,6 +75,32 @@ def a_folder_that_is_a_file():
         (DIRNAME / "afile").write_text("")
     accelerator.wait_for_everyone()
     return error_and_seconds(lambda: fit(DIRNAME / "afile"))
+
+
+@checks
+def ranks_with_other_data():
+    other = X.copy()
+    if not accelerator.is_main_process:
+        other[17, 3] += 1  # one value, far from the rows a sample would read
+    return error_and_seconds(lambda: fit(DIRNAME / "other_data", data=(other, y)))
+
+
+@checks
+def an_undescribable_value():
+    """Each fit starts afresh in one run folder of its own, the same on
+    every rank, and the main process says why."""
+    folder = DIRNAME / "opaque"
+    fits = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            net = fit(folder, thing=object())
+            fits.append(dict(net.callbacks_)["TrainingCheckpoint"].run_folder_)
+    return {
+        "folders": [Path(path).name for path in fits],
+        "on_disk": sorted(p.name for p in folder.glob("run-*/*.pt")),
+        "warnings": [str(w.message) for w in caught if "ResumeTraining" in str(w.message)],
+    }
 
 
 report({"checks": checks.results})
