@@ -116,15 +116,20 @@ class TrainingCheckpoint(Callback):
     epochs finished before), which ``ResumeTraining`` resumes exactly where
     it was saved, on the same number of processes (see
     ``accel_mixin.mid_epoch``). On a preemption notice (one of ``signals``,
-    on any rank), every rank stops at the same batch, at most two batches
-    later (under gradient accumulation, at the next optimizer step after
-    those), saves a training state there and raises
-    ``accel_mixin.Preempted``, so that the script exits non-zero and the
-    scheduler requeues it. A notice during an epoch's last two training
-    batches, its validation or its end stops at the end of that epoch, as
-    does any notice where the training data cannot resume inside an epoch
-    (an ``IterableDataset``). A notice after the last epoch's end is
-    delivered again once ``fit`` has put the previous handlers back.
+    on any rank), every rank stops at the same batch, saves a training
+    state there and raises ``accel_mixin.Preempted``, so that the script
+    exits non-zero and the scheduler requeues it. The ranks poll for
+    notices about every half second of training (at the slowest rank's
+    pace) and at least every 64 batches, so the stop comes at most 65
+    batches after the notice, and at most two where a batch takes half a
+    second or more (under gradient accumulation, at the next optimizer step
+    after those; see ``accel_mixin.preemption``). A notice that the ranks
+    learn of at an epoch's last training batch (one during the last
+    batches before it, up to 65), its validation or its end stops at the
+    end of that epoch, as does any notice where the training data cannot
+    resume inside an epoch (an ``IterableDataset``). A notice after the
+    last epoch's end is delivered again once ``fit`` has put the previous
+    handlers back.
 
     Parameters
     ----------
@@ -292,7 +297,7 @@ class TrainingCheckpoint(Callback):
         """
         epoch = len(net.history)
         # notices that came during the last batches, validation or the end
-        if self._notices is not None and self._notices.agreed(drain=True):
+        if self._notices is not None and self._notices.agreed(drain=True, batch=False):
             self._stop = "epoch end"
         stop = self._stop == "epoch end"
         if stop or not epoch % self.every_n_epochs:

@@ -67,7 +67,9 @@ def train(dirname, history_file, kill_at):
                 os.kill(os.getpid(), signal.SIGKILL)
 
     torch.manual_seed(0)
-    X, y = make_classification(4000, 20, n_informative=10, flip_y=0.1, random_state=0)
+    # 150 batches an epoch on each rank: the ranks poll for notices at most 64
+    # batches apart, so a notice in the middle of an epoch stops inside it
+    X, y = make_classification(12000, 20, n_informative=10, flip_y=0.1, random_state=0)
     module = torch.nn.Sequential(
         torch.nn.Linear(20, 64),
         torch.nn.ReLU(),

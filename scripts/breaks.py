@@ -807,11 +807,24 @@ BREAKS = [
         "preemption",
         "a notice stops the ranks only when every rank got it",
         "accel_mixin/preemption.py",
-        "dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)",
-        "dist.all_reduce(flag, op=dist.ReduceOp.MIN, async_op=True)",
+        "dist.all_reduce(values, op=dist.ReduceOp.MAX, async_op=True)",
+        "dist.all_reduce(values, op=dist.ReduceOp.MIN, async_op=True)",
         (
             "tests/test_preemption.py::test_a_notice_stops_every_rank_at_one_batch_and_the_"
             "rerun_resumes_exactly[2-notice_one]",
+        ),
+    ),
+    launched(
+        "preemption-interval-from-own-pace",
+        "preemption",
+        "the polls reduce the notice flag only: each rank schedules the next poll from its "
+        "own pace, and the ranks' polls no longer match",
+        "accel_mixin/preemption.py",
+        "dist.all_reduce(values, op=dist.ReduceOp.MAX, async_op=True)",
+        "dist.all_reduce(values[:1], op=dist.ReduceOp.MAX, async_op=True)",
+        (
+            "tests/test_preemption.py::test_with_polls_far_apart_every_rank_stops_at_one_batch_"
+            "within_the_bound[skewed]",
         ),
     ),
     launched(

@@ -46,6 +46,7 @@ def test_benchmarks_run_and_report(tmp_path):
     assert fit_2["processes"] == 2 and "skorch" not in fit_2["results"]
     assert "accel_mixin, no history sync" in fit_2["results"]
     assert "accel_mixin, signals=()" in fit_2["results"]
+    assert "accel_mixin, notices polled every batch" in fit_2["results"]
     checkpoint = json.loads((results / "raw" / "checkpoint_2.json").read_text())
     assert set(checkpoint["save"]) == {
         "torch.save",
@@ -77,6 +78,7 @@ def test_benchmarks_run_and_report(tmp_path):
     table = (results / "bench.md").read_text()
     assert "unwrap + rewrap" in table and "| target |" in table
     assert "TrainingCheckpoint(signals=()) that never saves" in table
+    assert "TrainingCheckpoint (default signals) that never saves: at most 1.01" in table
     assert "history sync: at most 1.05" in table
     assert "asynchronous checkpoint: stall" in table
     assert "replica check: at most 1% of an epoch" in table

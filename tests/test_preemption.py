@@ -72,7 +72,7 @@ def test_a_notice_stops_every_rank_at_one_batch_and_the_rerun_resumes_exactly(
         assert "Run the same script again to resume there" in rank["preempted"]
         assert rank["stopped_at"] == stop  # the same batch on every rank
         assert rank["handler_after_fit"]  # SIGTERM's handler is the default again
-        if nproc > 1:  # a poll after every training batch, on every rank
+        if nproc > 1:  # a poll after every training batch (max_interval=1)
             assert rank["notice_polls"] > 10
     if mode == "notice_last":
         assert all("at the end of epoch 2" in rank["preempted"] for rank in ranks)
@@ -88,6 +88,39 @@ def test_where_no_rank_handles_signals_no_rank_polls_after_the_first_batch(unint
         assert rank["notice_polls"] == 1  # the first poll of the fit, which finds out
         assert rank["history"] == uninterrupted[2]["history"]
         assert rank["params"] == uninterrupted[2]["params"]
+
+
+BOUND = [
+    # (mode, the agreed interval between polls in batches)
+    ("fast_one", 64),  # max_interval: fast batches
+    ("fast_all", 64),
+    ("skewed", 41),  # int(0.5 s / 12 ms): rank 1's slower pace, not rank 0's 1 ms
+]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode, interval", BOUND, ids=[case[0] for case in BOUND])
+def test_with_polls_far_apart_every_rank_stops_at_one_batch_within_the_bound(
+    tmp_path, mode, interval
+):
+    run = run_processes("notice_bound.py", mode, tmp_path, timeout=240)
+    assert run.returncode != 0, run.describe()
+    ranks = run.ranks
+    assert all(rank is not None for rank in ranks), run.describe()
+    first = ranks[0]
+    for rank in ranks:
+        assert rank["preempted"].startswith("Preempted (notice: ")
+        assert rank["polls"] == first["polls"]  # every rank polls at the same batches
+        assert rank["stopped_at"] == first["stopped_at"]
+    epoch, notice = first["notice"]
+    assert first["stopped_at"][0] == epoch
+    stop = first["stopped_at"][1]
+    assert notice < stop <= notice + first["max_interval"] + 1  # the documented bound
+    starts = [batch for at, batch in first["polls"] if at == epoch and batch < stop]
+    # the first poll after the notice, read one batch later, stopped every rank
+    assert starts[-1] == stop - 1 and starts[-1] - interval < notice <= starts[-1]
+    assert len(starts) >= 2
+    assert all(later - earlier == interval for earlier, later in zip(starts, starts[1:]))
 
 
 @pytest.mark.multiprocess

@@ -1,8 +1,9 @@
 """Fit time: plain skorch, the incumbent, accel_mixin and a hand-written
 accelerate loop doing the same work (training, then per-epoch validation loss
-and accuracy on a 20% stratified split). Two variants of accel_mixin add a
+and accuracy on a 20% stratified split). Three variants of accel_mixin add a
 TrainingCheckpoint that never saves: what polling for preemption notices
-costs, and what it costs with signals=().
+costs (and what polling after every batch cost), and what it costs with
+signals=().
 
     python scripts/benchmarks/fit.py --out results/raw/fit_1.json
     ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2 scripts/benchmarks/fit.py --out ...
@@ -30,10 +31,11 @@ from skorch.hf import AccelerateMixin as IncumbentMixin
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # pylint: disable=wrong-import-position
 from common import Timer, alternate, seed_everything, summarize, write_result
-from report import POLLING, QUIET
+from report import EVERY_BATCH, POLLING, QUIET
 
 from accel_mixin import AccelerateMixin
 from accel_mixin.callbacks import TrainingCheckpoint
+from accel_mixin.preemption import NoticeBoard
 
 
 class OursNet(AccelerateMixin, NeuralNetClassifier):
@@ -137,6 +139,16 @@ def loop_fit(accelerator, X, y, args):
     return history[-1][2]
 
 
+def polling_every_batch(fit):
+    """The fit, polling for notices after every batch as before the ranks
+    agreed on intervals: what the intervals save."""
+    interval, NoticeBoard.max_interval = NoticeBoard.max_interval, 1
+    try:
+        return fit()
+    finally:
+        NoticeBoard.max_interval = interval
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
@@ -187,6 +199,7 @@ def main():
         variants = {"skorch": lambda: skorch_fit(NeuralNetClassifier, X, y, args), **variants}
     else:
         variants[NO_SYNC] = lambda: skorch_fit(NoSyncNet, X, y, args, accelerator=accelerator)
+        variants[EVERY_BATCH] = lambda: polling_every_batch(variants[POLLING])
     if args.only:
         variants = {name: fit for name, fit in variants.items() if name in args.only}
     baseline = next(iter(variants))

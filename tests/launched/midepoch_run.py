@@ -59,6 +59,9 @@ class CountingDist:
 
 
 accel_mixin.preemption.dist = polls = CountingDist()
+# a poll after every batch, whatever the pace: the notices below stop at
+# batches known in advance (notice_bound.py tests longer intervals)
+accel_mixin.preemption.NoticeBoard.max_interval = 1
 
 
 class At(Callback):

@@ -1,0 +1,102 @@
+"""Preemption notices with polls far apart: every rank still stops at one batch.
+
+Usage: notice_bound.py MODE DIRNAME
+  fast_one  polls as far apart as they go (``max_interval`` batches, as for
+            fast batches); rank 1 gets SIGTERM during batch 100 of epoch 2
+  fast_all  the same, every rank gets SIGTERM during that batch
+  skewed    the clock each rank measures its pace with runs 12 times faster
+            on rank 0 than on rank 1 (1 ms a batch against 12 ms): the ranks
+            keep polling together only if they agree on the interval; rank 0
+            gets SIGTERM during batch 100 of epoch 2
+
+Each rank reports where (epoch, batches done) it started every poll.
+"""
+
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+from common import MLP, AcceleratedNet, make_accelerator, make_data, report
+from skorch.callbacks import Callback
+
+import accel_mixin.preemption
+from accel_mixin import Preempted
+from accel_mixin.callbacks import TrainingCheckpoint
+from accel_mixin.preemption import NoticeBoard
+
+MODE, DIRNAME = sys.argv[1], sys.argv[2]
+NOTICE = (2, 100)
+accelerator = make_accelerator()
+RANK = accelerator.process_index
+net = None
+
+
+class RecordingDist:
+    """torch.distributed for the notice board, noting where each poll starts."""
+
+    def __init__(self):
+        self.polls = []
+
+    def __getattr__(self, name):
+        return getattr(dist, name)
+
+    def all_reduce(self, *args, **kwargs):
+        self.polls.append((len(net.history), len(net.history[-1]["batches"])))
+        return dist.all_reduce(*args, **kwargs)
+
+
+class Batches(Callback):
+    """Counts training batches, notes the last one, sends the notice."""
+
+    in_run_identity = False
+
+    def __init__(self):
+        self.done, self.last_ = 0, None
+
+    def on_batch_end(self, net, training=False, **kwargs):
+        if not training:
+            return
+        self.done += 1
+        self.last_ = (len(net.history), len(net.history[-1]["batches"]))
+        receives = {"fast_one": RANK == 1, "fast_all": True, "skewed": RANK == 0}[MODE]
+        if self.last_ == NOTICE and receives:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+accel_mixin.preemption.dist = recording = RecordingDist()
+batches = Batches()
+if MODE == "skewed":
+    step = 0.001 if RANK == 0 else 0.012
+    NoticeBoard.clock = staticmethod(lambda: batches.done * step)
+else:
+    # any pace asks for polls further apart than max_interval allows
+    NoticeBoard.interval_seconds = 1e9
+
+torch.manual_seed(0)
+net = AcceleratedNet(
+    MLP,
+    accelerator=accelerator,
+    max_epochs=3,
+    batch_size=4,
+    train_split=None,
+    verbose=0,
+    callbacks=[TrainingCheckpoint(DIRNAME), batches],
+)
+preempted = None
+try:
+    net.fit(*make_data(1600))
+except Preempted as exc:
+    preempted = str(exc)
+report(
+    {
+        "preempted": preempted,
+        "stopped_at": batches.last_,
+        "polls": recording.polls,
+        "notice": NOTICE,
+        "max_interval": NoticeBoard.max_interval,
+        "batches_per_epoch": -(-1600 // (4 * accelerator.num_processes)),
+    }
+)
+sys.exit(75 if preempted else 0)
