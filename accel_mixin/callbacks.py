@@ -187,6 +187,11 @@ class TrainingCheckpoint(Callback):
 
     in_run_identity = False  # it records the run, it does not change it (runs.py)
 
+    def state_dict(self):
+        """Nothing for a training state to keep: the run is the fit's own
+        (``callback_state``)."""
+        return {}
+
     def __init__(
         self,
         dirname,
@@ -401,6 +406,11 @@ class ResumeTraining(Callback):
     """
 
     in_run_identity = False  # it records the run, it does not change it (runs.py)
+
+    def state_dict(self):
+        """Nothing for a training state to keep: the run is the fit's own
+        (``callback_state``)."""
+        return {}
 
     def __init__(self, dirname, run=None, sink=print):
         self.dirname = dirname
