@@ -124,9 +124,9 @@ class TrainingCheckpoint(Callback):
     batches after the notice, and at most two where a batch takes half a
     second or more (under gradient accumulation, at the next optimizer step
     after those; see ``accel_mixin.preemption``). A notice that the ranks
-    learn of at an epoch's last training batch (one during the last
-    batches before it, up to 65), its validation or its end stops at the
-    end of that epoch, as does any notice where the training data cannot
+    learn of at an epoch's last training batch or at its end (one during
+    the last batches, up to 65, its validation or its end) stops at the end
+    of that epoch, as does any notice where the training data cannot
     resume inside an epoch (an ``IterableDataset``). A notice after the
     last epoch's end is delivered again once ``fit`` has put the previous
     handlers back.
@@ -186,6 +186,11 @@ class TrainingCheckpoint(Callback):
     """
 
     in_run_identity = False  # it records the run, it does not change it (runs.py)
+
+    def state_dict(self):
+        """Nothing for a training state to keep: the run is the fit's own
+        (``callback_state``)."""
+        return {}
 
     def __init__(
         self,
@@ -265,7 +270,8 @@ class TrainingCheckpoint(Callback):
                 resumable_inside_epochs(net, explain=True)
         # every rank asks, whatever its signals: the all-reduces must match
         # (the board stops polling where no rank has signals)
-        notice = self._notices is not None and self._notices.agreed(drain=last)
+        # an epoch's last batch waits for no poll: the epoch's end polls and waits
+        notice = self._notices is not None and self._notices.agreed()
         if notice and (last or not self._inside):
             self._stop = "epoch end"
         elif notice or self._stop == "step":
@@ -401,6 +407,11 @@ class ResumeTraining(Callback):
     """
 
     in_run_identity = False  # it records the run, it does not change it (runs.py)
+
+    def state_dict(self):
+        """Nothing for a training state to keep: the run is the fit's own
+        (``callback_state``)."""
+        return {}
 
     def __init__(self, dirname, run=None, sink=print):
         self.dirname = dirname

@@ -17,8 +17,9 @@ second) of training, at least one and at most ``max_interval`` (64) batches
 apart. Every rank thus learns of a notice at the same batch, at most
 ``max_interval + 1`` batches after it arrived on any rank (at most two where
 a batch takes half a second or more), whether one rank got the signal or
-all did. An epoch's last batch always polls and waits for its poll, and so
-does the end of an epoch, after validation.
+all did. The end of an epoch, after validation, polls and waits for its
+poll, so a notice during the epoch's last batches or its validation stops
+at its end; the batches themselves never wait for a poll.
 
 The first poll of a fit waits for its all-reduce, which also tells every
 rank whether any of them handles signals: where none does, no rank polls
@@ -89,9 +90,8 @@ class NoticeBoard:
         Every rank calls it after every training batch, and with
         ``batch=False`` at the end of every epoch, and gets the same answer.
         Between polls the answer is False; at the batch after a poll it
-        covers the notices up to the poll. With ``drain`` (an epoch's last
-        batch, where validation follows, and its end) it polls and waits,
-        covering every notice so far.
+        covers the notices up to the poll. With ``drain`` (an epoch's end)
+        it polls and waits, covering every notice so far.
         """
         if self.accelerator.num_processes == 1:
             return self.received is not None

@@ -1,5 +1,5 @@
 """The pieces of a training state that are not weights: random number
-generators, callbacks, the training dataloader's shuffling. Everything is
+generators, the history, CPU snapshots. Everything is
 turned into tensors and plain Python values, so that a training state loads
 with ``weights_only=True``.
 """
@@ -10,28 +10,15 @@ import numpy as np
 import torch
 
 __all__ = [
+    "NOT_PLAIN",
     "as_plain",
-    "callback_state",
     "cpu_snapshot",
     "history_state",
-    "restore_callback_state",
+    "plain_or_not",
     "restore_rng",
     "rng_state",
 ]
 
-# Per-epoch caches, objects rebuilt at every fit, and what ResumeTraining and
-# TrainingCheckpoint know of the run being trained: not state to resume.
-_TRANSIENT = {
-    "y_preds_",
-    "y_trues_",
-    "lr_scheduler_",
-    "policy_",
-    "pbar_",
-    "checkpoint_",
-    "resumed_from_",
-    "run_",
-    "run_folder_",
-}
 _PLAIN_SCALARS = (bool, int, float, str, type(None))
 
 
@@ -59,23 +46,15 @@ def as_plain(value, arrays=True):
     raise _NotPlain(type(value).__name__)
 
 
-def callback_state(callback):
-    """The fitted attributes (ending with ``_``) of a callback that are plain
-    data: EarlyStopping's counters, a scoring callback's best score, ..."""
-    state = {}
-    for key, value in vars(callback).items():
-        if not key.endswith("_") or key in _TRANSIENT:
-            continue
-        try:
-            state[key] = as_plain(value)
-        except _NotPlain:
-            continue
-    return state
+NOT_PLAIN = object()
 
 
-def restore_callback_state(callback, state):
-    for key, value in state.items():
-        setattr(callback, key, value)
+def plain_or_not(value):
+    """``as_plain(value)``, or ``NOT_PLAIN`` where it is not plain data."""
+    try:
+        return as_plain(value)
+    except _NotPlain:
+        return NOT_PLAIN
 
 
 def rng_state():

@@ -23,6 +23,7 @@ from accelerate.utils import gather_object
 from skorch.callbacks import EarlyStopping, LRScheduler
 from skorch.history import History
 
+from accel_mixin.callback_state import callback_state
 from accel_mixin.errors import CheckpointError
 from accel_mixin.loader_rng import generator_states
 from accel_mixin.mid_epoch import partial_epoch
@@ -34,12 +35,7 @@ from accel_mixin.state_dict import (
     load_module_state,
     strip_wrapper_prefixes,
 )
-from accel_mixin.state_values import (
-    as_plain,
-    callback_state,
-    history_state,
-    rng_state,
-)
+from accel_mixin.state_values import as_plain, history_state, rng_state
 
 __all__ = [
     "FORMAT",
@@ -124,7 +120,7 @@ def collect_state(net, train_iterator_state, stopped=False, position=None):
         "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None,
         "rng": [item["rng"] for item in everyone],
         "history": history_state(rows),
-        "callbacks": {name: _callback_state(net, cb) for name, cb in net.callbacks_},
+        "callbacks": {name: _callback_state(net, name, cb) for name, cb in net.callbacks_},
         "loop": {
             "accumulation_step": int(accelerator.step),
             "train_iterator": train_iterator_state,
@@ -138,10 +134,10 @@ def collect_state(net, train_iterator_state, stopped=False, position=None):
     }
 
 
-def _callback_state(net, cb):
+def _callback_state(net, name, cb):
     # EarlyStopping(load_best=True) keeps a copy of the best weights; a state
     # holds it only where it differs from the weights saved anyway
-    state = callback_state(cb)
+    state = callback_state(cb, name, warn=net.accelerator.is_main_process)
     if isinstance(cb, EarlyStopping) and state.get(BEST_WEIGHTS) is not None:
         current = cb.best_epoch_ == net.history[-1, "epoch"]
         state[BEST_IS_CURRENT] = current

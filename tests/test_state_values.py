@@ -5,16 +5,13 @@ import random
 import numpy as np
 import pytest
 import torch
-from skorch.callbacks import EarlyStopping
 from skorch.history import History
 
 from accel_mixin.state_values import (
     _NotPlain,
     as_plain,
-    callback_state,
     cpu_snapshot,
     history_state,
-    restore_callback_state,
     restore_rng,
     rng_state,
 )
@@ -63,18 +60,6 @@ def test_rng_state_round_trip():
     draws = (random.random(), np.random.rand(), torch.rand(1).item())
     restore_rng(state)
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == draws
-
-
-def test_callback_state_keeps_plain_fitted_attributes():
-    cb = EarlyStopping().initialize()
-    cb.misses_, cb.dynamic_threshold_, cb.best_epoch_ = 3, np.float64(0.25), 7
-    cb.some_object_ = object()  # not state that a file can hold safely
-    state = callback_state(cb)
-    assert state["misses_"] == 3 and state["dynamic_threshold_"] == 0.25
-    assert "some_object_" not in state
-    fresh = EarlyStopping().initialize()
-    restore_callback_state(fresh, state)
-    assert (fresh.misses_, fresh.best_epoch_) == (3, 7)
 
 
 def test_snapshot_copies_and_reuses_memory():
