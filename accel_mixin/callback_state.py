@@ -18,7 +18,7 @@ hold, a warning on the main process names them.
 
 import warnings
 
-from skorch.callbacks import EarlyStopping, LoadInitState, LRScheduler, PassthroughScoring
+from skorch.callbacks import Callback, EarlyStopping, LoadInitState, LRScheduler, PassthroughScoring
 from skorch.callbacks.scoring import ScoringBase
 
 from accel_mixin.state_values import NOT_PLAIN, as_plain, plain_or_not
@@ -37,10 +37,15 @@ SKORCH_STATE = {
 
 
 def _declared(callback):
-    """The names of ``callback``'s state by skorch's table, or None."""
-    for cls in type(callback).__mro__:
+    """The names of ``callback``'s state by skorch's table, or None where
+    it is no callback of skorch's (a skorch callback the table does not name
+    keeps nothing: timers, loggers, progress bars)."""
+    mro = type(callback).__mro__
+    for cls in mro:
         if cls in SKORCH_STATE:
             return SKORCH_STATE[cls]
+    if any(cls is not Callback and cls.__module__.split(".")[0] == "skorch" for cls in mro):
+        return ()
     return None
 
 

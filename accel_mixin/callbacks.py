@@ -26,8 +26,9 @@ from accel_mixin.checkpoint_files import (
     checkpoint_name,
     checkpoint_positions,
 )
+from accel_mixin.errors import CheckpointError, Preempted
 from accel_mixin.mid_epoch import resumable_inside_epochs
-from accel_mixin.preemption import NoticeBoard, Preempted, can_handle, handling_signals
+from accel_mixin.preemption import NoticeBoard, can_handle, handling_signals
 from accel_mixin.process_layout import writes_files
 from accel_mixin.process_state import process_state
 from accel_mixin.runs import (
@@ -40,7 +41,6 @@ from accel_mixin.runs import (
     write_manifest,
 )
 from accel_mixin.skorch_callbacks import stopped_early
-from accel_mixin.state_dict import CheckpointError
 
 __all__ = ["ResumeTraining", "TrainingCheckpoint"]
 

@@ -65,7 +65,7 @@ from accel_mixin.errors import DistributedError, Preempted
 from accel_mixin.internals import default_store
 from accel_mixin.progress import supervised
 
-__all__ = ["Coordinator", "DistributedError", "Preempted", "coordinator_for", "failure_message"]
+__all__ = ["Coordinator", "coordinator_for", "failure_message"]
 
 # polls of a barrier's counter: fast for a while, then slower, so that a long
 # wait costs little CPU; failures, heartbeats and the deadline are looked at

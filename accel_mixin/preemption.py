@@ -35,9 +35,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from accel_mixin.coordination import Preempted
-
-__all__ = ["NoticeBoard", "Preempted", "can_handle", "handling_signals"]
+__all__ = ["NoticeBoard", "can_handle", "handling_signals"]
 
 
 class NoticeBoard:

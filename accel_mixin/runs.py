@@ -60,8 +60,8 @@ from skorch.callbacks import Callback
 from skorch.callbacks import logging as skorch_logging
 
 from accel_mixin.describe import Describer, fingerprint, init_defaults, name_of
+from accel_mixin.errors import CheckpointError
 from accel_mixin.files import atomic_write
-from accel_mixin.state_dict import CheckpointError
 
 __all__ = [
     "MANIFEST",

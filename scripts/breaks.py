@@ -586,7 +586,7 @@ BREAKS = [
         "a callback's own state_dict is not asked",
         "accel_mixin/callback_state.py",
         '    if callable(getattr(callback, "state_dict", None)):\n        return',
-        '    if False:\n        return',
+        "    if False:\n        return",
         ("tests/test_callback_state.py",),
     ),
     Break(

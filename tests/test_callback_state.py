@@ -7,7 +7,14 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from skorch.callbacks import Callback, EarlyStopping, EpochScoring, LRScheduler
+from skorch.callbacks import (
+    Callback,
+    EarlyStopping,
+    EpochScoring,
+    EpochTimer,
+    LRScheduler,
+    PrintLog,
+)
 
 from accel_mixin.callback_state import callback_state, restore_callback_state
 from accel_mixin.callbacks import ResumeTraining, TrainingCheckpoint
@@ -79,6 +86,14 @@ def test_an_undeclared_callback_keeps_nothing_and_the_main_process_hears_why():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert callback_state(Undeclared(), "counter", warn=False) == {}  # other ranks
+
+
+def test_skorch_callbacks_the_table_does_not_name_keep_nothing_silently():
+    timer, log = EpochTimer(), PrintLog()
+    timer.epoch_start_time_, log.first_iteration_ = 12.5, False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert callback_state(timer, warn=True) == callback_state(log, warn=True) == {}
 
 
 def test_the_checkpoint_callbacks_keep_nothing():

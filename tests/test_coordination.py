@@ -12,7 +12,8 @@ import pytest
 import torch.distributed as dist
 
 from accel_mixin import coordination
-from accel_mixin.coordination import Coordinator, DistributedError
+from accel_mixin.coordination import Coordinator
+from accel_mixin.errors import DistributedError
 
 
 def pair(timeout=30.0):
