@@ -17,6 +17,7 @@ hold, a warning on the main process names them.
 """
 
 import warnings
+import weakref
 
 from skorch.callbacks import Callback, EarlyStopping, LoadInitState, LRScheduler, PassthroughScoring
 from skorch.callbacks.scoring import ScoringBase
@@ -24,6 +25,10 @@ from skorch.callbacks.scoring import ScoringBase
 from accel_mixin.state_values import NOT_PLAIN, as_plain, plain_or_not
 
 __all__ = ["callback_state", "restore_callback_state"]
+
+# the callbacks already warned about: a save runs under filters of its own,
+# which reset Python's memory of the warnings it showed
+_WARNED = weakref.WeakSet()
 
 # skorch's callbacks, by class (subclasses included): the fitted attributes
 # a resumed run needs
@@ -63,7 +68,7 @@ def callback_state(callback, name="", warn=False):
     if names is not None:
         values = {key: plain_or_not(vars(callback)[key]) for key in names if key in vars(callback)}
         return {key: value for key, value in values.items() if value is not NOT_PLAIN}
-    if warn:
+    if warn and callback not in _WARNED:
         fitted = sorted(
             key
             for key, value in vars(callback).items()
@@ -72,7 +77,7 @@ def callback_state(callback, name="", warn=False):
             and plain_or_not(value) is not NOT_PLAIN
         )
         if fitted:
-            # the same words at every save: Python shows them once
+            _WARNED.add(callback)
             warnings.warn(
                 f"The callback {name or type(callback).__name__} "
                 f"({type(callback).__qualname__}) has fitted attributes that a training "
