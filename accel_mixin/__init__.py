@@ -1,10 +1,10 @@
 """skorch nets trained with HuggingFace accelerate: DDP, mixed precision,
 gradient accumulation, and checkpoints that are right in every process layout."""
 
+from accel_mixin.checkpoint.params import SafeParamsMixin
+from accel_mixin.checkpoint.state_dict import strip_wrapper_prefixes
 from accel_mixin.errors import CheckpointError, DistributedError, Preempted
-from accel_mixin.mixin import AccelerateMixin
-from accel_mixin.params import SafeParamsMixin
-from accel_mixin.state_dict import strip_wrapper_prefixes
+from accel_mixin.net import AccelerateMixin
 
 __all__ = [
     "AccelerateMixin",

@@ -20,18 +20,17 @@ from contextlib import contextmanager
 from accelerate.utils import gather_object
 from skorch.callbacks import Callback
 
-from accel_mixin.checkpoint_files import (
+from accel_mixin.checkpoint.checkpoint_files import (
     agreed_checkpoint,
     checkpoint_files,
     checkpoint_name,
     checkpoint_positions,
 )
+from accel_mixin.distributed.preemption import NoticeBoard, can_handle, handling_signals
+from accel_mixin.distributed.process_layout import writes_files
 from accel_mixin.errors import CheckpointError, Preempted
-from accel_mixin.mid_epoch import resumable_inside_epochs
-from accel_mixin.preemption import NoticeBoard, can_handle, handling_signals
-from accel_mixin.process_layout import writes_files
-from accel_mixin.process_state import process_state
-from accel_mixin.runs import (
+from accel_mixin.resume.mid_epoch import resumable_inside_epochs
+from accel_mixin.resume.runs import (
     check_run_name,
     describe_differences,
     find_run,
@@ -40,7 +39,8 @@ from accel_mixin.runs import (
     run_identity,
     write_manifest,
 )
-from accel_mixin.skorch_callbacks import stopped_early
+from accel_mixin.training.process_state import process_state
+from accel_mixin.training.skorch_callbacks import stopped_early
 
 __all__ = ["ResumeTraining", "TrainingCheckpoint"]
 
@@ -101,7 +101,7 @@ class TrainingCheckpoint(Callback):
     the state it saves is that of the finished epoch, with the decisions of
     the other callbacks in it. Every fit is a run with an identity of its
     own (what the user set, by content: the hyperparameters that differ from
-    their defaults and a hash of all of the data, see ``accel_mixin.runs``),
+    their defaults and a hash of all of the data, see ``accel_mixin.resume.runs``),
     and its files go to a folder of their own, ``dirname/run-<id>/``
     (``run-<run_name>-<id>/`` for a named run), with a ``manifest.json`` that says what went into
     the identity, which epochs are saved and whether the run is running,
@@ -115,7 +115,7 @@ class TrainingCheckpoint(Callback):
     ``training-state-<epoch>-batch-<batch>-ranks-<n>.pt``, ``<epoch>`` the
     epochs finished before), which ``ResumeTraining`` resumes exactly where
     it was saved, on the same number of processes (see
-    ``accel_mixin.mid_epoch``). On a preemption notice (one of ``signals``,
+    ``accel_mixin.resume.mid_epoch``). On a preemption notice (one of ``signals``,
     on any rank), every rank stops at the same batch, saves a training
     state there and raises ``accel_mixin.Preempted``, so that the script
     exits non-zero and the scheduler requeues it. The ranks poll for
@@ -123,7 +123,7 @@ class TrainingCheckpoint(Callback):
     pace) and at least every 64 batches, so the stop comes at most 65
     batches after the notice, and at most two where a batch takes half a
     second or more (under gradient accumulation, at the next optimizer step
-    after those; see ``accel_mixin.preemption``). A notice that the ranks
+    after those; see ``accel_mixin.distributed.preemption``). A notice that the ranks
     learn of at an epoch's last training batch or at its end (one during
     the last batches, up to 65, its validation or its end) stops at the end
     of that epoch, as does any notice where the training data cannot
@@ -177,7 +177,7 @@ class TrainingCheckpoint(Callback):
 
     Attributes
     ----------
-    run_ : accel_mixin.runs.RunIdentity
+    run_ : accel_mixin.resume.runs.RunIdentity
       The identity of the run being trained.
 
     run_folder_ : str
@@ -376,7 +376,7 @@ class ResumeTraining(Callback):
     cross-validation, another candidate of a search) is another run and
     starts afresh: one line says so, and what differs from the newest run in
     the folder. A fit with a value that the identity cannot describe by
-    content (``accel_mixin.describe``) and no ``run_name`` is never resumed:
+    content (``accel_mixin.resume.describe``) and no ``run_name`` is never resumed:
     it starts afresh in a run of its own, and a warning on the main process
     says which value and why, once. Where machines keep their own copies (``save_on_each_node``),
     every rank resumes from the newest epoch that all of them have, and all

@@ -16,7 +16,7 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 
 import accel_mixin
-from accel_mixin.process_layout import check_process_layout
+from accel_mixin.distributed.process_layout import check_process_layout
 
 __all__ = ["environment_report", "rank_line", "restart_store"]
 

@@ -16,8 +16,8 @@ from skorch.callbacks import (
     PrintLog,
 )
 
-from accel_mixin.callback_state import callback_state, restore_callback_state
 from accel_mixin.callbacks import ResumeTraining, TrainingCheckpoint
+from accel_mixin.resume.callback_state import callback_state, restore_callback_state
 
 
 class Counting(Callback):

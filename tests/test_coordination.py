@@ -11,8 +11,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from accel_mixin import coordination
-from accel_mixin.coordination import Coordinator
+from accel_mixin.distributed import coordination
+from accel_mixin.distributed.coordination import Coordinator
 from accel_mixin.errors import DistributedError
 
 

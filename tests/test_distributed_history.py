@@ -15,7 +15,7 @@ from skorch import NeuralNetClassifier
 from skorch.history import DistributedHistory, History
 from torch.distributed import TCPStore
 
-from accel_mixin.history_sync import NOTICE
+from accel_mixin.distributed.history_sync import NOTICE
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from harness import run_processes
 from skorch.callbacks import Callback, GradientNormClipping
 
 from accel_mixin import AccelerateMixin
-from accel_mixin.replicas import fingerprints
+from accel_mixin.distributed.replicas import fingerprints
 
 
 class GradNorms(Callback):

@@ -10,7 +10,7 @@ from common import AcceleratedNet
 from skorch import NeuralNetClassifier
 from skorch.callbacks import BatchScoring, EpochScoring
 
-from accel_mixin.history_sync import interleave, leading_samples, real_samples
+from accel_mixin.distributed.history_sync import interleave, leading_samples, real_samples
 
 
 def state(end=True, remainder=13):

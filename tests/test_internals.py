@@ -80,7 +80,7 @@ def test_unsupported_backends_are_refused_at_initialize(monkeypatch, kind, name)
 
 
 def test_xla_is_refused_with_several_processes_only(monkeypatch):
-    from accel_mixin.process_layout import check_supported
+    from accel_mixin.distributed.process_layout import check_supported
 
     for processes, refused in ((1, False), (2, True)):
         fake = types.SimpleNamespace(distributed_type=DistributedType.XLA, num_processes=processes)

@@ -10,8 +10,8 @@ from common import MLP, AcceleratedNet, make_data
 from harness import run_plain, run_processes
 from skorch.callbacks import Callback
 
-from accel_mixin.checkpoint_files import agreed_checkpoint
-from accel_mixin.mid_epoch import skipping_batches
+from accel_mixin.checkpoint.checkpoint_files import agreed_checkpoint
+from accel_mixin.resume.mid_epoch import skipping_batches
 
 
 class CountingDataset(torch.utils.data.Dataset):

@@ -6,7 +6,7 @@ from accelerate import Accelerator
 from common import MLP, AcceleratedNet, make_data
 from skorch.callbacks import Callback
 
-from accel_mixin.notifications import hook
+from accel_mixin.training.notifications import hook
 
 
 class Finishing(Callback):

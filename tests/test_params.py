@@ -189,7 +189,7 @@ def test_any_name_the_filesystem_admits_saves(tmp_path):
 
 
 def test_temporary_names_are_short_whatever_the_host(tmp_path):
-    from accel_mixin import files
+    from accel_mixin.checkpoint import files
 
     for _ in range(3):
         fd, tmp = files._create_temporary(tmp_path / ("x" * 200))  # pylint: disable=protected-access
@@ -202,7 +202,7 @@ def test_a_save_sweeps_abandoned_temporary_files_only(tmp_path):
     import os
     import time
 
-    from accel_mixin.files import _HOST, ABANDONED_AFTER, atomic_write
+    from accel_mixin.checkpoint.files import _HOST, ABANDONED_AFTER, atomic_write
 
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"],
@@ -279,7 +279,7 @@ import sys, torch
 path = sys.argv[1]
 torch.save({'weight': torch.full((4,), 1.0)}, path)
 print('first save done', flush=True)
-from accel_mixin.files import write_state
+from accel_mixin.checkpoint.files import write_state
 big = {f'w{i}': torch.randn(1000, 1000) for i in range(100)}  # 400 MB
 write_state(big, path)
 print('second save done', flush=True)
@@ -486,7 +486,7 @@ def test_a_safetensors_file_read_as_torch_gets_a_pointer(tmp_path):
     # the error then points to use_safetensors=True
     from safetensors.torch import save_file
 
-    from accel_mixin.files import _safetensors_hint
+    from accel_mixin.checkpoint.files import _safetensors_hint
 
     save_file({"w": torch.zeros(2)}, tmp_path / "p.safetensors")
     torch.save({"w": torch.zeros(2)}, tmp_path / "p.pt")
@@ -541,7 +541,7 @@ def write_as_another_user(path, umask):
             os.setgid(65534)
             os.setuid(65534)
             os.umask(umask)
-            from accel_mixin.files import write_state
+            from accel_mixin.checkpoint.files import write_state
 
             write_state({"w": torch.ones(2)}, path)
             status = 0
@@ -737,7 +737,7 @@ def test_a_denied_permission_is_named(tmp_path, monkeypatch):
     # as root every directory is writable: the refusal a user gets, simulated
     import errno
 
-    from accel_mixin import files
+    from accel_mixin.checkpoint import files
 
     def refused(path):
         raise PermissionError(errno.EACCES, "Permission denied", path)

@@ -11,7 +11,11 @@ from common import AcceleratedNet
 from conftest import reset_accelerate
 from harness import LAUNCHED, ROOT
 
-from accel_mixin.portable import PortableAccelerator, accelerator_settings, build_accelerator
+from accel_mixin.training.portable import (
+    PortableAccelerator,
+    accelerator_settings,
+    build_accelerator,
+)
 
 
 def test_settings_rebuild_the_accelerator():

@@ -14,7 +14,7 @@ from skorch.callbacks import Callback
 
 from accel_mixin import Preempted
 from accel_mixin.callbacks import TrainingCheckpoint
-from accel_mixin.preemption import NoticeBoard, handling_signals
+from accel_mixin.distributed.preemption import NoticeBoard, handling_signals
 
 
 def test_the_previous_handler_is_back_after_the_block_and_after_an_error():

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 from accelerate import Accelerator
 
-from accel_mixin.process_layout import check_process_layout
+from accel_mixin.distributed.process_layout import check_process_layout
 
 
 def fake_accelerator(main=True, processes=1):

@@ -16,8 +16,8 @@ from harness import check_values as values
 from harness import run_plain, run_processes
 
 from accel_mixin import CheckpointError
-from accel_mixin.checkpoint_files import agreed_checkpoint, checkpoint_name
-from accel_mixin.process_state import process_state
+from accel_mixin.checkpoint.checkpoint_files import agreed_checkpoint, checkpoint_name
+from accel_mixin.training.process_state import process_state
 
 multiprocess = pytest.mark.multiprocess
 
@@ -473,15 +473,15 @@ sys.path.insert(0, {str(Path(__file__).parent / "launched")!r})
 import torch
 from accelerate import Accelerator
 from skorch.callbacks import Callback
-import accel_mixin.checkpointing
+import accel_mixin.checkpoint.checkpointing
 from accel_mixin.callbacks import TrainingCheckpoint
 from common import AcceleratedNet, MLP, make_data
 
-write_state = accel_mixin.checkpointing.write_state
+write_state = accel_mixin.checkpoint.checkpointing.write_state
 def slow_write(state, path):
     time.sleep(1.5)
     write_state(state, path)
-accel_mixin.checkpointing.write_state = slow_write
+accel_mixin.checkpoint.checkpointing.write_state = slow_write
 
 class Boom(Callback):
     def on_epoch_begin(self, net, **kwargs):

@@ -31,7 +31,7 @@ from skorch.helper import predefined_split
 
 from accel_mixin import CheckpointError
 from accel_mixin.callbacks import ResumeTraining, TrainingCheckpoint
-from accel_mixin.runs import fingerprint, run_identity
+from accel_mixin.resume.runs import fingerprint, run_identity
 
 
 class EpochCounter(Callback):

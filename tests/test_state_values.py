@@ -7,7 +7,7 @@ import pytest
 import torch
 from skorch.history import History
 
-from accel_mixin.state_values import (
+from accel_mixin.checkpoint.state_values import (
     _NotPlain,
     as_plain,
     cpu_snapshot,

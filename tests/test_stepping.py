@@ -16,7 +16,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from common import MLP, AcceleratedNet
 from skorch.callbacks import Callback, GradientNormClipping
 
-from accel_mixin.stepping import Stepper, plain_backward
+from accel_mixin.training.stepping import Stepper, plain_backward
 
 ACCELERATOR_CALLS = ("accumulate", "autocast", "backward")
 OPTIMIZER_CALLS = ("step", "zero_grad")

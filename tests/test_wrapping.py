@@ -10,7 +10,7 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.scheduler import AcceleratedScheduler
 
-from accel_mixin.wrapping import PreparedObjects, Slot, requires_closure
+from accel_mixin.training.wrapping import PreparedObjects, Slot, requires_closure
 
 
 def make_owner():

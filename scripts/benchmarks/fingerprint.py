@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result
 from fit import MLP, OursNet
 
-from accel_mixin.runs import run_identity
+from accel_mixin.resume.runs import run_identity
 
 N_FEATURES = 100
 

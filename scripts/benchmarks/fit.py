@@ -35,7 +35,7 @@ from report import EVERY_BATCH, POLLING, QUIET
 
 from accel_mixin import AccelerateMixin
 from accel_mixin.callbacks import TrainingCheckpoint
-from accel_mixin.preemption import NoticeBoard
+from accel_mixin.distributed.preemption import NoticeBoard
 
 
 class OursNet(AccelerateMixin, NeuralNetClassifier):

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
-from accel_mixin.net_objects import net_modules
-from accel_mixin.replicas import check_replicas, named_parameters
+from accel_mixin.distributed.replicas import check_replicas, named_parameters
+from accel_mixin.training.net_objects import net_modules
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # pylint: disable=wrong-import-position

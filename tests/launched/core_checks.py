@@ -144,7 +144,7 @@ def save_load_combinations():
 def only_main_writes():
     """Counts the files each rank writes: through torch.save or History.to_file
     to a path (the incumbent), or through accel_mixin's atomic writes."""
-    import accel_mixin.files as files
+    import accel_mixin.checkpoint.files as files
 
     calls = []
     saved = torch.save, History.to_file, files.atomic_files

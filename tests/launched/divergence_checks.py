@@ -19,7 +19,7 @@ from common import (
 )
 from skorch.callbacks import Callback, Checkpoint, Freezer, LoadInitState, Unfreezer
 
-from accel_mixin.net_objects import raw
+from accel_mixin.training.net_objects import raw
 
 accelerator = make_accelerator()
 rank = accelerator.process_index

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from common import MLP, AcceleratedNet, make_accelerator, make_data
 
-from accel_mixin import coordination
+from accel_mixin.distributed import coordination
 
 if sys.argv[2:] == ["busy"]:
     presence_init = coordination._Presence.__init__

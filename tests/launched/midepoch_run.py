@@ -34,7 +34,7 @@ import torch.distributed as dist
 from common import AcceleratedNet, DropoutMLP, make_accelerator, make_data, report
 from skorch.callbacks import Callback, EpochScoring, LRScheduler
 
-import accel_mixin.preemption
+import accel_mixin.distributed.preemption
 from accel_mixin import Preempted
 from accel_mixin.callbacks import ResumeTraining, TrainingCheckpoint
 
@@ -58,10 +58,10 @@ class CountingDist:
         return dist.all_reduce(*args, **kwargs)
 
 
-accel_mixin.preemption.dist = polls = CountingDist()
+accel_mixin.distributed.preemption.dist = polls = CountingDist()
 # a poll after every batch, whatever the pace: the notices below stop at
 # batches known in advance (notice_bound.py tests longer intervals)
-accel_mixin.preemption.NoticeBoard.max_interval = 1
+accel_mixin.distributed.preemption.NoticeBoard.max_interval = 1
 
 
 class At(Callback):

@@ -21,10 +21,10 @@ import torch.distributed as dist
 from common import MLP, AcceleratedNet, make_accelerator, make_data, report
 from skorch.callbacks import Callback
 
-import accel_mixin.preemption
+import accel_mixin.distributed.preemption
 from accel_mixin import Preempted
 from accel_mixin.callbacks import TrainingCheckpoint
-from accel_mixin.preemption import NoticeBoard
+from accel_mixin.distributed.preemption import NoticeBoard
 
 MODE, DIRNAME = sys.argv[1], sys.argv[2]
 NOTICE = (2, 100)
@@ -65,7 +65,7 @@ class Batches(Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-accel_mixin.preemption.dist = recording = RecordingDist()
+accel_mixin.distributed.preemption.dist = recording = RecordingDist()
 batches = Batches()
 if MODE == "skewed":
     step = 0.001 if RANK == 0 else 0.012

@@ -61,9 +61,9 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from accel_mixin.distributed.progress import supervised
 from accel_mixin.errors import DistributedError, Preempted
 from accel_mixin.internals import default_store
-from accel_mixin.progress import supervised
 
 __all__ = ["Coordinator", "coordinator_for", "failure_message"]
 

@@ -18,15 +18,20 @@ import inspect
 import torch
 from skorch.dataset import get_len, unpack_data
 
+from accel_mixin.checkpoint.state_values import restore_rng
+from accel_mixin.distributed.history_sync import (
+    agree_on_row,
+    leading_samples,
+    merge_epoch,
+    real_samples,
+)
+from accel_mixin.distributed.replicas import check_net_replicas, check_same_steps
 from accel_mixin.errors import DistributedError
-from accel_mixin.history_sync import agree_on_row, leading_samples, merge_epoch, real_samples
-from accel_mixin.loader_rng import start_workers_without_draws
-from accel_mixin.mid_epoch import skipping_batches
-from accel_mixin.notifications import hook
-from accel_mixin.process_state import process_state
-from accel_mixin.replicas import check_net_replicas, check_same_steps
-from accel_mixin.skorch_callbacks import main_process_pickles, stopped_early
-from accel_mixin.state_values import restore_rng
+from accel_mixin.resume.loader_rng import start_workers_without_draws
+from accel_mixin.resume.mid_epoch import skipping_batches
+from accel_mixin.training.notifications import hook
+from accel_mixin.training.process_state import process_state
+from accel_mixin.training.skorch_callbacks import main_process_pickles, stopped_early
 
 __all__ = ["EpochBatches", "end_epoch"]
 

@@ -19,16 +19,16 @@ inside an epoch resumes that epoch where it was saved (``continue_epoch``,
 
 import functools
 
-from accel_mixin.files import read_state
-from accel_mixin.mid_epoch import apply_partial_epoch
-from accel_mixin.process_state import process_state
-from accel_mixin.state_values import rng_state
-from accel_mixin.training_state import (
+from accel_mixin.checkpoint.files import read_state
+from accel_mixin.checkpoint.state_values import rng_state
+from accel_mixin.resume.mid_epoch import apply_partial_epoch
+from accel_mixin.resume.training_state import (
     restore_training_state,
     restore_weights,
     train_iterator_state,
     validate_state,
 )
+from accel_mixin.training.process_state import process_state
 
 __all__ = ["begin_epoch", "continue_epoch", "resume"]
 

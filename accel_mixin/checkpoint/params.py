@@ -8,14 +8,14 @@ from contextlib import contextmanager
 import torch
 from skorch.utils import _check_f_arguments
 
-from accel_mixin import files as _files
-from accel_mixin.errors import CheckpointError
-from accel_mixin.files import check_readable, check_same_save, history_error, read_error
-from accel_mixin.state_dict import (
+from accel_mixin.checkpoint import files as _files
+from accel_mixin.checkpoint.files import check_readable, check_same_save, history_error, read_error
+from accel_mixin.checkpoint.state_dict import (
     clean_state_dict,
     describe_content,
     load_module_state,
 )
+from accel_mixin.errors import CheckpointError
 
 __all__ = ["SafeParamsMixin", "load_optimizer_state"]
 

@@ -23,7 +23,7 @@ What cannot be described so (an object without attributes whose ``repr``
 shows an address, a structure beyond the bounds, a tensor that cannot be
 read) is never guessed equal to another: it is described as
 ``{"undescribable": ...}`` and the ``Describer`` records why, so that
-``accel_mixin.runs`` can refuse to resume such a fit.
+``accel_mixin.resume.runs`` can refuse to resume such a fit.
 """
 
 import enum

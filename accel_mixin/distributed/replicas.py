@@ -27,7 +27,7 @@ from accelerate.utils import gather
 from skorch.dataset import get_len
 
 from accel_mixin.errors import DistributedError
-from accel_mixin.net_objects import net_modules
+from accel_mixin.training.net_objects import net_modules
 
 __all__ = [
     "check_net_replicas",

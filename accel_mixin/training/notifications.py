@@ -25,7 +25,7 @@ batches)`` after every callback's ``on_batch_end`` of a training batch; and
 from contextlib import ExitStack, contextmanager
 
 from accel_mixin.errors import DistributedError, Preempted
-from accel_mixin.skorch_callbacks import main_process_only
+from accel_mixin.training.skorch_callbacks import main_process_only
 
 __all__ = ["callbacks_during_fit", "callbacks_of_this_rank", "hook", "notify_in_section"]
 

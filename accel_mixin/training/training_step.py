@@ -31,7 +31,7 @@ below the mixin). Around them:
 import torch
 from skorch.net import NeuralNet
 
-from accel_mixin.stepping import plain_backward
+from accel_mixin.training.stepping import plain_backward
 
 __all__ = ["check_overrides", "clear_gradients", "overrides_below"]
 

@@ -12,10 +12,10 @@ give the next fit. All of it belongs to one process: pickles, copies,
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from accel_mixin.background import BackgroundWriter
-from accel_mixin.coordination import coordinator_for
-from accel_mixin.stepping import Stepper
-from accel_mixin.wrapping import PreparedObjects
+from accel_mixin.checkpoint.background import BackgroundWriter
+from accel_mixin.distributed.coordination import coordinator_for
+from accel_mixin.training.stepping import Stepper
+from accel_mixin.training.wrapping import PreparedObjects
 
 __all__ = ["ATTRIBUTE", "ProcessState", "process_state"]
 

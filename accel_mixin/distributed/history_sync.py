@@ -21,7 +21,7 @@ from accelerate.utils import gather_object, recursively_apply
 from skorch.callbacks import EpochScoring
 from skorch.history import DistributedHistory
 
-from accel_mixin.coordination import failure_message
+from accel_mixin.distributed.coordination import failure_message
 from accel_mixin.errors import DistributedError
 
 __all__ = [

@@ -12,11 +12,18 @@ from typing import ClassVar
 from accelerate.utils import convert_to_fp32
 from skorch.dataset import unpack_data
 
-from accel_mixin.background import finished_on_error
-from accel_mixin.checkpointing import CheckpointingMixin
-from accel_mixin.epochs import EpochBatches, end_epoch
-from accel_mixin.history_sync import adopt_history
-from accel_mixin.net_objects import (
+from accel_mixin.checkpoint.background import finished_on_error
+from accel_mixin.checkpoint.checkpointing import CheckpointingMixin
+from accel_mixin.distributed.history_sync import adopt_history
+from accel_mixin.distributed.output import quiet_unless_main, sink_for
+from accel_mixin.distributed.process_layout import (
+    check_process_layout,
+    check_supported,
+)
+from accel_mixin.distributed.replicas import check_net_replicas, check_same_data
+from accel_mixin.resume.resuming import begin_epoch, continue_epoch
+from accel_mixin.training.epochs import EpochBatches, end_epoch
+from accel_mixin.training.net_objects import (
     bare_modules,
     check_optimizers,
     check_params,
@@ -25,24 +32,17 @@ from accel_mixin.net_objects import (
     raw,
     slots,
 )
-from accel_mixin.notifications import (
+from accel_mixin.training.notifications import (
     callbacks_during_fit,
     callbacks_of_this_rank,
     notify_in_section,
 )
-from accel_mixin.output import quiet_unless_main, sink_for
-from accel_mixin.portable import PortableAccelerator, settle_unpickled
-from accel_mixin.process_layout import (
-    check_process_layout,
-    check_supported,
-)
-from accel_mixin.process_state import ATTRIBUTE as PROCESS_STATE
-from accel_mixin.replicas import check_net_replicas, check_same_data
-from accel_mixin.resuming import begin_epoch, continue_epoch
-from accel_mixin.skorch_callbacks import main_process_pickles, progress_of_this_rank
-from accel_mixin.stepping import Stepper
-from accel_mixin.training_step import check_overrides, clear_gradients
-from accel_mixin.wrapping import prepare_dataloader
+from accel_mixin.training.portable import PortableAccelerator, settle_unpickled
+from accel_mixin.training.process_state import ATTRIBUTE as PROCESS_STATE
+from accel_mixin.training.skorch_callbacks import main_process_pickles, progress_of_this_rank
+from accel_mixin.training.stepping import Stepper
+from accel_mixin.training.training_step import check_overrides, clear_gradients
+from accel_mixin.training.wrapping import prepare_dataloader
 
 __all__ = ["AccelerateMixin"]
 
@@ -389,7 +389,7 @@ class AccelerateMixin(CheckpointingMixin):
 
     def train_step(self, batch, **fit_params):
         """skorch's ``train_step`` within accelerate's gradient accumulation;
-        see ``accel_mixin.training_step`` for when the optimizers step, the
+        see ``accel_mixin.training.training_step`` for when the optimizers step, the
         gradients are zeroed and ``on_grad_computed`` is notified."""
         stepper = self._stepper
         optimizers = [getattr(self, name + "_") for name in self._optimizers]

@@ -22,7 +22,7 @@ import weakref
 from skorch.callbacks import Callback, EarlyStopping, LoadInitState, LRScheduler, PassthroughScoring
 from skorch.callbacks.scoring import ScoringBase
 
-from accel_mixin.state_values import NOT_PLAIN, as_plain, plain_or_not
+from accel_mixin.checkpoint.state_values import NOT_PLAIN, as_plain, plain_or_not
 
 __all__ = ["callback_state", "restore_callback_state"]
 

@@ -26,9 +26,9 @@ from contextlib import contextmanager
 
 from skorch.callbacks import EpochScoring
 
+from accel_mixin.checkpoint.state_values import as_plain, cpu_snapshot, history_state
 from accel_mixin.internals import batch_sampler_owner
-from accel_mixin.process_state import process_state
-from accel_mixin.state_values import as_plain, cpu_snapshot, history_state
+from accel_mixin.training.process_state import process_state
 
 __all__ = ["apply_partial_epoch", "partial_epoch", "resumable_inside_epochs", "skipping_batches"]
 

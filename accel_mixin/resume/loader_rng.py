@@ -19,8 +19,8 @@ persistent workers, so they cannot be resumed anyway.
 
 import torch
 
+from accel_mixin.checkpoint.state_values import restore_rng, rng_state
 from accel_mixin.internals import start_persistent_iterator
-from accel_mixin.state_values import restore_rng, rng_state
 
 __all__ = ["generator_states", "restore_generator_states", "start_workers_without_draws"]
 

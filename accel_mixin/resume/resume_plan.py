@@ -25,11 +25,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional
 
-from accel_mixin.callback_state import restore_callback_state
-from accel_mixin.loader_rng import restore_generator_states
-from accel_mixin.net_objects import raw
-from accel_mixin.state_dict import strip_wrapper_prefixes
-from accel_mixin.state_values import restore_rng
+from accel_mixin.checkpoint.state_dict import strip_wrapper_prefixes
+from accel_mixin.checkpoint.state_values import restore_rng
+from accel_mixin.resume.callback_state import restore_callback_state
+from accel_mixin.resume.loader_rng import restore_generator_states
+from accel_mixin.training.net_objects import raw
 
 __all__ = ["BEST_IS_CURRENT", "BEST_WEIGHTS", "ResumePlan"]
 

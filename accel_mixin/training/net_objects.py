@@ -16,10 +16,10 @@ import torch
 from accelerate.utils import DistributedType
 from skorch.callbacks import LRScheduler
 
-from accel_mixin.history_sync import adopt_history
-from accel_mixin.process_state import process_state
-from accel_mixin.stepping import takes_closures
-from accel_mixin.wrapping import Slot, requires_closure
+from accel_mixin.distributed.history_sync import adopt_history
+from accel_mixin.training.process_state import process_state
+from accel_mixin.training.stepping import takes_closures
+from accel_mixin.training.wrapping import Slot, requires_closure
 
 __all__ = [
     "bare_modules",

@@ -23,19 +23,19 @@ from accelerate.utils import gather_object
 from skorch.callbacks import EarlyStopping, LRScheduler
 from skorch.history import History
 
-from accel_mixin.callback_state import callback_state
-from accel_mixin.errors import CheckpointError
-from accel_mixin.loader_rng import generator_states
-from accel_mixin.mid_epoch import partial_epoch
-from accel_mixin.net_objects import net_modules, raw, raw_scheduler
-from accel_mixin.params import load_optimizer_state
-from accel_mixin.resume_plan import BEST_IS_CURRENT, BEST_WEIGHTS, ResumePlan
-from accel_mixin.state_dict import (
+from accel_mixin.checkpoint.params import load_optimizer_state
+from accel_mixin.checkpoint.state_dict import (
     clean_state_dict,
     load_module_state,
     strip_wrapper_prefixes,
 )
-from accel_mixin.state_values import as_plain, history_state, rng_state
+from accel_mixin.checkpoint.state_values import as_plain, history_state, rng_state
+from accel_mixin.errors import CheckpointError
+from accel_mixin.resume.callback_state import callback_state
+from accel_mixin.resume.loader_rng import generator_states
+from accel_mixin.resume.mid_epoch import partial_epoch
+from accel_mixin.resume.resume_plan import BEST_IS_CURRENT, BEST_WEIGHTS, ResumePlan
+from accel_mixin.training.net_objects import net_modules, raw, raw_scheduler
 
 __all__ = [
     "FORMAT",
@@ -45,7 +45,7 @@ __all__ = [
     "validate_state",
 ]
 
-FORMAT = "accel_mixin.training_state"
+FORMAT = "accel_mixin.resume.training_state"
 VERSION = 1
 
 

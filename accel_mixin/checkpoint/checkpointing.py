@@ -12,21 +12,21 @@ import warnings
 
 from skorch.exceptions import DeviceWarning
 
-from accel_mixin.background import join_all
-from accel_mixin.files import write_state
+from accel_mixin.checkpoint.background import join_all
+from accel_mixin.checkpoint.files import write_state
+from accel_mixin.checkpoint.params import SafeParamsMixin
+from accel_mixin.checkpoint.state_values import cpu_snapshot
+from accel_mixin.distributed.output import quiet_unless_main
+from accel_mixin.distributed.process_layout import writes_files
 from accel_mixin.internals import batch_sampler_owner
-from accel_mixin.output import quiet_unless_main
-from accel_mixin.params import SafeParamsMixin
-from accel_mixin.process_layout import writes_files
-from accel_mixin.process_state import process_state
-from accel_mixin.resuming import resume
-from accel_mixin.skorch_callbacks import stopped_early
-from accel_mixin.state_values import cpu_snapshot
-from accel_mixin.training_state import (
+from accel_mixin.resume.resuming import resume
+from accel_mixin.resume.training_state import (
     collect_state,
     train_iterator_state,
     warn_if_inside_accumulation,
 )
+from accel_mixin.training.process_state import process_state
+from accel_mixin.training.skorch_callbacks import stopped_early
 
 __all__ = ["CheckpointingMixin"]
 
@@ -205,7 +205,7 @@ class CheckpointingMixin(SafeParamsMixin):
     def load_state(self, path):
         """Restore a training state that ``save_state`` wrote.
 
-        Restores in steps (``accel_mixin.resuming``): read the file once;
+        Restores in steps (``accel_mixin.resume.resuming``): read the file once;
         load the weights into the unwrapped modules; prepare; restore
         optimizers, schedulers, scaler, history, loop and callbacks; free
         the state and wait for everyone. The random number generators and

@@ -4,7 +4,7 @@ A checkpoint folder outlives the fit that wrote it: the folds of a
 cross-validation, the candidates of a search and a rerun on other data may
 all use the same one. Every fit therefore has a run identity, a hash of what
 the user set to make it that fit, described by content
-(``accel_mixin.describe``):
+(``accel_mixin.resume.describe``):
 
 - the net's class and the hyperparameters (``get_params``) that differ from
   the defaults of its class's ``__init__``: a parameter that an upgrade of
@@ -59,9 +59,9 @@ import time
 from skorch.callbacks import Callback
 from skorch.callbacks import logging as skorch_logging
 
-from accel_mixin.describe import Describer, fingerprint, init_defaults, name_of
+from accel_mixin.checkpoint.files import atomic_write
 from accel_mixin.errors import CheckpointError
-from accel_mixin.files import atomic_write
+from accel_mixin.resume.describe import Describer, fingerprint, init_defaults, name_of
 
 __all__ = [
     "MANIFEST",

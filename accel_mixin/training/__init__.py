@@ -1,0 +1,1 @@
+"""Training on every rank: the objects accelerate prepares, the step, an epoch."""
