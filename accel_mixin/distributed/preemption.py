@@ -1,30 +1,20 @@
 """Preemption notices: a scheduler's signal, and every rank stopping together.
 
-Clusters and spot machines give notice before they stop a job: SIGTERM
-(Kubernetes, torchrun, which forwards it to every worker, SLURM at the
-time limit) or SIGUSR1 with SLURM's ``--signal``. While ``fit`` runs,
-``TrainingCheckpoint`` handles the signals it is given: the handler only
-notes the notice.
+Clusters give notice before they stop a job: SIGTERM (Kubernetes, torchrun,
+SLURM at the time limit) or SIGUSR1 with SLURM's ``--signal``. While ``fit``
+runs, ``TrainingCheckpoint`` handles the signals it is given; the handler
+only notes the notice.
 
-The ranks combine their notes in one small all-reduce, a poll, that is
-started without waiting and read one batch later. Polling after every batch
-cost 9% of a fit of fast batches over gloo, so the ranks poll at batches
-they agree on: each poll also carries every rank's pace (seconds per
-training batch since the previous poll), and from the slowest pace, which
-every rank reads alike, every rank computes the same number of batches to
-the next poll, so that polls come about every ``interval_seconds`` (half a
-second) of training, at least one and at most ``max_interval`` (64) batches
-apart. Every rank thus learns of a notice at the same batch, at most
-``max_interval + 1`` batches after it arrived on any rank (at most two where
-a batch takes half a second or more), whether one rank got the signal or
-all did. The end of an epoch, after validation, polls and waits for its
-poll, so a notice during the epoch's last batches or its validation stops
-at its end; the batches themselves never wait for a poll.
-
-The first poll of a fit waits for its all-reduce, which also tells every
-rank whether any of them handles signals: where none does, no rank polls
-again, and training pays nothing for notices that cannot come. In one
-process there is nothing to agree on: the note is the answer.
+The ranks combine their notes in a small all-reduce, a poll, started without
+waiting and read one batch later. Polling after every batch cost 9% of a fit
+of fast batches over gloo, so each poll also carries every rank's pace, and
+from the slowest pace, which every rank reads alike, every rank computes the
+same batch for the next poll: about ``interval_seconds`` of training apart,
+at most ``max_interval`` batches. Every rank thus stops at the same batch,
+at most ``max_interval + 1`` batches after a notice reached any rank. An
+epoch's end polls and waits, so a notice in its last batches or validation
+stops at its end. The first poll of a fit waits, and also tells every rank
+whether any rank handles signals: where none does, no rank polls again.
 """
 
 import signal
@@ -41,26 +31,9 @@ __all__ = ["NoticeBoard", "can_handle", "handling_signals"]
 class NoticeBoard:
     """The notices one fit receives, and the ranks' agreement on them.
 
-    Parameters
-    ----------
-    accelerator : accelerate.Accelerator
-      The net's accelerator.
-
-    watching : bool (default=True)
-      Whether this rank handles signals (``note`` is its handler).
-
-    Attributes
-    ----------
-    interval_seconds : float
-      The training time aimed for between polls (class attribute).
-
-    max_interval : int
-      The most batches between polls, whatever the pace (class attribute).
-
-    clock : callable
-      The seconds the pace is measured in (``time.perf_counter``; class
-      attribute, for tests to set a pace of their choosing).
-
+    ``watching`` says whether this rank handles signals (``note`` is the
+    handler). The class attributes ``interval_seconds``, ``max_interval``
+    and ``clock`` (what the pace is measured with) are for tests to set.
     """
 
     interval_seconds = 0.5
@@ -83,14 +56,10 @@ class NoticeBoard:
         self.received = signum
 
     def agreed(self, drain=False, batch=True):
-        """Whether the ranks agree that a notice came.
-
-        Every rank calls it after every training batch, and with
-        ``batch=False`` at the end of every epoch, and gets the same answer.
-        Between polls the answer is False; at the batch after a poll it
-        covers the notices up to the poll. With ``drain`` (an epoch's end)
-        it polls and waits, covering every notice so far.
-        """
+        """Whether the ranks agree that a notice came: the same answer on every
+        rank, called after every training batch and, with ``batch=False``, at
+        an epoch's end. With ``drain`` it polls and waits, covering every
+        notice so far; otherwise it covers those up to the last poll."""
         if self.accelerator.num_processes == 1:
             return self.received is not None
         if batch:
@@ -106,25 +75,21 @@ class NoticeBoard:
             return False
         agreed = self._read()
         if drain or self._batches >= self._next:
-            self._start()
+            now = self.clock()
+            batches = self._batches - self._since[0]
+            # no batch since the last poll (an epoch's end): no pace, 0 on every rank
+            pace = (now - self._since[1]) / batches if batches else 0.0
+            self._since = (self._batches, now)
+            values = self._values(self.received is not None, pace)
+            work = dist.all_reduce(values, op=dist.ReduceOp.MAX, async_op=True)
+            self._pending = (work, values, self._batches)
             if drain:
                 agreed = self._read() or agreed
         return agreed
 
-    def _start(self):
-        now = self.clock()
-        batches = self._batches - self._since[0]
-        # no batch since the last poll (an epoch's end): no pace, 0 on every rank
-        pace = (now - self._since[1]) / batches if batches else 0.0
-        self._since = (self._batches, now)
-        values = self._values(self.received is not None, pace)
-        work = dist.all_reduce(values, op=dist.ReduceOp.MAX, async_op=True)
-        self._pending = (work, values, self._batches)
-
     def _read(self):
-        """Wait for the pending poll, and schedule the next one from the
-        slowest rank's pace: the same values on every rank, so the same
-        batch, and the all-reduces keep matching."""
+        """Wait for the pending poll; schedule the next from the slowest pace,
+        the same on every rank, so that the all-reduces keep matching."""
         if self._pending is None:
             return False
         work, values, started = self._pending
@@ -147,16 +112,15 @@ class NoticeBoard:
 
 
 def can_handle(signals):
-    """Whether ``handling_signals`` installs handlers for ``signals`` here:
-    Python installs them in the main thread only."""
+    """Whether ``handling_signals`` installs handlers here: Python does so in
+    the main thread only."""
     return bool(signals) and threading.current_thread() is threading.main_thread()
 
 
 @contextmanager
 def handling_signals(signals, handler):
-    """Handle ``signals`` with ``handler`` while the block runs, then put the
-    previous handlers back. Outside the main thread, where Python cannot
-    install handlers, the signals keep theirs."""
+    """Handle ``signals`` with ``handler`` within the block, then restore the
+    previous handlers; outside the main thread the signals keep theirs."""
     if not can_handle(signals):
         yield
         return

@@ -21,19 +21,9 @@ def _env_int(name, default=1):
 
 
 def check_process_layout(accelerator):
-    """Refuse to train independent models in a group of processes.
-
-    ``torchrun`` or ``accelerate launch --multi_gpu`` without a GPU start
-    several processes, but unless accelerate is told to use the CPU each of
-    them believes it is alone and trains its own model, silently.
-
-    Raises
-    ------
-    RuntimeError
-      If ``WORLD_SIZE`` says several processes were launched together while
-      the accelerator sees a single one.
-
-    """
+    """Raise ``RuntimeError`` if ``WORLD_SIZE`` says several processes were
+    launched together while the accelerator sees one: ``torchrun`` without a
+    GPU, unless accelerate is told to use the CPU, trains independent models."""
     world_size = _env_int("WORLD_SIZE")
     if world_size <= 1 or accelerator.num_processes > 1:
         return
@@ -58,26 +48,17 @@ _UNSUPPORTED = {
     DistributedType.MEGATRON_LM: "Megatron-LM",
 }
 
-
-# The pid of the process that the launcher started, inherited by the
-# processes it starts in turn (joblib's workers): they also inherit RANK and
-# WORLD_SIZE, and an Accelerator built there waits for a rendezvous that never
-# comes.
+# The pid of the process that the launcher started, inherited by the processes
+# it starts (joblib's workers): they inherit RANK and WORLD_SIZE too, and an
+# Accelerator built there waits for a rendezvous that never comes.
 _LAUNCHED_PID = "ACCEL_MIXIN_LAUNCHED_PID"
 if _env_int("WORLD_SIZE") > 1:
     os.environ.setdefault(_LAUNCHED_PID, str(os.getpid()))
 
 
 def check_not_a_child_of_a_rank():
-    """Refuse to build an Accelerator in a process that a rank started.
-
-    Raises
-    ------
-    RuntimeError
-      In a child process (``GridSearchCV(n_jobs=2)``'s workers, say) of a
-      process that ``torchrun`` or ``accelerate launch`` started.
-
-    """
+    """Raise ``RuntimeError`` in a process (``GridSearchCV(n_jobs=2)``'s
+    workers) started by a process that ``torchrun`` started."""
     launched = os.environ.get(_LAUNCHED_PID)
     if launched is None or launched == str(os.getpid()):
         return
@@ -92,14 +73,8 @@ def check_not_a_child_of_a_rank():
 
 
 def check_supported(accelerator):
-    """Refuse the backends this mixin cannot train with, before training.
-
-    Raises
-    ------
-    ValueError
-      Naming the backend and what is supported.
-
-    """
+    """Raise ``ValueError``, naming the backend, for the backends this mixin
+    cannot train with."""
     kind = accelerator.distributed_type
     name = _UNSUPPORTED.get(kind)
     if name is None and kind == DistributedType.XLA and accelerator.num_processes > 1:
@@ -116,8 +91,7 @@ def check_supported(accelerator):
 
 def writes_files(accelerator):
     """Whether this process writes checkpoint files: the main process; with
-    accelerate's ``ProjectConfiguration(save_on_each_node=True)``, the main
-    process of every machine, for machines that share no filesystem."""
+    ``ProjectConfiguration(save_on_each_node=True)``, every machine's."""
     config = getattr(accelerator, "project_configuration", None)
     if getattr(config, "save_on_each_node", False):
         return accelerator.is_local_main_process

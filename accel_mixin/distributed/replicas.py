@@ -1,25 +1,20 @@
 """The ranks are replicas: they train on the same data and hold the same
 parameters.
 
-DDP keeps the ranks' parameters identical only as long as every rank runs
-the same steps on its shard of the same data. A rank that loaded other data,
-a callback that changes one rank's weights, a custom ``train_step`` that
-bypasses the accelerator or a nondeterministic operation breaks that without
-a word: the ranks then train different models, and the run ends with the one
-on the main process. Two cheap checks turn that into an error on every rank:
+DDP keeps the ranks' parameters identical only while every rank runs the
+same steps on its shard of the same data. Other data on one rank, a callback
+that changes one rank's weights, a ``train_step`` that bypasses the
+accelerator or a nondeterministic operation break that without a word, and
+the run ends with the main process's model. Small collectives that every
+rank joins turn that into the same error on every rank:
 
-- ``check_same_data`` compares the length of the training data once when
-  training begins. Ranks with different lengths would run different numbers
-  of steps and wait for each other in DDP's all-reduce until the process
-  group times out.
+- ``check_same_data`` compares the length of the training data when
+  training begins (other lengths would hang in DDP's all-reduce);
+- ``check_same_steps`` compares the number of batches without even batches;
 - ``check_replicas`` compares a fingerprint of every parameter after an
-  epoch. The fingerprint of a tensor is the sum of its elements' bit patterns
-  as integers, modulo 2**32: exact, independent of the order of summation
-  (so of threads and kernels), and changed by any change of a single element. Buffers are
-  left out: DDP broadcasts them from rank 0 anyway.
-
-Both are one small collective that every rank joins; every rank receives the
-same values and so raises the same error.
+  epoch: the sum of its elements' bit patterns modulo 2**32, exact,
+  independent of the order of summation, and changed by any single element.
+  Buffers are left out: DDP broadcasts them from rank 0 anyway.
 """
 
 import torch
@@ -44,33 +39,22 @@ _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def _length(data):
     """The number of samples in ``data``, or -1 where it has none (iterables)."""
-    if data is None:
-        return -1
     try:
-        return int(get_len(data))
+        return -1 if data is None else int(get_len(data))
     except (TypeError, ValueError):
         return -1
 
 
+def _everyone(accelerator, values):
+    """Every rank's ``values`` (integers), by rank."""
+    mine = torch.tensor([values], dtype=torch.int64, device=accelerator.device)
+    return gather(mine).cpu().tolist()
+
+
 def check_same_data(accelerator, X, y=None):
-    """Raise on every rank unless all ranks fit on data of the same length.
-
-    Parameters
-    ----------
-    accelerator : accelerate.Accelerator
-      With several processes; one process has nothing to compare.
-
-    X, y
-      What the rank passed to ``fit``.
-
-    Raises
-    ------
-    DistributedError
-      On every rank, naming each rank's number of samples.
-
-    """
-    mine = torch.tensor([[_length(X), _length(y)]], dtype=torch.int64, device=accelerator.device)
-    everyone = gather(mine).cpu().tolist()
+    """Raise ``DistributedError`` on every rank, naming each rank's number of
+    samples, unless all ranks fit on data of the same length."""
+    everyone = _everyone(accelerator, [_length(X), _length(y)])
     if all(lengths == everyone[0] for lengths in everyone):
         return
     described = ", ".join(
@@ -85,27 +69,16 @@ def check_same_data(accelerator, X, y=None):
 
 
 def check_same_steps(accelerator, iterator):
-    """Raise on every rank unless all ranks take the same number of training
-    steps this epoch.
-
-    With ``even_batches=False`` the last batches are not padded, and ranks can
-    get different numbers of them; DDP's all-reduce then waits forever on the
-    rank with more. A no-op with even batches, which make the numbers equal,
-    and for data whose number of batches is unknown (iterables).
-
-    Raises
-    ------
-    DistributedError
-      On every rank, naming each rank's number of batches.
-
-    """
+    """Raise ``DistributedError`` on every rank unless all take the same number
+    of training batches: without even batches DDP would wait forever on the
+    rank with more. A no-op with even batches and for iterables."""
     if accelerator.even_batches:
         return
     try:
         mine = len(iterator)
     except TypeError:
         return
-    everyone = gather(torch.tensor([mine], device=accelerator.device)).cpu().tolist()
+    everyone = [n for (n,) in _everyone(accelerator, [mine])]
     if len(set(everyone)) > 1:
         counts = ", ".join(f"rank {rank}: {n}" for rank, n in enumerate(everyone))
         raise DistributedError(
@@ -117,8 +90,7 @@ def check_same_steps(accelerator, iterator):
 
 
 def named_parameters(modules):
-    """``(name, parameter)`` of every ``(prefix, module)``, each parameter
-    once, named ``prefix.name`` (just ``name`` where the prefix is empty)."""
+    """``(prefix.name, parameter)`` of every ``(prefix, module)``, each parameter once."""
     seen = set()
     for prefix, module in modules:
         for name, param in module.named_parameters():
@@ -128,30 +100,20 @@ def named_parameters(modules):
 
 
 def fingerprints(params):
-    """One integer per tensor: the sum of its bit patterns, modulo 2**32.
-
-    The tensor's bytes are read as 32-bit integers and summed with
-    wraparound: modular sums do not depend on the order of summation, so
-    equal tensors give equal fingerprints on any number of threads, and a
-    change of any single element changes the sum. (Summed in int32 this is
-    seven times faster than in int64 on CPUs, where int64 sums vectorize
-    poorly.)
-    """
+    """One integer per tensor: its bytes as 32-bit integers summed with
+    wraparound (in int32: int64 sums vectorize poorly on CPUs)."""
     values = []
     for param in params:
         tensor = param.detach()
         if tensor.is_complex():
             tensor = torch.view_as_real(tensor)
         values.append(_words(tensor.reshape(-1)).sum(dtype=torch.int32))
-    if not values:
-        return torch.zeros(0, dtype=torch.int64)
-    return torch.stack(values).to(torch.int64)
+    return torch.stack(values).to(torch.int64) if values else torch.zeros(0, dtype=torch.int64)
 
 
 def _words(flat):
-    """A flat tensor's bytes as 32-bit integers, or its elements as integers
-    where its bytes cannot be viewed so (an odd number of half-precision
-    elements, an unaligned offset)."""
+    """A flat tensor's bytes as 32-bit integers, or its elements as integers where
+    its bytes cannot be viewed so (an odd number of halves, an unaligned offset)."""
     if flat.dtype.is_floating_point or flat.dtype == torch.bool:
         try:
             return flat.view(torch.uint8).view(torch.int32)
@@ -161,26 +123,11 @@ def _words(flat):
 
 
 def check_replicas(accelerator, named_params, when):
-    """Raise on every rank unless every parameter is the same on all ranks.
+    """Raise ``DistributedError`` on every rank unless every parameter of
+    ``named_params`` (the same order on every rank) is the same on all ranks.
 
-    Parameters
-    ----------
-    accelerator : accelerate.Accelerator
-      With several processes.
-
-    named_params : list of (str, torch.Tensor)
-      The parameters to compare, in the same order on every rank.
-
-    when : str
-      When the check runs, for the message: ``'after epoch 3'``,
-      ``'when training begins'``.
-
-    Raises
-    ------
-    DistributedError
-      On every rank, naming the first parameter that differs and the ranks
-      whose copy differs from rank 0's.
-
+    ``when`` is for the message (``'after epoch 3'``), which names the first
+    parameter that differs and the ranks whose copy differs from rank 0's.
     """
     names = [name for name, _ in named_params]
     mine = fingerprints([param for _, param in named_params])
