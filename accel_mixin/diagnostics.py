@@ -1,8 +1,7 @@
 """What a bug report needs: versions, what accelerate sees, every rank's layout.
 
-``python -m accel_mixin env`` prints it. Launched on several processes
-(``torchrun``, ``accelerate launch``), the main process prints one line per
-rank: what each rank sees and whether the launch layout check passes there.
+``python -m accel_mixin env`` prints it; launched on several processes, the
+main process prints one line per rank, with whether its layout check passes.
 """
 
 import os
@@ -20,29 +19,8 @@ from accel_mixin.distributed.process_layout import check_process_layout
 
 __all__ = ["environment_report", "rank_line", "restart_store"]
 
-_LAUNCH_VARIABLES = (
-    "WORLD_SIZE",
-    "RANK",
-    "LOCAL_RANK",
-    "ACCELERATE_USE_CPU",
-    "ACCELERATE_MIXED_PRECISION",
-    "CUDA_VISIBLE_DEVICES",
-)
-
-
-def _versions():
-    cuda = (
-        f"CUDA {torch.version.cuda}, {torch.cuda.device_count()} device(s)"
-        if torch.cuda.is_available()
-        else "no CUDA device"
-    )
-    return [
-        f"accel_mixin {accel_mixin.__version__}",
-        f"python {platform.python_version()} ({sys.executable}) on {platform.platform()}",
-        f"torch {torch.__version__} ({cuda})",
-        f"accelerate {accelerate.__version__}",
-        f"skorch {skorch.__version__}",
-    ]
+_LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "ACCELERATE_USE_CPU")
+_LAUNCH_VARIABLES += ("ACCELERATE_MIXED_PRECISION", "CUDA_VISIBLE_DEVICES")
 
 
 def restart_store():
@@ -68,34 +46,31 @@ def rank_line(accelerator):
         layout = "layout check: ok"
     except RuntimeError as exc:
         layout = f"layout check: FAILS: {exc}"
-    launch = (
-        ", ".join(f"{name}={os.environ[name]}" for name in _LAUNCH_VARIABLES if name in os.environ)
-        or "no launcher variables"
-    )
+    launch = [f"{name}={os.environ[name]}" for name in _LAUNCH_VARIABLES if name in os.environ]
     return (
         f"rank {accelerator.process_index} of {accelerator.num_processes}: "
         f"distributed_type={accelerator.distributed_type.value}, "
         f"mixed_precision={accelerator.mixed_precision}, device={accelerator.device}; "
-        f"{launch}; {layout}"
+        f"{', '.join(launch) or 'no launcher variables'}; {layout}"
     )
 
 
 def environment_report(accelerator=None):
-    """The report as text on the main process, None on the others; every
-    process must call it.
-
-    Parameters
-    ----------
-    accelerator : accelerate.Accelerator or None (default=None)
-      The accelerator to describe; None builds ``Accelerator()``, as a
-      training script would.
-
-    """
+    """The report of ``accelerator`` (by default ``Accelerator()``, as a script
+    builds it) on the main process, None on the others; every process calls it."""
     accelerator = accelerator or Accelerator()
     lines = [rank_line(accelerator)]
     if accelerator.num_processes > 1:
         lines = gather_object(lines)
     if not accelerator.is_main_process:
         return None
+    cuda = f"CUDA {torch.version.cuda}, {torch.cuda.device_count()} device(s)"
+    versions = [
+        f"accel_mixin {accel_mixin.__version__}",
+        f"python {platform.python_version()} ({sys.executable}) on {platform.platform()}",
+        f"torch {torch.__version__} ({cuda if torch.cuda.is_available() else 'no CUDA device'})",
+        f"accelerate {accelerate.__version__}",
+        f"skorch {skorch.__version__}",
+    ]
     restarts = restart_store()
-    return "\n".join(_versions() + ([restarts] if restarts else []) + lines)
+    return "\n".join(versions + ([restarts] if restarts else []) + lines)

@@ -15,10 +15,11 @@ from skorch.dataset import unpack_data
 from accel_mixin.checkpoint.background import finished_on_error
 from accel_mixin.checkpoint.checkpointing import CheckpointingMixin
 from accel_mixin.distributed.history_sync import adopt_history
-from accel_mixin.distributed.output import quiet_unless_main, sink_for
 from accel_mixin.distributed.process_layout import (
     check_process_layout,
     check_supported,
+    quiet_unless_main,
+    sink_for,
 )
 from accel_mixin.distributed.replicas import check_net_replicas, check_same_data
 from accel_mixin.resume.resuming import begin_epoch, continue_epoch

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from accel_mixin.distributed import coordination
+from accel_mixin.distributed import liveness
 from accel_mixin.distributed.coordination import Coordinator
 from accel_mixin.errors import DistributedError
 
@@ -229,7 +229,7 @@ def test_a_rank_whose_process_ended_is_named_within_seconds():
         text=True,
         check=True,
     ).stdout.strip()
-    host = coordination._HOST  # pylint: disable=protected-access
+    host = liveness.HOST
     del rank1  # its presence stops; its last value names a process that ended
     time.sleep(0.1)
     rank0.store.set("presence/1", f"7 {host} {ended}|in predict")

@@ -3,7 +3,7 @@
 import warnings
 from types import SimpleNamespace
 
-from accel_mixin.distributed.output import quiet_unless_main, silent, sink_for
+from accel_mixin.distributed.process_layout import quiet_unless_main, silent, sink_for
 
 
 def fake_accelerator(main=True):

@@ -16,8 +16,7 @@ from accel_mixin.checkpoint.background import join_all
 from accel_mixin.checkpoint.files import write_state
 from accel_mixin.checkpoint.params import SafeParamsMixin
 from accel_mixin.checkpoint.state_values import cpu_snapshot
-from accel_mixin.distributed.output import quiet_unless_main
-from accel_mixin.distributed.process_layout import writes_files
+from accel_mixin.distributed.process_layout import quiet_unless_main, writes_files
 from accel_mixin.internals import batch_sampler_owner
 from accel_mixin.resume.resuming import resume
 from accel_mixin.resume.training_state import (

@@ -1,52 +1,36 @@
 """Collective sections that fail fast on every rank.
 
-A section is a block that every rank runs, in the same order. When an
-exception leaves a section on one rank, that rank writes it into the process
-group's store under the section's key; every barrier polls the keys of the
-sections the waiting rank is in, so the other ranks raise too, naming the
-rank and its error, instead of waiting until the process group times out.
-An error caught inside the section (skorch's Checkpoint swallowing a failed
-save) leaves the enclosing sections healthy.
+A section is a block that every rank runs, in the same order. An exception
+leaving it on one rank is written into the process group's store under the
+section's key; barriers poll the keys of the sections the rank is in, so
+the others raise too, naming the rank and its error, instead of waiting for
+the process group's timeout. An error caught inside the section (skorch's
+Checkpoint swallowing a failed save) leaves the enclosing sections healthy.
 
 Ranks agree on keys without talking: a session (a fit, or a save or load
 outside of one) starts a new generation, and sections and barriers are
-numbered within their parent in the order ranks reach them. A section is one
-step of its parent however it ends, so ranks are in step again after it.
+numbered within their parent in the order ranks reach them; a section is one
+step of its parent however it ends.
 
-A barrier's outcome is the same on every rank: each rank adds its arrival to
-a counter and polls it until it is full (fast at first, as a small save ends
-within milliseconds, then slower, so a long wait costs little CPU;
-``Store.wait`` with a timeout would print a C++ warning each time). A rank
-that gives up first takes its arrival back and fails the section, so a
-slower rank that arrives afterwards raises too instead of going on alone.
-
-Two things bound a wait besides the timeout:
-
-- Presence: a thread of every rank sets a key every beat (host, process id,
-  current call). A rank whose process is gone from this machine, or whose
-  key stood still for ``DEAD_AFTER_BEATS`` beats, is gone, and every waiting
-  rank raises within seconds, naming it and its last call.
-- Progress: ``run`` executes its function (a save, a load) under
-  ``progress.supervised``; while it advances, the waiting ranks wait on
-  however long it takes, and once it stalls for the I/O timeout it fails
-  on every rank. The process group's timeout, which users shorten so that
-  errors in training steps surface fast, never cuts a slow save short.
+A barrier's outcome is the same on every rank: each adds its arrival to a
+counter and polls it (``Store.wait`` with a timeout prints a C++ warning
+each time); a rank that gives up takes its arrival back and fails the
+section, so a slower rank arriving afterwards raises too. Besides the
+timeout, a wait ends once a rank is gone (``liveness.Presence``: its process
+ended, or its key stood still for ``DEAD_AFTER_BEATS`` beats), and lasts as
+long as a ``run`` (a save, a load) advances under ``liveness.supervised``:
+the process group's timeout, which users shorten so that errors in steps
+surface fast, never cuts a slow save short.
 """
 
-import atexit
 import contextlib
-import gc
-import itertools
 import os
-import socket
-import threading
 import time
-import weakref
 from datetime import timedelta
 
 import torch.distributed as dist
 
-from accel_mixin.distributed.progress import supervised
+from accel_mixin.distributed.liveness import Presence, exited, supervised
 from accel_mixin.errors import DistributedError, Preempted
 from accel_mixin.internals import default_store
 
@@ -63,20 +47,18 @@ COLLECTIVE = (
 )
 _BEAT_SECONDS = 1.0
 DEAD_AFTER_BEATS = 15
-_HOST = socket.gethostname()
-
-
-def namespace():
-    """The prefix of this attempt's keys: launchers may keep one store across
-    a job's restarts, and no key of a dead attempt may be read by the next."""
-    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return f"accel_mixin/{run}/{attempt}" if run else f"accel_mixin/{attempt}"
 
 
 def failure_message(what, rank, exc):
     """How the other ranks learn of ``exc``: the operation, the rank, the error."""
     return f"{what} failed on rank {rank}: {type(exc).__name__}: {exc}"
+
+
+def namespace():
+    """This attempt's prefix: launchers may keep one store across restarts."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"accel_mixin/{run}/{attempt}" if run else f"accel_mixin/{attempt}"
 
 
 class Coordinator:
@@ -101,7 +83,7 @@ class Coordinator:
         self.dead_after = DEAD_AFTER_BEATS * self.beat
         self._presence = None
         if self.store is not None:
-            self._presence = _Presence(self)
+            self._presence = Presence(self)
             self._presence.start()
 
     def announce(self):
@@ -193,7 +175,7 @@ class Coordinator:
             seen = self._peers.get(rank)
             if seen is None or seen[0] != value:
                 self._peers[rank] = seen = (value, now)
-            if (value is not None and _exited(value)) or now - seen[1] > self.dead_after:
+            if (value is not None and exited(value)) or now - seen[1] > self.dead_after:
                 return rank, value.split("|", 1)[-1] if value else "before any collective call"
         return None
 
@@ -300,69 +282,6 @@ class Coordinator:
         return result
 
 
-def _exited(value):
-    """Whether the presence ``value`` is of a process of this machine that ended."""
-    fields = value.split("|", 1)[0].split(" ")
-    if len(fields) != 3 or fields[1] != _HOST or not fields[2].isdigit():
-        return False
-    try:
-        os.kill(int(fields[2]), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        pass
-    return False
-
-
-_PRESENCES = weakref.WeakSet()
-
-
-def _stop_at_exit():
-    """Stop and join the presence threads while the interpreter still runs.
-
-    A daemon thread returning from a store call once Python finalizes is
-    ended by ``pthread_exit``; the unwind meets pybind11's ``noexcept`` GIL
-    guard and ``std::terminate`` aborts the process ("terminate called
-    without an active exception"). Joined here, before finalization, no
-    thread is in a call then; the join is bounded for a dead store.
-    """
-    for presence in list(_PRESENCES):
-        presence.stopped.set()
-    for presence in list(_PRESENCES):
-        presence.join(timeout=2)
-    # DDP wrappers die in reference cycles holding the last references to the
-    # process group, whose teardown during finalization's collection aborted
-    # processes at exit (1 in 13 launches under load): collect them now
-    gc.collect()
-
-
-class _Presence(threading.Thread):
-    """Sets the presence key every beat; ends with the coordinator or the store."""
-
-    def __init__(self, coordinator):
-        super().__init__(daemon=True, name="accel_mixin-presence")
-        self.coordinator = weakref.ref(coordinator)  # the thread ends with it
-        self.key = f"presence/{coordinator.process_index}"
-        self.store = coordinator.store
-        self.beat = coordinator.beat
-        self.count = itertools.count(1)
-        self.stopped = threading.Event()
-        _PRESENCES.add(self)
-
-    def announce(self, coordinator):
-        self.store.set(self.key, f"{next(self.count)} {_HOST} {os.getpid()}|{coordinator.where}")
-
-    def run(self):
-        while (coordinator := self.coordinator()) is not None:
-            try:
-                self.announce(coordinator)
-            except Exception:  # pylint: disable=broad-except
-                return  # the store is gone: the group is being torn down
-            del coordinator
-            if self.stopped.wait(self.beat):
-                return
-
-
 class _Section:
     """The context of a section: entered on every batch, so a plain class."""
 
@@ -400,7 +319,6 @@ class _Section:
 
 
 _COORDINATORS = {}
-_EXIT_HOOK = []
 
 
 def coordinator_for(accelerator):
@@ -410,8 +328,6 @@ def coordinator_for(accelerator):
     store = default_store() if accelerator.num_processes > 1 else None
     key = (accelerator.num_processes, accelerator.process_index, id(store))
     if key not in _COORDINATORS:
-        if not _EXIT_HOOK:
-            _EXIT_HOOK.append(atexit.register(_stop_at_exit))
         handler = getattr(accelerator, "init_handler", None)
         timeout = getattr(handler, "timeout", None) or timedelta(minutes=30)
         _COORDINATORS.clear()  # an older process group is gone

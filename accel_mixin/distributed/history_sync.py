@@ -1,13 +1,12 @@
 """One history on every rank.
 
-With even batches, accelerate pads the last batches of an epoch with samples
-from its start. The net records, for every batch, the loss and the number of
-real samples, and shows callbacks only the real ones. At an epoch's end the
-ranks exchange their batch records and the predictions scoring callbacks
-cached, once, so every rank holds those of the whole epoch in dataset order:
-epoch scores are those of one process on the whole data. Rank 0's row is then
-taken as every rank's. A skorch ``DistributedHistory`` is thus not needed:
-a net given one records into the plain ``History`` inside it.
+With even batches, accelerate pads an epoch's last batches with samples from
+its start; the net records each batch's loss and number of real samples and
+shows callbacks only the real ones. At an epoch's end the ranks exchange
+their batch records and the scoring callbacks' cached predictions, once, in
+dataset order: epoch scores are those of one process on the whole data, and
+rank 0's row is every rank's. A skorch ``DistributedHistory`` is not needed:
+the net records into the plain ``History`` inside it.
 """
 
 import warnings
@@ -88,8 +87,7 @@ def _local_caches(net, batches):
     of batches that held padding only."""
     caches = {}
     for name, cb in net.callbacks_:
-        caching = cb.use_caching if net.use_caching == "auto" else net.use_caching
-        if not (isinstance(cb, EpochScoring) and caching and cb.use_caching):
+        if not isinstance(cb, EpochScoring) or not cb.use_caching or not net.use_caching:
             continue
         key = ("train" if cb.on_train else "valid") + "_batch_size"
         keep = [i for i, batch in enumerate(b for b in batches if key in b) if batch[key] > 0]

@@ -1,20 +1,16 @@
 """Preemption notices: a scheduler's signal, and every rank stopping together.
 
 Clusters give notice before they stop a job: SIGTERM (Kubernetes, torchrun,
-SLURM at the time limit) or SIGUSR1 with SLURM's ``--signal``. While ``fit``
-runs, ``TrainingCheckpoint`` handles the signals it is given; the handler
-only notes the notice.
-
-The ranks combine their notes in a small all-reduce, a poll, started without
-waiting and read one batch later. Polling after every batch cost 9% of a fit
-of fast batches over gloo, so each poll also carries every rank's pace, and
-from the slowest pace, which every rank reads alike, every rank computes the
-same batch for the next poll: about ``interval_seconds`` of training apart,
-at most ``max_interval`` batches. Every rank thus stops at the same batch,
-at most ``max_interval + 1`` batches after a notice reached any rank. An
-epoch's end polls and waits, so a notice in its last batches or validation
-stops at its end. The first poll of a fit waits, and also tells every rank
-whether any rank handles signals: where none does, no rank polls again.
+SLURM at the time limit) or SIGUSR1 (SLURM's ``--signal``); the handler that
+``TrainingCheckpoint`` installs only notes it. The ranks combine their notes
+in an all-reduce (a poll) started without waiting and read a batch later.
+Polling every batch cost 9% of a fit of fast batches over gloo, so a poll
+also carries each rank's pace, and from the slowest every rank computes the
+same next batch to poll at: about ``interval_seconds`` of training apart, at
+most ``max_interval`` batches. Every rank stops at the same batch, at most
+``max_interval + 1`` after a notice; an epoch's end polls and waits. The
+first poll also tells whether any rank handles signals; if none, no rank
+polls again.
 """
 
 import signal
@@ -29,16 +25,13 @@ __all__ = ["NoticeBoard", "can_handle", "handling_signals"]
 
 
 class NoticeBoard:
-    """The notices one fit receives, and the ranks' agreement on them.
+    """The notices one fit receives, and the ranks' agreement on them;
+    ``watching``: whether this rank handles signals (``note`` is the handler)."""
 
-    ``watching`` says whether this rank handles signals (``note`` is the
-    handler). The class attributes ``interval_seconds``, ``max_interval``
-    and ``clock`` (what the pace is measured with) are for tests to set.
-    """
-
+    # class attributes, for tests to set
     interval_seconds = 0.5
     max_interval = 64
-    clock = staticmethod(time.perf_counter)
+    clock = staticmethod(time.perf_counter)  # what the pace is measured with
 
     def __init__(self, accelerator, watching=True):
         self.accelerator = accelerator

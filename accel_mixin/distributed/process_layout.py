@@ -1,16 +1,17 @@
-"""The layout of the processes: refuse the launches and backends that would
-train wrong models or hang, and say which processes write files."""
+"""The layout of the processes: refuse launches and backends that would train
+wrong models or hang; say which processes write files, and let the main one
+speak for all (what torch's C++ code writes to the stderr descriptor is left
+alone: the guide's "One voice" silences it)."""
 
+import contextlib
+import functools
 import os
+import warnings
 
 from accelerate.utils import DistributedType
 
-__all__ = [
-    "check_not_a_child_of_a_rank",
-    "check_process_layout",
-    "check_supported",
-    "writes_files",
-]
+__all__ = ["check_not_a_child_of_a_rank", "check_process_layout", "check_supported"]
+__all__ += ["quiet_unless_main", "silent", "sink_for", "writes_files"]
 
 
 def _env_int(name, default=1):
@@ -96,3 +97,34 @@ def writes_files(accelerator):
     if getattr(config, "save_on_each_node", False):
         return accelerator.is_local_main_process
     return accelerator.is_main_process
+
+
+def silent(*args, **kwargs):  # pylint: disable=unused-argument
+    """A sink that prints nothing: the sink of processes other than the main."""
+
+
+def sink_for(accelerator):
+    """``print`` on the main process only: the builtin itself, for skorch's
+    rule that ``verbose=0`` silences a ``print`` sink."""
+    return print if accelerator.is_main_process else silent
+
+
+@contextlib.contextmanager
+def quiet_unless_main(accelerator):
+    """On processes other than the main one, silence stdout, stderr and warnings."""
+    if accelerator.is_main_process:
+        yield
+        return
+    with (
+        contextlib.redirect_stdout(_devnull()),
+        contextlib.redirect_stderr(_devnull()),
+        warnings.catch_warnings(),
+    ):
+        warnings.simplefilter("ignore")
+        yield
+
+
+@functools.cache
+def _devnull():
+    # one file, never closed: a progress bar made while quiet keeps it
+    return open(os.devnull, "w", encoding="utf-8")

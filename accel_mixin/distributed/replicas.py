@@ -2,19 +2,13 @@
 parameters.
 
 DDP keeps the ranks' parameters identical only while every rank runs the
-same steps on its shard of the same data. Other data on one rank, a callback
-that changes one rank's weights, a ``train_step`` that bypasses the
-accelerator or a nondeterministic operation break that without a word, and
-the run ends with the main process's model. Small collectives that every
-rank joins turn that into the same error on every rank:
-
-- ``check_same_data`` compares the length of the training data when
-  training begins (other lengths would hang in DDP's all-reduce);
-- ``check_same_steps`` compares the number of batches without even batches;
-- ``check_replicas`` compares a fingerprint of every parameter after an
-  epoch: the sum of its elements' bit patterns modulo 2**32, exact,
-  independent of the order of summation, and changed by any single element.
-  Buffers are left out: DDP broadcasts them from rank 0 anyway.
+same steps on its shard of the same data; other data on one rank, a callback
+that changes one rank's weights or a ``train_step`` that bypasses the
+accelerator break that silently. Small collectives turn it into the same
+error on every rank: the length of the data when training begins, the
+number of batches without even batches (DDP would hang), and after an epoch
+a fingerprint of every parameter (the sum of its bit patterns modulo 2**32:
+exact, order-free, changed by any element; buffers are DDP's, from rank 0).
 """
 
 import torch
@@ -123,12 +117,8 @@ def _words(flat):
 
 
 def check_replicas(accelerator, named_params, when):
-    """Raise ``DistributedError`` on every rank unless every parameter of
-    ``named_params`` (the same order on every rank) is the same on all ranks.
-
-    ``when`` is for the message (``'after epoch 3'``), which names the first
-    parameter that differs and the ranks whose copy differs from rank 0's.
-    """
+    """Raise ``DistributedError`` on every rank, naming the first parameter that
+    differs and when (``'after epoch 3'``), unless all ranks hold the same."""
     names = [name for name, _ in named_params]
     mine = fingerprints([param for _, param in named_params])
     # the count first: ranks with other architectures must not compare by position

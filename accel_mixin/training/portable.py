@@ -14,8 +14,7 @@ from accelerate import Accelerator
 from accelerate.utils import GradientAccumulationPlugin
 from skorch.callbacks import PrintLog
 
-from accel_mixin.distributed.output import sink_for
-from accel_mixin.distributed.process_layout import check_not_a_child_of_a_rank
+from accel_mixin.distributed.process_layout import check_not_a_child_of_a_rank, sink_for
 from accel_mixin.training.net_objects import net_modules
 
 __all__ = ["PortableAccelerator", "accelerator_settings", "build_accelerator", "settle_unpickled"]

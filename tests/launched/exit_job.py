@@ -13,16 +13,16 @@ from pathlib import Path
 
 from common import MLP, AcceleratedNet, make_accelerator, make_data
 
-from accel_mixin.distributed import coordination
+from accel_mixin.distributed import liveness
 
 if sys.argv[2:] == ["busy"]:
-    presence_init = coordination._Presence.__init__
+    presence_init = liveness.Presence.__init__
 
     def busy_presence(self, coordinator):
         presence_init(self, coordinator)
         self.beat = 0  # the thread's own pause; the coordinator's beat is unchanged
 
-    coordination._Presence.__init__ = busy_presence
+    liveness.Presence.__init__ = busy_presence
 
 accelerator = make_accelerator()
 X, y = make_data(400)
