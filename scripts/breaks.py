@@ -245,7 +245,7 @@ BREAKS = [
         "        def finish():\n            return\n",
         ("tests/test_resume.py::test_loads_wait_for_asynchronous_saves_in_flight",),
     ),
-    # --- coordination ------------------------------------------------------
+    # --- coordination / liveness --------------------------------------------
     Break(
         "coordination-run-no-final-barrier",
         "coordination",
@@ -495,10 +495,10 @@ BREAKS = [
         "    if True:",
         ("tests/test_process_layout.py", "-m", "not multiprocess"),
     ),
-    # --- output / skorch_callbacks / notifications ----------------------------
+    # --- process_layout (one voice) / skorch_callbacks / notifications -----
     Break(
-        "output-swap-main-check",
-        "output",
+        "process_layout-sink-swap-main-check",
+        "process_layout",
         "swap the main-process check of the print sink",
         "accel_mixin/distributed/process_layout.py",
         "    return print if accelerator.is_main_process else silent",
@@ -506,8 +506,8 @@ BREAKS = [
         ("tests/test_output.py",),
     ),
     Break(
-        "output-quiet-everywhere",
-        "output",
+        "process_layout-quiet-everywhere",
+        "process_layout",
         "quiet_unless_main silences the main process, not the others",
         "accel_mixin/distributed/process_layout.py",
         "    if accelerator.is_main_process:\n        yield\n        return",
