@@ -1,13 +1,10 @@
-"""Checkpoint files: written atomically, read safely, errors that name the file.
+"""Checkpoint files written atomically, with errors that name the file.
 
 A file is written to a temporary file in its target directory, fsynced,
 renamed into place, and the directory fsynced: a crash or an error mid-write
 leaves the previous file as it was. The temporary's name is fixed per target,
 so the next save of a file replaces what a killed save of it left; a run
-folder's rotation (``remove_temporaries``) removes the rest. Reading refuses
-pickles that would run code, maps torch files into memory, and turns the
-errors of torch, safetensors and json into messages that say which file is
-wrong and what to do.
+folder's rotation (``remove_temporaries``) removes the rest.
 """
 
 import contextlib
@@ -20,7 +17,6 @@ import shutil
 import stat
 import time
 
-import safetensors
 import safetensors.torch
 import torch
 
@@ -31,10 +27,6 @@ _TMP = ".accel_mixin-tmp-"
 # {name: [size, mtime_ns, inode]} of each file as that save wrote it.
 SETS = ".accel_mixin-sets.json"
 _SETS_KEPT = 8
-
-
-def _is_path(f):
-    return isinstance(f, (str, os.PathLike))
 
 
 def _directory(path):
@@ -51,12 +43,13 @@ def remove_temporaries(directory):
 
 
 def _resolve_target(path):
-    """The file to replace for ``path`` (a link's target), and its status."""
-    path = os.fspath(path)
-    target = _lstat(path)
-    if target is not None and stat.S_ISLNK(target.st_mode):
-        path = os.path.realpath(path)  # replacing the link would cut it off
-        target = _lstat(path)
+    """The file to replace for ``path`` (a link's target), and its status or None."""
+    path, target = os.fspath(path), None
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        target = os.lstat(path)
+        if stat.S_ISLNK(target.st_mode):  # replacing the link would cut it off
+            path, target = os.path.realpath(path), None
+            target = os.lstat(path)
     if target is not None and stat.S_ISDIR(target.st_mode):
         raise IsADirectoryError(
             f"Cannot save to {path}: it is a directory; pass a file name such as "
@@ -65,15 +58,8 @@ def _resolve_target(path):
     return path, target
 
 
-def _lstat(path):
-    try:
-        return os.lstat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-
-
 def _create_temporary(path):
-    """Create the temporary file of ``path`` (replacing a leftover); return (fd, name)."""
+    """Create the temporary file of ``path``, replacing a leftover; return (fd, name)."""
     directory = _directory(path)
     # Fixed length, so that any name the filesystem admits saves; ".tmp" at the
     # end, since torch.save refuses a name that is empty up to its last dot.
@@ -83,33 +69,25 @@ def _create_temporary(path):
     for _ in range(3):
         try:
             return os.open(tmp, flags, 0o666), tmp
-        except FileExistsError:  # a killed save's, or a concurrent save's: see _rename
+        except FileExistsError:  # a killed save's, or a concurrent save's (see _ours)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
         except (FileNotFoundError, NotADirectoryError):
-            parent = _existing_parent(directory)
-            if parent is not None and not os.path.isdir(parent):
+            parent = directory
+            while not os.path.lexists(parent):
+                parent = os.path.dirname(parent)
+            if not os.path.isdir(parent):
                 raise NotADirectoryError(
                     f"Cannot save to {path}: {parent} is a file, not a directory; "
                     "choose another path, or move that file away"
                 ) from None
-            if not os.path.isdir(directory):
+            if parent != directory:
                 raise FileNotFoundError(
                     f"Cannot save to {path}: the directory {directory} does not exist; "
                     "create it first"
                 ) from None
             raise
     raise _concurrent(path)
-
-
-def _existing_parent(directory):
-    """The deepest existing path on the way to ``directory``, or None."""
-    while directory and not os.path.lexists(directory):
-        parent = os.path.dirname(directory)
-        if parent == directory:
-            return None
-        directory = parent
-    return directory or None
 
 
 def _concurrent(path):
@@ -130,26 +108,11 @@ def _ours(tmp, fd):
     return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
 
-class _Mode:
-    """The temporary file's mode: writable by its owner while written (torch.save
-    opens it again by name), then the replaced file's mode, or a plain open's.
-    Filesystems that refuse chmod (vfat, exFAT, some SMB and FUSE mounts) keep
-    the mount's mode."""
-
-    def __init__(self, fd, target):
-        self.fd = fd
-        self.now = stat.S_IMODE(os.fstat(fd).st_mode)
-        self.final = self.now if target is None else stat.S_IMODE(target.st_mode)
-        self._set(self.now | stat.S_IWUSR)
-
-    def finish(self):
-        self._set(self.final)
-
-    def _set(self, mode):
-        if mode != self.now:
-            with contextlib.suppress(OSError):
-                os.fchmod(self.fd, mode)
-                self.now = mode
+def _chmod(fd, mode):
+    # some filesystems (vfat, exFAT, some SMB and FUSE mounts) refuse chmod:
+    # their files keep the mount's mode, which a plain open gets too
+    with contextlib.suppress(OSError):
+        os.fchmod(fd, mode)
 
 
 @contextlib.contextmanager
@@ -166,10 +129,14 @@ def atomic_files(paths, *, record=False):
         for path in paths:
             path, target = _resolve_target(path)
             fd, tmp = _create_temporary(path)
-            written.append((path, tmp, fd, _Mode(fd, target)))
+            # the mode of the file it replaces, or a plain open's; meanwhile
+            # writable by its owner, for torch.save opens it again by name
+            mode = stat.S_IMODE(os.fstat(fd).st_mode if target is None else target.st_mode)
+            written.append((path, tmp, fd, mode))
+            _chmod(fd, stat.S_IMODE(os.fstat(fd).st_mode) | stat.S_IWUSR)
         yield [tmp for _, tmp, _, _ in written]
         for _, _, fd, mode in written:
-            mode.finish()
+            _chmod(fd, mode)
             os.fsync(fd)  # the same file, however it was written
         for path, tmp, fd, _ in written:
             if not _ours(tmp, fd):
@@ -218,7 +185,7 @@ def write_state(state, f, *, use_safetensors=False):
         write, by_name = (lambda fh: fh.write(safetensors.torch.save(state))), False
     else:
         write, by_name = (lambda target: torch.save(state, target)), True
-    if _is_path(f):
+    if isinstance(f, (str, os.PathLike)):
         atomic_write(f, write, by_name=by_name)
     else:
         write(f)
@@ -297,7 +264,7 @@ def check_same_save(paths):
     record knows come from different saves; files it does not know are not checked."""
     by_directory = {}
     for path in paths:
-        if _is_path(path):
+        if isinstance(path, (str, os.PathLike)):
             by_directory.setdefault(_directory(path), []).append(path)
     for directory, files in by_directory.items():
         sets = _read_sets(directory) if len(files) > 1 else {}

@@ -19,16 +19,6 @@ from accel_mixin.checkpoint.state_dict import (
 )
 from accel_mixin.errors import CheckpointError
 
-_NOT_INITIALIZED = (
-    "Cannot {} state of an un-initialized model. Please initialize first by calling "
-    ".initialize() or by fitting the model with .fit(...)."
-)
-_NO_ATTRIBUTE = (
-    "You are trying to {} 'f_{{name}}' but for that to work, the net needs to have an "
-    "attribute called 'net.{{name}}_' that is a PyTorch Module or Optimizer; make sure "
-    "that it exists and check for typos."
-)
-
 
 class SafeParamsMixin:
     """``save_params`` and ``load_params`` for files users can trust.
@@ -79,11 +69,9 @@ class SafeParamsMixin:
             f_history=f_history,
             **kwargs,
         )
-        kwargs_module, _ = _check_f_arguments("save_params", **files)
-        # everything is checked before the first file is written
-        for attr, f in kwargs_module.items():
-            obj = self._checked_attribute(attr, "save")
-            if use_safetensors and not isinstance(obj, torch.nn.Module):
+        for attr, f in _check_f_arguments("save_params", **files)[0].items():
+            obj = self.__dict__.get(attr)  # a missing one: skorch's error
+            if use_safetensors and obj is not None and not isinstance(obj, torch.nn.Module):
                 raise ValueError(
                     f"Cannot save f_{attr[:-1]} to {f} with use_safetensors=True: "
                     "safetensors stores tensors only, and the state of an optimizer "
@@ -172,11 +160,6 @@ class SafeParamsMixin:
         module = super()._get_module(name, msg)
         adapter = self.__dict__.get(_ADAPTER)
         return module if adapter is None else adapter(name, module)
-
-    def _checked_attribute(self, attr, action):
-        if attr.endswith("_") and not self.initialized_:
-            self.check_is_fitted([attr], msg=_NOT_INITIALIZED.format(action))
-        return self._get_module(attr, msg=_NO_ATTRIBUTE.format(action))
 
 
 _ADAPTER = "_accel_mixin_params_adapter"
