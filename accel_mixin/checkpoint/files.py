@@ -17,7 +17,6 @@ import shutil
 import stat
 import time
 
-import safetensors.torch
 import torch
 
 from accel_mixin.errors import CheckpointError
@@ -169,8 +168,7 @@ def atomic_files(paths, *, record=False):
 
 def atomic_write(path, write, *, by_name=False):
     """Write ``path`` all or nothing: ``write`` gets a binary file object, or
-    with ``by_name=True`` the temporary file's name (torch.save's C++ writer
-    is faster by name)."""
+    with ``by_name=True`` the temporary file's name."""
     with atomic_files([path]) as (tmp,):
         if by_name:
             write(tmp)
@@ -179,16 +177,9 @@ def atomic_write(path, write, *, by_name=False):
                 write(f)
 
 
-def write_state(state, f, *, use_safetensors=False):
-    """Save a state dict to a path (atomically) or a file object (the caller's to make safe)."""
-    if use_safetensors:
-        write, by_name = (lambda fh: fh.write(safetensors.torch.save(state))), False
-    else:
-        write, by_name = (lambda target: torch.save(state, target)), True
-    if isinstance(f, (str, os.PathLike)):
-        atomic_write(f, write, by_name=by_name)
-    else:
-        write(f)
+def write_state(state, path):
+    """``torch.save`` to ``path``, atomically (its C++ writer is faster by name)."""
+    atomic_write(path, lambda tmp: torch.save(state, tmp), by_name=True)
 
 
 _WRITE_CAUSES = {

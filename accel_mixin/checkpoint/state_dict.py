@@ -16,7 +16,6 @@ from collections import OrderedDict
 from collections.abc import Mapping
 
 import safetensors
-import safetensors.torch
 import torch
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
@@ -185,22 +184,13 @@ def check_readable(f):
         )
 
 
-def read_state(f, *, use_safetensors=False, torch_load_kwargs=None, map_location="cpu", mmap=True):
-    """Load a state dict from a path or file object, with ``weights_only=True``
-    unless ``torch_load_kwargs`` (skorch's) say otherwise, mapping a torch zip
-    file into memory with ``mmap``; a bad file raises a ``CheckpointError``."""
+def read_state(f, *, torch_load_kwargs=None):
+    """Load a training state to the CPU, with ``weights_only=True`` unless
+    skorch's ``torch_load_kwargs`` say otherwise; a bad file raises a
+    ``CheckpointError``."""
     check_readable(f)
-    if use_safetensors:
-        try:
-            if _is_path(f):
-                return safetensors.torch.load_file(f, device=str(map_location))
-            return safetensors.torch.load(f.read())
-        except (safetensors.SafetensorError, ValueError, OSError) as exc:
-            raise read_error(f, exc, weights_only=True, use_safetensors=True) from exc
     kwargs = {"weights_only": True} if torch_load_kwargs is None else dict(torch_load_kwargs)
-    kwargs.setdefault("map_location", map_location)
-    if mmap and _is_path(f) and "mmap" not in kwargs and zipfile.is_zipfile(f):
-        kwargs["mmap"] = True
+    kwargs.setdefault("map_location", "cpu")
     try:
         return torch.load(f, **kwargs)
     except Exception as exc:  # pylint: disable=broad-except

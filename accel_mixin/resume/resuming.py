@@ -54,7 +54,7 @@ def resume(net, path):
 
 def _read(net, path):
     # unmapped: optimizers keep the loaded tensors
-    state = read_state(path, torch_load_kwargs=net.torch_load_kwargs, mmap=False)
+    state = read_state(path, torch_load_kwargs=net.torch_load_kwargs)
     validate_state(state, path)
     return state
 
