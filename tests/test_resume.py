@@ -194,6 +194,23 @@ def test_the_resumed_checkpoint_ignores_unfinished_and_foreign_files(tmp_path):
     assert agreed_checkpoint(tmp_path / "missing", accelerator) is None
 
 
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_load_state_refuses_a_file_that_would_run_code(tmp_path):
+    marker = tmp_path / "code_ran"
+    torch.save({"epoch": _RunsCode(str(marker))}, tmp_path / "evil.pt")
+    net = AcceleratedNet(MLP, accelerator=Accelerator(cpu=True), verbose=0)
+    with pytest.raises(CheckpointError, match=r"Refused to load .*evil.pt.*weights_only"):
+        net.load_state(tmp_path / "evil.pt")
+    assert not marker.exists()
+
+
 def test_training_state_holds_only_safe_values(data, tmp_path):
     net = AcceleratedNet(MLP, accelerator=Accelerator(cpu=True), max_epochs=2, verbose=0)
     net.fit(*data)
