@@ -26,6 +26,7 @@ from accel_mixin.checkpoint.checkpoint_files import (
     checkpoint_name,
     checkpoint_positions,
 )
+from accel_mixin.checkpoint.files import remove_temporaries
 from accel_mixin.distributed.preemption import NoticeBoard, can_handle, handling_signals
 from accel_mixin.distributed.process_layout import writes_files
 from accel_mixin.errors import CheckpointError, Preempted
@@ -330,6 +331,7 @@ class TrainingCheckpoint(Callback):
 
     def _written(self):
         """On the writing process, once a file is complete."""
+        remove_temporaries(self.run_folder_)  # of killed saves, whose names were this run's
         if self.keep_last is not None:
             ends = [
                 path

@@ -188,45 +188,62 @@ def test_any_name_the_filesystem_admits_saves(tmp_path):
     assert stray_files(tmp_path) == []
 
 
-def test_temporary_names_are_short_whatever_the_host(tmp_path):
+def test_temporary_names_are_short_and_fixed_per_target(tmp_path):
     from accel_mixin.checkpoint import files
 
+    names = set()
     for _ in range(3):
         fd, tmp = files._create_temporary(tmp_path / ("x" * 200))  # pylint: disable=protected-access
         os.close(fd)
+        names.add(tmp)
         assert len(os.path.basename(tmp)) < 50
-    assert len(files._HOST) == 8  # pylint: disable=protected-access
+    assert len(names) == 1  # created again in place of the one before
 
 
-def test_a_save_sweeps_abandoned_temporary_files_only(tmp_path):
-    import os
-    import time
+def test_a_killed_saves_temporary_is_replaced_by_the_next_save_and_removed_by_rotation(tmp_path):
+    from accel_mixin.checkpoint.files import atomic_write, remove_temporaries
 
-    from accel_mixin.checkpoint.files import _HOST, ABANDONED_AFTER, atomic_write
-
-    dead = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    ours = tmp_path / f".params.pt.accel_mixin-tmp-{_HOST}-{dead}-abc"
-    # another file of the same folder: a training state of an earlier epoch
-    ours_other_target = tmp_path / f".state-3.pt.accel_mixin-tmp-{_HOST}-{dead}-abc"
-    alive = tmp_path / f".state-4.pt.accel_mixin-tmp-{_HOST}-{os.getpid()}-abc"
-    # on shared storage: a live write of another machine, whose process ids
-    # mean nothing here, and the partial file of a machine that died hours ago
-    theirs = tmp_path / f".params.pt.accel_mixin-tmp-otherhost-{dead}-abc"
-    theirs_abandoned = tmp_path / f".state-2.pt.accel_mixin-tmp-otherhost-{dead}-abc"
-    for path in (ours, ours_other_target, alive, theirs, theirs_abandoned):
-        path.write_bytes(b"half")
-    hours_ago = time.time() - ABANDONED_AFTER - 60
-    os.utime(theirs_abandoned, (hours_ago, hours_ago))
     atomic_write(tmp_path / "params.pt", lambda f: f.write(b"whole"))
-    assert not ours.exists() and not ours_other_target.exists()
-    assert not theirs_abandoned.exists()
-    assert alive.exists() and theirs.exists()
-    assert ABANDONED_AFTER == 6 * 3600
+    assert stray_files(tmp_path) == []
+
+    def killed(f):
+        f.write(b"half")
+        raise KeyboardInterrupt  # the cleanup of a killed process never runs
+
+    unlink = os.unlink
+    try:
+        os.unlink = lambda path: None
+        with pytest.raises(KeyboardInterrupt):
+            atomic_write(tmp_path / "params.pt", killed)
+        with pytest.raises(KeyboardInterrupt):
+            atomic_write(tmp_path / "state-3.pt", killed)
+    finally:
+        os.unlink = unlink
+    assert (tmp_path / "params.pt").read_bytes() == b"whole"  # the previous target survives
+    assert len(stray_files(tmp_path)) == 2
+    atomic_write(tmp_path / "params.pt", lambda f: f.write(b"again"))
+    assert (tmp_path / "params.pt").read_bytes() == b"again"
+    assert len(stray_files(tmp_path)) == 1  # another target's, whose name changes every save
+    remove_temporaries(tmp_path)
+    assert stray_files(tmp_path) == []
+
+
+def test_a_concurrent_save_of_the_same_file_fails_and_never_tears_it(tmp_path):
+    from accel_mixin.checkpoint.files import atomic_files
+
+    target = tmp_path / "params.pt"
+    target.write_bytes(b"before")
+    with pytest.raises(FileExistsError, match="another save of the same file is under way"):
+        with atomic_files([target]) as (first,):
+            with open(first, "wb") as f:
+                f.write(b"first")
+            with atomic_files([target]) as (second,):  # replaces the first's temporary
+                assert second == first
+                with open(second, "wb") as f:
+                    f.write(b"second")
+            assert target.read_bytes() == b"second"
+    assert target.read_bytes() == b"second"
+    assert stray_files(tmp_path) == []
 
 
 def test_a_failing_save_leaves_the_previous_file(tmp_path, monkeypatch):
@@ -486,7 +503,7 @@ def test_a_safetensors_file_read_as_torch_gets_a_pointer(tmp_path):
     # the error then points to use_safetensors=True
     from safetensors.torch import save_file
 
-    from accel_mixin.checkpoint.files import _safetensors_hint
+    from accel_mixin.checkpoint.state_dict import _safetensors_hint
 
     save_file({"w": torch.zeros(2)}, tmp_path / "p.safetensors")
     torch.save({"w": torch.zeros(2)}, tmp_path / "p.pt")

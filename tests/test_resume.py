@@ -36,7 +36,7 @@ def resume_runs(nproc, mode=None):
     crash = run_processes("resume_run.py", "crash", dirname, *extra, nproc=nproc, timeout=180)
     assert crash.returncode != 0 and not crash.timed_out, crash.describe()
     # a write killed halfway leaves only a temporary file: never picked
-    (run_folder(dirname) / ".training-state-000009.pt.accel_mixin-tmp-1-x").write_bytes(b"half")
+    (run_folder(dirname) / ".accel_mixin-tmp-0123456789abcdef.tmp").write_bytes(b"half")
     resumed = run_processes("resume_run.py", "resume", dirname, *extra, nproc=nproc, timeout=180)
     return full.check(), resumed.check(), resumed.output
 
@@ -79,6 +79,8 @@ def test_rotation_keeps_the_last_and_numbering_continues(two_processes):
             "training-state-000005.pt",
             "training-state-000006.pt",
         ]
+        # the temporary file of the killed write (resume_runs): removed by the rotation
+        assert not [f for f in rank["files"] if "accel_mixin-tmp" in f]
 
 
 @multiprocess
@@ -184,12 +186,29 @@ def test_the_resumed_checkpoint_ignores_unfinished_and_foreign_files(tmp_path):
         "training-state-000002.pt",
         "training-state-000010.pt",
         "notes.txt",
-        ".training-state-000011.pt.accel_mixin-tmp-99-abc",
+        ".accel_mixin-tmp-0123456789abcdef.tmp",
         "training-state-12.pt",
     ):
         (tmp_path / name).write_bytes(b"")
     assert agreed_checkpoint(tmp_path, accelerator) == str(tmp_path / "training-state-000010.pt")
     assert agreed_checkpoint(tmp_path / "missing", accelerator) is None
+
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_load_state_refuses_a_file_that_would_run_code(tmp_path):
+    marker = tmp_path / "code_ran"
+    torch.save({"epoch": _RunsCode(str(marker))}, tmp_path / "evil.pt")
+    net = AcceleratedNet(MLP, accelerator=Accelerator(cpu=True), verbose=0)
+    with pytest.raises(CheckpointError, match=r"Refused to load .*evil.pt.*weights_only"):
+        net.load_state(tmp_path / "evil.pt")
+    assert not marker.exists()
 
 
 def test_training_state_holds_only_safe_values(data, tmp_path):

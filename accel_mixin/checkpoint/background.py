@@ -5,8 +5,6 @@ import warnings
 import weakref
 from contextlib import contextmanager
 
-__all__ = ["BackgroundWriter", "finished_on_error", "join_all"]
-
 # every writer of this process, so that a load waits for any write in flight
 _WRITERS = weakref.WeakSet()
 
@@ -18,18 +16,12 @@ def join_all():
 
 
 class BackgroundWriter:
-    """Runs one job at a time in a background thread.
-
-    ``submit`` waits for the previous job first, so at most one is in
-    flight; ``wait`` returns when the current job is done and raises what it
-    raised, once. The thread is not a daemon: a write still in flight when
-    the program ends (training ended by an exception, say) is finished
-    before the interpreter exits, never cut off halfway.
-    """
+    """Runs one job at a time in a thread: ``submit`` waits for the previous
+    job, ``wait`` raises what the last one raised, once. Not a daemon: a write
+    in flight when the program ends is finished, never cut off halfway."""
 
     def __init__(self):
-        self._thread = None
-        self._error = None
+        self._thread = self._error = None
         _WRITERS.add(self)
 
     def submit(self, job):
@@ -52,9 +44,8 @@ class BackgroundWriter:
             thread.join()
 
     def wait(self):
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self.join()
+        self._thread = None
         error, self._error = self._error, None
         if error is not None:
             raise error
@@ -62,9 +53,8 @@ class BackgroundWriter:
 
 @contextmanager
 def finished_on_error(get_writer):
-    """Where the block raises, finish the write still in flight of the
-    writer that ``get_writer()`` returns then (or None), and warn if it
-    failed too, without hiding the block's error."""
+    """Where the block raises, finish the write in flight of ``get_writer()``
+    (or None) and warn if it failed too, without hiding the block's error."""
     try:
         yield
     except BaseException:

@@ -17,14 +17,6 @@ from accelerate.utils import gather_object
 
 from accel_mixin.errors import CheckpointError
 
-__all__ = [
-    "agreed_checkpoint",
-    "checkpoint_files",
-    "checkpoint_name",
-    "checkpoint_positions",
-    "describe_position",
-]
-
 _CHECKPOINT_RE = re.compile(r"^training-state-(\d{6,})(?:-batch-(\d{6,})-ranks-(\d+))?\.pt$")
 
 
@@ -71,18 +63,9 @@ def agreed_checkpoint(dirname, accelerator):
     """The newest training state in ``dirname`` that every rank has, or None.
 
     Machines that share no filesystem (``save_on_each_node``) can hold
-    different files: one killed during a write, or a new machine with none.
-    Each rank lists its own ``dirname``; all resume from the newest position
-    they all have, so that they train the same epochs from the same state.
-    Files are renamed into place when complete, so a write that was killed
-    never has the name this looks for.
-
-    Raises
-    ------
-    CheckpointError
-      On every rank, if some ranks have training states and others have
-      none in common with them, or a rank cannot read ``dirname``.
-
+    different files (one killed during a write, a new machine with none): all
+    resume from the newest position they all have. A ``CheckpointError`` on
+    every rank where some ranks have none in common, or cannot read ``dirname``.
     """
     try:
         found, error = checkpoint_positions(dirname, accelerator.num_processes), None

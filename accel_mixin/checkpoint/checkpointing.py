@@ -1,11 +1,7 @@
-"""Checkpoint files on every process: ``save_params``, ``load_params``,
-``save_state`` and ``load_state`` for a net whose objects accelerate wraps.
-
-Every process calls them. They unwrap the net, so that files hold the keys of
-the bare modules; the main process writes (with ``save_on_each_node``, the
-main process of every machine), atomically; every process returns once the
-files are complete and raises if any process failed. The training state's
-format is ``training_state``'s, its restore ``resuming``'s.
+"""``save_params``, ``load_params``, ``save_state`` and ``load_state`` on every
+process: files hold the keys of the unwrapped modules, the main process (with
+``save_on_each_node``, of every machine) writes, and every process returns once
+the files are complete, or raises if any process failed.
 """
 
 import warnings
@@ -27,8 +23,6 @@ from accel_mixin.resume.training_state import (
 from accel_mixin.training.process_state import process_state
 from accel_mixin.training.skorch_callbacks import stopped_early
 
-__all__ = ["CheckpointingMixin"]
-
 
 def _files_of(args, kwargs):
     """The files a save_params or load_params call names, for messages."""
@@ -38,10 +32,8 @@ def _files_of(args, kwargs):
 
 
 class CheckpointingMixin(SafeParamsMixin):
-    """Saving and loading on every process, for ``AccelerateMixin``.
-
-    Relies on the net's ``_unwrapped()``, which ``AccelerateMixin`` provides.
-    """
+    """Saving and loading on every process, for ``AccelerateMixin`` (whose
+    ``_unwrapped()`` it uses)."""
 
     @property
     def _process(self):
@@ -54,11 +46,10 @@ class CheckpointingMixin(SafeParamsMixin):
     def save_params(self, *args, **kwargs):
         """Save the parameters of the net's modules, optimizers and history.
 
-        Accepts the arguments of ``skorch.net.NeuralNet.save_params``. The
-        state is taken from the unwrapped objects, so the keys carry no DDP
-        prefix and the files load into accelerated and plain skorch nets
-        alike. Only the main process writes; every process returns once the
-        files are complete, and raises if the write failed.
+        Accepts the arguments of ``skorch.net.NeuralNet.save_params``. Keys
+        carry no DDP prefix, so the files load into accelerated and plain
+        skorch nets alike. Only the main process writes; every process returns
+        once the files are complete, and raises if the write failed.
 
         """
         save = lambda: super(CheckpointingMixin, self).save_params(*args, **kwargs)  # noqa: E731
@@ -80,10 +71,9 @@ class CheckpointingMixin(SafeParamsMixin):
         """Load the parameters of the net's modules, optimizers and history.
 
         Accepts the arguments of ``skorch.net.NeuralNet.load_params``. Every
-        process loads into the unwrapped objects, so that DDP keeps its
-        wrapper around the loaded weights. With ``device=None`` the files are
-        mapped to the CPU, and the accelerator's device placement stays in
-        charge. If loading fails on any process, every process raises.
+        process loads into the unwrapped objects; with ``device=None`` files
+        are mapped to the CPU and the accelerator places the objects. If
+        loading fails on any process, every process raises.
 
         """
         if kwargs.get("checkpoint") is not None and not self.initialized_:
@@ -101,9 +91,7 @@ class CheckpointingMixin(SafeParamsMixin):
 
     def _check_device(self, requested_device, map_device):
         if requested_device is None:
-            # The accelerator places the objects: map files to the CPU, keep
-            # device=None and say nothing. skorch's (or an override's) check
-            # still runs, for what else it does.
+            # the accelerator places the objects: no DeviceWarning about it
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", DeviceWarning)
                 super()._check_device(requested_device, map_device)
@@ -113,12 +101,11 @@ class CheckpointingMixin(SafeParamsMixin):
     def save_state(self, path, asynchronous=False, on_written=None, stopped=None):
         """Save the whole training state, to resume training exactly.
 
-        The file holds the weights of every module and criterion, every
-        optimizer, the LR schedulers of ``LRScheduler`` callbacks, the
-        gradient scaler, the random number generators of every rank, the
-        history, the position of training and the state of the callbacks,
-        as tensors and plain values only. Every rank must call it; the main
-        process writes, atomically.
+        The file holds modules, criteria, optimizers, the LR schedulers of
+        ``LRScheduler`` callbacks, the gradient scaler, every rank's random
+        number generators, the history, the position of training and the
+        callbacks' state, as tensors and plain values only. Every rank must
+        call it; the main process writes.
 
         Parameters
         ----------
@@ -127,10 +114,9 @@ class CheckpointingMixin(SafeParamsMixin):
 
         asynchronous : bool (default=False)
           If True, copy the state to CPU memory and write it in a background
-          thread while training goes on. At most one write is in flight: the
-          next save waits for the previous one, and ``wait_for_saves`` waits
-          for the last. A failed write raises on every rank at the next of
-          these.
+          thread while training goes on. At most one write is in flight; a
+          failed write raises on every rank at the next save or
+          ``wait_for_saves``.
 
         on_written : callable or None (default=None)
           Called without arguments on the writing process once the file is
@@ -138,9 +124,8 @@ class CheckpointingMixin(SafeParamsMixin):
 
         stopped : bool or None (default=None)
           Whether training ends with this state, so that a run resumed from
-          it trains no further. None: whether an ``EarlyStopping`` among the
-          callbacks has decided to stop (at the epoch that just ended, or,
-          after ``fit``, the last one).
+          it trains no further. None: whether an ``EarlyStopping`` callback
+          decided to stop.
 
         """
 
@@ -164,8 +149,7 @@ class CheckpointingMixin(SafeParamsMixin):
             if stopped is None:
                 stopped = process.position is None and stopped_early(self.callbacks_)
             state = collect_state(self, shuffling, stopped=stopped, position=process.position)
-            # after the collective of collect_state, inside the session: a
-            # warning turned into an error reaches every rank
+            # after collect_state's collective: an error reaches every rank
             warn_if_inside_accumulation(self.accelerator)
             writes = writes_files(self.accelerator)
             if not asynchronous:
@@ -191,9 +175,8 @@ class CheckpointingMixin(SafeParamsMixin):
         )
 
     def _wait_for_writes_in_flight(self, what):
-        """Before a load, on every rank: wait until the asynchronous writes
-        of this process (this net's and any other's) are done, so that no
-        rank reads the previous file; a failed write of this net raises."""
+        """Before a load, on every rank: wait for this process's asynchronous
+        writes (of any net); a failed write of this net raises."""
 
         def finish():
             join_all()
@@ -204,13 +187,11 @@ class CheckpointingMixin(SafeParamsMixin):
     def load_state(self, path):
         """Restore a training state that ``save_state`` wrote.
 
-        Restores in steps (``accel_mixin.resume.resuming``): read the file once;
-        load the weights into the unwrapped modules; prepare; restore
-        optimizers, schedulers, scaler, history, loop and callbacks; free
-        the state and wait for everyone. The random number generators and
-        the shuffling of the training data are restored when the next epoch
-        begins, and the next ``fit`` or ``partial_fit`` trains only the
-        epochs that remain up to ``max_epochs``.
+        Every rank reads the file once and restores weights, optimizers,
+        schedulers, scaler, history, loop and callbacks; the random number
+        generators and the shuffling are restored when the next epoch begins,
+        and the next ``fit`` or ``partial_fit`` trains only the epochs that
+        remain up to ``max_epochs``.
 
         Parameters
         ----------
@@ -237,9 +218,7 @@ class CheckpointingMixin(SafeParamsMixin):
         As ``accelerator.wait_for_everyone()``, except that if a process
         failed in the call this one is part of (a callback of the same
         ``fit``, say), every process raises a ``DistributedError`` that names
-        it instead of waiting for the timeout. For callbacks that go into
-        collectives of their own (``ResumeTraining`` compares the ranks'
-        files).
+        it instead of waiting for the timeout.
 
         Parameters
         ----------

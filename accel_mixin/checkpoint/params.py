@@ -3,31 +3,21 @@
 import os
 import zipfile
 from collections.abc import Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import torch
 from skorch.utils import _check_f_arguments
 
 from accel_mixin.checkpoint import files as _files
-from accel_mixin.checkpoint.files import check_readable, check_same_save, history_error, read_error
 from accel_mixin.checkpoint.state_dict import (
+    check_readable,
     clean_state_dict,
     describe_content,
+    history_error,
     load_module_state,
+    read_error,
 )
 from accel_mixin.errors import CheckpointError
-
-__all__ = ["SafeParamsMixin", "load_optimizer_state"]
-
-_NOT_INITIALIZED = (
-    "Cannot {} state of an un-initialized model. Please initialize first by calling "
-    ".initialize() or by fitting the model with .fit(...)."
-)
-_NO_ATTRIBUTE = (
-    "You are trying to {} 'f_{{name}}' but for that to work, the net needs to have an "
-    "attribute called 'net.{{name}}_' that is a PyTorch Module or Optimizer; make sure "
-    "that it exists and check for typos."
-)
 
 
 class SafeParamsMixin:
@@ -68,11 +58,8 @@ class SafeParamsMixin:
     ):
         """Save the state of the net's modules, optimizers and history.
 
-        See ``skorch.net.NeuralNet.save_params``, which this calls (an
-        override of it on a class below this one runs too), with temporary
-        file names beside the targets: the files are renamed into place
-        together once all are written, and module keys carry no wrapper
-        prefix.
+        See ``skorch.net.NeuralNet.save_params``, which this calls with
+        temporary files beside the targets, renamed into place together.
 
         """
         files = dict(
@@ -82,11 +69,9 @@ class SafeParamsMixin:
             f_history=f_history,
             **kwargs,
         )
-        kwargs_module, _ = _check_f_arguments("save_params", **files)
-        # everything is checked before the first file is written
-        for attr, f in kwargs_module.items():
-            obj = self._checked_attribute(attr, "save")
-            if use_safetensors and not isinstance(obj, torch.nn.Module):
+        for attr, f in _check_f_arguments("save_params", **files)[0].items():
+            obj = self.__dict__.get(attr)  # a missing one: skorch's error
+            if use_safetensors and obj is not None and not isinstance(obj, torch.nn.Module):
                 raise ValueError(
                     f"Cannot save f_{attr[:-1]} to {f} with use_safetensors=True: "
                     "safetensors stores tensors only, and the state of an optimizer "
@@ -95,9 +80,13 @@ class SafeParamsMixin:
         named = {key: f for key, f in files.items() if isinstance(f, (str, os.PathLike))}
         with (
             _files.atomic_files(named.values(), record=True) as temporaries,
+            ExitStack() as opened,
             self._accessing(_Saving),
         ):
             files.update(zip(named, temporaries))
+            if use_safetensors:  # by name, safetensors would rename a temporary file of its own
+                for key in set(named) - {"f_history"}:
+                    files[key] = opened.enter_context(open(files[key], "wb"))
             super().save_params(use_safetensors=use_safetensors, **files)
 
     def load_params(
@@ -112,9 +101,8 @@ class SafeParamsMixin:
     ):
         """Load the state of the net's modules, optimizers and history.
 
-        See ``skorch.net.NeuralNet.load_params``, which this calls (an
-        override of it on a class below this one runs too); loading is safe
-        and tolerant of wrapper prefixes, and errors name the file.
+        See ``skorch.net.NeuralNet.load_params``, which this calls; loading is
+        safe and tolerant of wrapper prefixes, and errors name the file.
 
         """
         explicit = dict(kwargs, f_params=f_params, f_optimizer=f_optimizer, f_criterion=f_criterion)
@@ -128,15 +116,13 @@ class SafeParamsMixin:
             resolved.update({key: val for key, val in explicit.items() if val})
             return _check_f_arguments("load_params", **resolved)[0]
 
+        f_history_read = f_history
         if f_history is None and checkpoint is not None and checkpoint.f_history is not None:
             f_history_read = checkpoint.f_history_
-        else:
-            f_history_read = f_history
         check_readable(f_history_read)  # skorch reads it first
-        # skorch reads every file with the same torch_load_kwargs, which it
-        # takes once: a dict of ours, in which module files get mmap=True
-        # (loading then adds one file's size to peak memory, not two) and
-        # optimizer files, whose tensors the optimizer keeps, do not
+        # skorch takes torch_load_kwargs once for every file: a dict of ours,
+        # in which module files get mmap=True and optimizer files (whose
+        # tensors the optimizer keeps) do not
         user_kwargs = self.torch_load_kwargs
         load_kwargs = {"weights_only": True} if user_kwargs is None else dict(user_kwargs)
         loading = _Loading(files, f_history_read, use_safetensors, load_kwargs)
@@ -175,31 +161,23 @@ class SafeParamsMixin:
         adapter = self.__dict__.get(_ADAPTER)
         return module if adapter is None else adapter(name, module)
 
-    def _checked_attribute(self, attr, action):
-        if attr.endswith("_") and not self.initialized_:
-            self.check_is_fitted([attr], msg=_NOT_INITIALIZED.format(action))
-        return self._get_module(attr, msg=_NO_ATTRIBUTE.format(action))
-
 
 _ADAPTER = "_accel_mixin_params_adapter"
 
 
 class _Saving:
-    """What skorch's save_params saves of a module or optimizer: module
-    keys without wrapper prefixes."""
+    """What skorch's save_params saves: module keys without wrapper prefixes."""
 
     def __init__(self, attr, obj):
         self._obj = obj
 
     def state_dict(self):
-        if isinstance(self._obj, torch.nn.Module):
-            return clean_state_dict(self._obj)
-        return self._obj.state_dict()
+        obj = self._obj
+        return clean_state_dict(obj) if isinstance(obj, torch.nn.Module) else obj.state_dict()
 
 
 class _Loading:
-    """Where skorch's load_params loads: checked loads, and the file that a
-    failure is about."""
+    """Where skorch's load_params loads: checked loads, and the file a failure is about."""
 
     def __init__(self, files, f_history, use_safetensors, load_kwargs):
         self._files, self.files = files, None
@@ -209,11 +187,10 @@ class _Loading:
         self.mmap = "mmap" not in load_kwargs  # unless the user decides
         self.reading = None  # the file skorch reads now
 
-    def adapter(self, attr, obj):
-        # skorch reads the file next
+    def adapter(self, attr, obj):  # skorch reads the file next
         if self.files is None:
             self.files = self._files()
-            check_same_save([*self.files.values(), self.f_history])
+            _files.check_same_save([*self.files.values(), self.f_history])
         self.reading = self.files.get(attr)
         check_readable(self.reading)
         if self.mmap:

@@ -1,26 +1,25 @@
-"""State dicts that load whatever wrapper wrote them, with errors that say why.
+"""State dict files: read safely, loaded whatever wrapper wrote them, with
+errors that say which file is wrong and what to do.
 
 DDP and DataParallel save keys under ``module.``, ``torch.compile`` under
 ``_orig_mod.``, and wrappers nest. A prefix is removed only when every key
-carries it, as super-gradients does: a partial prefix means a different
-model, and is reported rather than guessed at.
+carries it: a partial prefix means a different model, and is reported rather
+than guessed at. Reading refuses pickles that would run code and maps torch
+files into memory.
 """
 
+import json
+import os
+import pickle
+import zipfile
 from collections import OrderedDict
 from collections.abc import Mapping
 
+import safetensors
 import torch
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from accel_mixin.errors import CheckpointError
-
-__all__ = [
-    "CheckpointError",
-    "clean_state_dict",
-    "load_module_state",
-    "strip_wrapper_prefixes",
-    "unwrap_module",
-]
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 _SHOWN = 5
@@ -116,14 +115,12 @@ def _extra_prefix(unexpected, missing):
     """A prefix that, taken off the unexpected keys, gives the missing ones."""
     if not unexpected or len(unexpected) != len(missing):
         return None
-    first_key = sorted(unexpected)[0]
-    for cut in range(len(first_key)):
-        if first_key[cut] == ".":
-            prefix = first_key[: cut + 1]
-            if sorted(k[len(prefix) :] for k in unexpected if k.startswith(prefix)) == sorted(
-                missing
-            ):
-                return prefix
+    first_key = min(unexpected)
+    for cut, char in enumerate(first_key):
+        prefix = first_key[: cut + 1]
+        rest = sorted(k[len(prefix) :] for k in unexpected if k.startswith(prefix))
+        if char == "." and rest == sorted(missing):
+            return prefix
     return None
 
 
@@ -136,50 +133,21 @@ def describe_content(value):
         if bad is None:
             return f"a dict with the keys {_shorten(list(value))}"
         return f"a dict whose keys are not names (e.g. {bad!r} of type {type(bad).__name__})"
-    if value is None:
-        return "None"
-    return f"a {type(value).__name__}"
-
-
-def check_is_state_dict(state, *, source, name):
-    """Raise a ``CheckpointError`` that says what the file ``source`` holds
-    instead, unless ``state`` is a dict of tensors under names."""
-    if isinstance(state, Mapping) and all(isinstance(k, str) for k in state):
-        return
-    raise CheckpointError(
-        f"{source} is not a state dict for {name}: it holds {describe_content(state)}. save_params "
-        f"writes what module.state_dict() returns (a dict of tensors under parameter "
-        "names); save it with net.save_params(f_params=...) or "
-        "torch.save(module.state_dict(), path)."
-    )
+    return "None" if value is None else f"a {type(value).__name__}"
 
 
 def load_module_state(module, state_dict, *, source, name):
-    """Load ``state_dict`` into ``module``, tolerating wrapper prefixes.
-
-    Parameters
-    ----------
-    module : torch.nn.Module
-      The target; wrappers around it are looked through.
-
-    state_dict : dict
-      What the file holds.
-
-    source : str
-      The file, for error messages.
-
-    name : str
-      The net's attribute, e.g. ``'module_'``, for error messages.
-
-    Raises
-    ------
-    CheckpointError
-      If keys are missing or unexpected, or a shape differs; the message
-      names the file, the keys and both shapes.
-
-    """
+    """Load ``state_dict`` into ``module`` (wrappers looked through), tolerating
+    wrapper prefixes; a ``CheckpointError`` names the file ``source``, the
+    attribute ``name``, the keys and both shapes."""
     target = unwrap_module(module)
-    check_is_state_dict(state_dict, source=source, name=name)
+    if not (isinstance(state_dict, Mapping) and all(isinstance(k, str) for k in state_dict)):
+        raise CheckpointError(
+            f"{source} is not a state dict for {name}: it holds {describe_content(state_dict)}. "
+            "save_params writes what module.state_dict() returns (a dict of tensors under "
+            "parameter names); save it with net.save_params(f_params=...) or "
+            "torch.save(module.state_dict(), path)."
+        )
     state_dict = strip_wrapper_prefixes(state_dict)
     expected = target.state_dict()
     missing = [k for k in expected if k not in state_dict]
@@ -194,3 +162,102 @@ def load_module_state(module, state_dict, *, source, name):
                 f"file but {tuple(expected[key].shape)} in the module. {_OTHER_MODEL}"
             )
     target.load_state_dict(state_dict)
+
+
+def _is_path(f):
+    return isinstance(f, (str, os.PathLike))
+
+
+def check_readable(f):
+    if not _is_path(f):
+        return
+    if os.path.isdir(f):
+        raise IsADirectoryError(
+            f"Cannot load {f}: it is a directory; pass the path of a file that "
+            "save_params wrote, e.g. " + os.path.join(os.fspath(f), "params.pt")
+        )
+    if not os.path.exists(f):
+        raise FileNotFoundError(
+            f"No checkpoint at {f}: check the path; on several machines, the file "
+            "must be where each process runs (a shared filesystem, or "
+            "ProjectConfiguration(save_on_each_node=True))"
+        )
+
+
+def read_state(f, *, torch_load_kwargs=None):
+    """Load a training state to the CPU, with ``weights_only=True`` unless
+    skorch's ``torch_load_kwargs`` say otherwise; a bad file raises a
+    ``CheckpointError``."""
+    check_readable(f)
+    kwargs = {"weights_only": True} if torch_load_kwargs is None else dict(torch_load_kwargs)
+    kwargs.setdefault("map_location", "cpu")
+    try:
+        return torch.load(f, **kwargs)
+    except Exception as exc:  # pylint: disable=broad-except
+        error = read_error(f, exc, weights_only=kwargs.get("weights_only"))
+        if error is None:
+            raise
+        raise error from exc
+
+
+# how torch words the refusal of a global under weights_only, across releases
+_REFUSALS = ("allowed global", "unsupported global", "unsupported class", "blocked")
+
+
+def read_error(f, exc, *, weights_only, use_safetensors=False):
+    """The ``CheckpointError`` that says what is wrong with the file ``f`` whose
+    reading raised ``exc``; None where the environment failed, not the file."""
+    if isinstance(exc, CheckpointError):
+        return exc
+    if use_safetensors:
+        if isinstance(exc, (safetensors.SafetensorError, ValueError, OSError)):
+            return CheckpointError(
+                f"{f} is not a complete safetensors file, it may be truncated, corrupt, or "
+                f"saved without use_safetensors=True ({exc})"
+            )
+        return None
+    if isinstance(exc, pickle.UnpicklingError):
+        if weights_only and any(hint in str(exc).lower() for hint in _REFUSALS):
+            return CheckpointError(
+                f"Refused to load {f}: it holds objects whose unpickling would run code, "
+                "and files are loaded with weights_only=True. If you trust the file and "
+                "its source, pass torch_load_kwargs={'weights_only': False} to the net."
+            )
+    elif isinstance(exc, (RuntimeError, EOFError, ValueError, zipfile.BadZipFile)):
+        return CheckpointError(
+            f"{f} is not a complete torch file, it may be truncated or corrupt "
+            f"({type(exc).__name__}: {exc}){_safetensors_hint(f)}; load an earlier checkpoint "
+            "or save again."
+        )
+    elif isinstance(exc, (OSError, ImportError, MemoryError)):
+        return None  # the environment, not the file
+    # garbage makes the unpickler fail in any way (IndexError, KeyError, ...)
+    return CheckpointError(
+        f"{f} is not a readable torch file (corrupt?{_safetensors_hint(f)}): "
+        f"{type(exc).__name__}: {exc}"
+    )
+
+
+def _safetensors_hint(f):
+    """A pointer to use_safetensors=True where ``f`` looks like a safetensors file."""
+    if not _is_path(f):
+        return ""
+    try:
+        with open(f, "rb") as file:
+            head = file.read(9)
+    except OSError:
+        return ""
+    # a safetensors file starts with the length of its JSON header, then '{'
+    if len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < 2**27:
+        return "; it looks like a safetensors file: load it with use_safetensors=True"
+    return ""
+
+
+def history_error(f, exc):
+    """The ``CheckpointError`` for the history file ``f`` whose reading raised
+    ``exc``, or None if the file is not to blame."""
+    if isinstance(exc, (json.JSONDecodeError, UnicodeDecodeError, TypeError)):
+        return CheckpointError(
+            f"{f} is not a history file that save_params wrote (invalid JSON: {exc})"
+        )
+    return None

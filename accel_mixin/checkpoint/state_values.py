@@ -1,23 +1,12 @@
-"""The pieces of a training state that are not weights: random number
-generators, the history, CPU snapshots. Everything is
-turned into tensors and plain Python values, so that a training state loads
-with ``weights_only=True``.
+"""The pieces of a training state that are not weights (random number
+generators, the history) as tensors and plain Python values, so that a
+training state loads with ``weights_only=True``; CPU snapshots of a state.
 """
 
 import random
 
 import numpy as np
 import torch
-
-__all__ = [
-    "NOT_PLAIN",
-    "as_plain",
-    "cpu_snapshot",
-    "history_state",
-    "plain_or_not",
-    "restore_rng",
-    "rng_state",
-]
 
 _PLAIN_SCALARS = (bool, int, float, str, type(None))
 
@@ -100,10 +89,8 @@ def restore_rng(state):
 
 
 def history_state(rows):
-    """A copy of the history's rows (a ``History`` or a list of its rows) as
-    plain values (``as_plain``): NumPy scalars become Python's, tuples and
-    keys stay as they are; tensors and arrays are refused, which a resumed
-    history would not give back as they were."""
+    """The history's rows as plain values; tensors and arrays are refused,
+    which a resumed history would not give back as they were."""
     try:
         return as_plain(list(rows), arrays=False)
     except _NotPlain as exc:
@@ -115,12 +102,8 @@ def history_state(rows):
 
 def cpu_snapshot(state, reuse=None):
     """A copy of ``state`` whose tensors live on the CPU and share nothing
-    with training, for writing while training goes on.
-
-    Tensors are copied into those of ``reuse``, an earlier snapshot of the
-    same layout, where shapes and dtypes match: filling memory that exists
-    is four times faster than allocating it anew.
-    """
+    with training; tensors are copied into those of ``reuse`` (an earlier
+    snapshot) where they match, faster than allocating memory anew."""
     if isinstance(state, torch.Tensor):
         tensor = state.detach()
         if (

@@ -19,7 +19,7 @@ inside an epoch resumes that epoch where it was saved (``continue_epoch``,
 
 import functools
 
-from accel_mixin.checkpoint.files import read_state
+from accel_mixin.checkpoint.state_dict import read_state
 from accel_mixin.checkpoint.state_values import rng_state
 from accel_mixin.resume.mid_epoch import apply_partial_epoch
 from accel_mixin.resume.training_state import (
@@ -54,7 +54,7 @@ def resume(net, path):
 
 def _read(net, path):
     # unmapped: optimizers keep the loaded tensors
-    state = read_state(path, torch_load_kwargs=net.torch_load_kwargs, mmap=False)
+    state = read_state(path, torch_load_kwargs=net.torch_load_kwargs)
     validate_state(state, path)
     return state
 
