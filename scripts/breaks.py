@@ -269,9 +269,22 @@ BREAKS = [
         "coordination",
         "remove the barrier that ends run(): ranks return before the write ends",
         "accel_mixin/distributed/coordination.py",
-        "            self.barrier(what)\n        return result",
+        "            self.barrier(what, max(self.timeout, io_timeout) + "
+        "_report_grace(io_timeout))\n        return result",
         "        return result",
         ("tests/test_coordination.py",),
+    ),
+    launched(
+        "coordination-waiters-no-grace",
+        "coordination",
+        "the waiting ranks give up with the stalled rank's own bound, before its error arrives",
+        "accel_mixin/distributed/coordination.py",
+        "    return min(max(5.0, io_timeout / 4), 60.0)",
+        "    return -0.5",
+        (
+            "tests/test_liveness.py::"
+            "test_a_write_without_progress_fails_on_every_rank_after_the_io_timeout",
+        ),
     ),
     Break(
         "coordination-no-failure-poll",

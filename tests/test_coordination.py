@@ -269,7 +269,7 @@ def test_a_rank_that_times_out_just_as_the_last_arrives_passes():
     with rank0.session("x"), rank1.session("x"):
         key = rank1._child("b")  # pylint: disable=protected-access
         rank1.store.add(key, 2)  # both arrived, as the timeout fires
-        rank1._give_up(key, "x")  # pylint: disable=protected-access
+        rank1._give_up(key, "x", 0.2)  # pylint: disable=protected-access
         assert rank1.store.add(key, 0) == 2
         assert rank1.failure() is None
 

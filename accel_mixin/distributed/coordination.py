@@ -179,21 +179,22 @@ class Coordinator:
                 return rank, value.split("|", 1)[-1] if value else "before any collective call"
         return None
 
-    def barrier(self, what):
+    def barrier(self, what, patience=None):
         """Wait for every rank, or raise ``DistributedError`` as soon as one
-        failed in a section this rank is in, or at the timeout."""
+        failed in a section this rank is in, or once nothing advanced for
+        ``patience`` seconds (default: the timeout)."""
         if not self.distributed:
             return
         self._refuse_alone(what)
         if not self._open:
             with self.session(what):
-                self.barrier(what)
+                self.barrier(what, patience)
             return
         if self._agreed != self._generation:
             self._agree_on_the_call()
         key = self._child("b")
         if self.store.add(key, 1) < self.num_processes:
-            self._wait(key, what)
+            self._wait(key, what, self.timeout if patience is None else patience)
 
     def _agree_on_the_call(self):
         """At a session's first barrier, check that every rank is in the same
@@ -210,9 +211,9 @@ class Coordinator:
                 session,
             )
 
-    def _wait(self, key, what):
+    def _wait(self, key, what, patience):
         start = time.monotonic()
-        deadline, look = start + self.timeout, start + _LOOK_EVERY
+        deadline, look = start + patience, start + _LOOK_EVERY
         presence = start + _PRESENCE_EVERY
         pause, progress = _POLL_FIRST, None  # progress is read at the first look only
         while self.store.add(key, 0) < self.num_processes:
@@ -234,9 +235,9 @@ class Coordinator:
             # some rank's run in one of these sections advances: wait on
             advanced = sum(self.store.add(k + "/alive", 0) for k, *_ in self._open)
             if advanced != progress:
-                progress, deadline = advanced, now + self.timeout
+                progress, deadline = advanced, now + patience
             elif now > deadline:
-                self._give_up(key, what)
+                self._give_up(key, what, patience)
                 return
 
     def _lost(self, what, rank, where):
@@ -246,13 +247,13 @@ class Coordinator:
             "go on without it. Its own output says why it ended."
         )
 
-    def _give_up(self, key, what):
+    def _give_up(self, key, what, patience):
         """Leave a barrier that timed out, so that every rank agrees on it."""
         if self.store.add(key, -1) + 1 >= self.num_processes:
             self.store.add(key, 1)  # everyone had arrived after all: pass
             return
         self._raise(
-            f"{what}: rank {self.process_index} waited {self.timeout:.0f} s for the "
+            f"{what}: rank {self.process_index} waited {patience:.0f} s for the "
             "other ranks, which neither arrived nor reported a failure. Every rank must "
             f"make the same collective calls ({COLLECTIVE})"
         )
@@ -266,20 +267,27 @@ class Coordinator:
         the others a ``DistributedError`` naming it. ``io_timeout`` (default:
         the timeout) bounds a stall of ``fn``; ``files`` names them in its error.
         """
+        io_timeout = self.timeout if io_timeout is None else io_timeout
         with self.session(what):
             self.barrier(what)
             if here and self.distributed:
                 key = self._open[-1][0] + "/alive"
                 result = supervised(
                     fn,
-                    io_timeout=self.timeout if io_timeout is None else io_timeout,
+                    io_timeout=io_timeout,
                     on_progress=lambda: self.store.add(key, 1),
                     what=what if files is None else f"{what} of {files}",
                 )
             else:
                 result = fn() if here else None
-            self.barrier(what)
+            # the ranks that wait outlast the stalled one's own bound, so that
+            # its error, which says what stalled, reaches them first
+            self.barrier(what, max(self.timeout, io_timeout) + _report_grace(io_timeout))
         return result
+
+
+def _report_grace(io_timeout):
+    return min(max(5.0, io_timeout / 4), 60.0)
 
 
 class _Section:
