@@ -13,11 +13,9 @@ itself::
 
 import os
 import signal
-import uuid
 import warnings
 from contextlib import contextmanager
 
-from accelerate.utils import gather_object
 from skorch.callbacks import Callback
 
 from accel_mixin.checkpoint.checkpoint_files import (
@@ -32,14 +30,13 @@ from accel_mixin.errors import CheckpointError, Preempted
 from accel_mixin.resume.data_order import resumable_inside_epochs
 from accel_mixin.resume.runs import (
     check_run_name,
-    describe_differences,
+    differs_from_newest,
     find_run,
+    fit_identity,
     read_manifest,
     run_folders,
-    run_identity,
     write_manifest,
 )
-from accel_mixin.training.process_state import process_state
 from accel_mixin.training.skorch_callbacks import stopped_early
 
 __all__ = ["ResumeTraining", "TrainingCheckpoint"]
@@ -64,62 +61,33 @@ class _RunCallback(Callback):
             )
 
 
-def fit_identity(net, X, y):
-    """The run identity of the running fit, computed once per fit (the data
-    hashed once), the same on every rank: the ranks compare theirs and all
-    raise where they differ; an unnamed fit that the identity cannot tell
-    from others gets a unique id, drawn on the main process."""
-    state = process_state(net)
-    if state.identity is not None:
-        return state.identity
+def _fit_identity(net, X, y):
     names = {cb.run_name for _, cb in net.callbacks_ if isinstance(cb, TrainingCheckpoint)}
     names.discard(None)
     if len(names) > 1:
         raise ValueError(f"The net's TrainingCheckpoints name the run differently: {sorted(names)}")
-    identity = run_identity(net, X, y, state.fit_params, name=next(iter(names), None))
-    nonce = uuid.uuid4().hex[:16]
-    if net.accelerator.num_processes > 1:
-        # every rank comes here: the callbacks before succeeded on all of them
-        net.wait_for_everyone("the run identity")
-        everyone = gather_object([(identity.id, identity.described, nonce)])
-        nonce = everyone[0][2]
-        for rank, (id_, described, _) in enumerate(everyone):
-            if id_ != everyone[0][0]:
-                raise CheckpointError(
-                    f"The ranks fit different runs: the run identity of rank {rank} differs "
-                    f"from rank 0's in: {describe_differences(described, everyone[0][1])}. "
-                    "Every process must run the same script on the same data."
-                )
-    if identity.refused and identity.name is None:
-        identity = identity.unique(nonce)
-    state.identity = identity
-    return identity
+    return fit_identity(net, X, y, name=next(iter(names), None))
 
 
 class TrainingCheckpoint(_RunCallback):
     """Save the whole training state at the end of epochs, for resuming.
 
     It runs after every other callback at an epoch's end, so the state is
-    that of the finished epoch with the other callbacks' decisions in it.
-    Every fit is a run with an identity of its own (by content: the
-    hyperparameters that differ from their defaults and a hash of all of the
-    data; see ``accel_mixin.resume.runs``); its files go to
-    ``dirname/run-<id>/`` (``run-<run_name>-<id>/``), with a
-    ``manifest.json`` of the identity, the epochs saved and the run's status.
-    Files are named after the epoch (``training-state-000012.pt``), so
-    numbering continues after a resume, and renamed into place when
-    complete, so ``ResumeTraining`` never picks a half-written one.
+    that of the finished epoch. Every fit is a run with an identity by
+    content (hyperparameters that differ from their defaults, a hash of all
+    of the data; ``accel_mixin.resume.runs``), and its files go to
+    ``dirname/run-<id>/`` (``run-<run_name>-<id>/``) with a ``manifest.json``
+    of the identity, the epochs saved and the run's status. A file is named
+    after its epoch (``training-state-000012.pt``) and renamed into place
+    when complete, so ``ResumeTraining`` never picks a half-written one.
 
     On a preemption notice (one of ``signals``, on any rank), every rank
-    stops at the same batch, saves a training state there and raises
+    stops at the same batch (at the next optimizer step under gradient
+    accumulation; at the epoch's end for a notice during its last batches or
+    with an ``IterableDataset``), saves a training state there and raises
     ``accel_mixin.Preempted``, so that the script exits non-zero and the
-    scheduler requeues it. The ranks poll about every half second of
-    training and at least every 64 batches (under gradient accumulation, the
-    stop waits for the next optimizer step); a notice at an epoch's last
-    batches, or where the training data cannot resume inside an epoch (an
-    ``IterableDataset``), stops at the epoch's end; one after the last
-    epoch's end is delivered again once ``fit`` has put the previous
-    handlers back (``accel_mixin.distributed.preemption``).
+    scheduler requeues it. The ranks poll about every half second and at
+    least every 64 batches (``accel_mixin.distributed.preemption``).
 
     Parameters
     ----------
@@ -131,37 +99,34 @@ class TrainingCheckpoint(_RunCallback):
 
     every_n_batches : int or None (default=None)
       Also save after every ``every_n_batches``-th training batch of an
-      epoch (not its last; under gradient accumulation, at the first
-      optimizer step at or after it), as
-      ``training-state-<epoch>-batch-<batch>-ranks-<n>.pt``, which resumes
-      exactly there on the same number of processes. None saves at epoch
-      ends only. Needs map-style training data: with an ``IterableDataset``
-      training raises a ``ValueError`` at its first batch.
+      epoch but its last (under gradient accumulation, at the next optimizer
+      step), as ``training-state-<epoch>-batch-<batch>-ranks-<n>.pt``, which
+      resumes exactly there on as many processes. Needs map-style training
+      data (an ``IterableDataset`` raises a ``ValueError``). None: epoch ends
+      only.
 
     keep_last : int or None (default=2)
-      How many checkpoint files of the run to keep, besides the newest state
-      of an epoch's end, which is always kept; older ones are deleted once a
-      new one is complete. None keeps all. Other runs' files are never
-      deleted.
+      How many of the run's files to keep, besides its newest state of an
+      epoch's end; older ones are deleted once a new one is complete. None
+      keeps all. Other runs' files are never deleted.
 
     asynchronous : bool (default=False)
-      Copy the state to CPU memory and write it in a background thread while
-      training goes on. At most one write is in flight; the next save and
-      the end of training wait for it, and a failed write raises on every
-      rank there.
+      Write the state from CPU memory in a background thread while training
+      goes on, one write at a time: the next save and the end of training
+      wait for it, and a failed write raises on every rank there. A state
+      saved on a notice is written synchronously.
 
     signals : tuple of int (default=(signal.SIGTERM,))
       The preemption notices handled while ``fit`` runs, e.g.
       ``(signal.SIGTERM, signal.SIGUSR1)`` for SLURM's ``--signal``; ``()``
       handles none. The previous handlers are back once ``fit`` returns or
-      raises. A state saved on a notice is written synchronously.
+      raises, and a notice after the last epoch goes to them then.
 
     run_name : str or None (default=None)
       A name for the run (letters, digits, ``.``, ``_``, ``-``), part of its
-      identity and its folder's name, which ``ResumeTraining(run=...)``
-      accepts. A name also stands for what the identity cannot describe by
-      content: a named fit with such a value resumes its run, where an
-      unnamed one starts afresh every time.
+      identity and folder, which ``ResumeTraining(run=...)`` accepts. It
+      stands for what the identity cannot describe by content: a named fit
+      with such a value resumes, an unnamed one starts afresh every time.
 
     Attributes
     ----------
@@ -200,18 +165,18 @@ class TrainingCheckpoint(_RunCallback):
                 f"every_n_batches must be at least 1 or None, got {self.every_n_batches}"
             )
         self.signals = tuple(signal.Signals(signum) for signum in self.signals)
+        if self.keep_last is not None and self.keep_last < 1:
+            raise ValueError(f"keep_last must be at least 1 or None, got {self.keep_last}")
         # process-local, never part of a training state (no trailing _)
         self._notices = None
         self._stop = False
-        if self.keep_last is not None and self.keep_last < 1:
-            raise ValueError(f"keep_last must be at least 1 or None, got {self.keep_last}")
         self.run_ = None
         self.run_folder_ = None
         return self
 
     def on_train_begin(self, net, X=None, y=None, **kwargs):
         self._check_net(net)
-        self.run_ = fit_identity(net, X, y)
+        self.run_ = _fit_identity(net, X, y)
         run_folders(self.dirname)  # a clear error where dirname is a file
         self.run_folder_ = os.path.join(self.dirname, self.run_.folder)
         try:
@@ -385,7 +350,7 @@ class ResumeTraining(_RunCallback):
 
     def on_train_begin(self, net, X=None, y=None, **kwargs):
         self._check_net(net)
-        identity = fit_identity(net, X, y)
+        identity = _fit_identity(net, X, y)
         runs = run_folders(self.dirname)
         own = os.path.join(self.dirname, identity.folder)
         if identity.key in runs:
@@ -419,22 +384,9 @@ class ResumeTraining(_RunCallback):
             net.load_state(path)
             self.resumed_from_ = path
             return
-        others = [run for run in runs if run != identity.key]
+        others = {key: folder for key, folder in runs.items() if key != identity.key}
         if others and net.verbose and not identity.described.get("unique"):
-            self.sink(self._new_run_line(identity, runs, others))
-
-    def _new_run_line(self, identity, runs, others):
-        newest = max(others, key=lambda run: os.path.getmtime(runs[run]))
-        try:
-            manifest = read_manifest(runs[newest])
-        except CheckpointError:
-            manifest = None
-        differs = (
-            "an unreadable manifest"
-            if manifest is None
-            else describe_differences(identity.described, manifest.get("identity", {}))
-        )
-        return (
-            f"ResumeTraining: run {identity.key} starts afresh in {self.dirname}, next to "
-            f"{len(others)} other run(s); it differs from the newest, {newest}, in: {differs}"
-        )
+            self.sink(
+                f"ResumeTraining: run {identity.key} starts afresh in {self.dirname}, next to "
+                f"{len(others)} other run(s); {differs_from_newest(identity, others)}"
+            )

@@ -1,21 +1,13 @@
 """The training data's order, saved and resumed.
 
-A dataloader's order comes from generators besides the global ones: the
-``generator`` of the dataloader or its sampler, and accelerate's
-``synchronized_generator`` on several processes; each is saved and
-restored, by position in one list.
-
-A dataloader with ``persistent_workers`` draws its workers' base seed when
-its first iterator starts them: a resumed fit would draw at its first
-resumed epoch, where the uninterrupted one drew nothing, shifting every
-random number after it. Such workers therefore start with the generators
-put back as they were (``start_workers_without_draws``).
-
-Inside an epoch, a resumed epoch replays the saved order and skips the
-batches done at the sampler level: their indices are drawn (the order and
-the padding stay the uninterrupted epoch's), no sample is loaded. This is
-exact where loading a sample draws no random numbers (no random
-augmentation).
+The order comes from generators besides the global ones (the dataloader's
+or its sampler's ``generator``, accelerate's ``synchronized_generator``):
+each is saved and restored, by position in one list. Persistent workers
+draw their base seed when the first iterator starts them, which a resumed
+fit would do where the uninterrupted one drew nothing, so they start with
+the generators put back afterwards. Inside an epoch, a resumed epoch draws
+the indices of the batches done and skips them unread: exact where loading
+a sample draws no random numbers (no random augmentation).
 """
 
 from contextlib import contextmanager

@@ -116,8 +116,6 @@ class Describer:
             value = value.item()
         if isinstance(value, _PLAIN) and not isinstance(value, enum.Enum):
             return repr(value) if isinstance(value, float) else value
-        if isinstance(value, (complex, slice, range)):
-            return {"class": name_of(type(value)), "repr": repr(value)}
         if isinstance(value, (bytes, bytearray, memoryview)):
             return {"bytes": self._digest(bytes(value))}
         if isinstance(value, enum.Enum):

@@ -1,24 +1,14 @@
 """Resuming from a training state: ``load_state``'s steps, and the plan
-that the next fit applies.
+they leave for the next fit.
 
-``resume`` follows Lightning's checkpoint connector, each step a collective
-section that fails on every rank if it fails on one: read the state once;
-load the weights into the unwrapped modules; prepare; restore optimizers,
-scaler and history; free the state and wait for every rank.
-
-The rest can only go back where the uninterrupted run had it, so it waits in
-a ``ResumePlan``, applied once each, in the order of the fit that follows
-the load (the next fit drops it):
-
-1. ``at_train_begin``, after the callbacks' ``on_train_begin`` (which
-   resets them and builds the LR schedulers): the callbacks' and
-   schedulers' state, the optimizers' hyperparameters, the accumulation step;
-2. ``once_prepared``: ``EarlyStopping``'s best weights, under the keys of
-   the module as it is wrapped now;
-3. ``at_epoch_begin`` (``begin_epoch``): the random number generators and
-   the training data's generators; for a state from inside an epoch, those
-   the epoch began with, its row and caches (``continue_epoch``) and its
-   batches done to skip (``resume_point``).
+``resume`` takes Lightning's order, each step a collective section that
+fails on every rank if it fails on one: read the state; load the weights
+into the unwrapped modules; prepare; restore optimizers, scaler and
+history; free the state and wait for every rank. What can only go back
+where the uninterrupted run had it waits in a ``ResumePlan``, which the next
+fit applies, each part once: at train begin (after the callbacks reset),
+once prepared (``EarlyStopping``'s best weights under the wrapped keys) and
+at the first epoch's begin (generators; inside an epoch, its part done).
 """
 
 import copy

@@ -28,20 +28,25 @@ import json
 import os
 import re
 import time
+import uuid
 
+from accelerate.utils import gather_object
 from skorch.callbacks import Callback
 from skorch.callbacks import logging as skorch_logging
 
 from accel_mixin.checkpoint.files import atomic_write
 from accel_mixin.errors import CheckpointError
 from accel_mixin.resume.describe import Describer, fingerprint, init_defaults, name_of
+from accel_mixin.training.process_state import process_state
 
 __all__ = [
     "MANIFEST",
     "RunIdentity",
     "check_run_name",
     "describe_differences",
+    "differs_from_newest",
     "find_run",
+    "fit_identity",
     "read_manifest",
     "run_folders",
     "run_identity",
@@ -162,6 +167,34 @@ def run_identity(net, X, y=None, fit_params=None, name=None):
     return RunIdentity(described, refused)
 
 
+def fit_identity(net, X, y, name=None):
+    """The run identity of the running fit, computed once per fit (the data
+    hashed once), the same on every rank: the ranks compare theirs and all
+    raise where they differ; an unnamed fit that the identity cannot tell
+    from others gets a unique id, drawn on the main process."""
+    state = process_state(net)
+    if state.identity is not None:
+        return state.identity
+    identity = run_identity(net, X, y, state.fit_params, name=name)
+    nonce = uuid.uuid4().hex[:16]
+    if net.accelerator.num_processes > 1:
+        # every rank comes here: the callbacks before succeeded on all of them
+        net.wait_for_everyone("the run identity")
+        everyone = gather_object([(identity.id, identity.described, nonce)])
+        nonce = everyone[0][2]
+        for rank, (id_, described, _) in enumerate(everyone):
+            if id_ != everyone[0][0]:
+                raise CheckpointError(
+                    f"The ranks fit different runs: the run identity of rank {rank} differs "
+                    f"from rank 0's in: {describe_differences(described, everyone[0][1])}. "
+                    "Every process must run the same script on the same data."
+                )
+    if identity.refused and identity.name is None:
+        identity = identity.unique(nonce)
+    state.identity = identity
+    return identity
+
+
 def _units(described):
     """What a description says, by what the user would name: a parameter,
     a callback's parameter, a callback, the data, a fit parameter."""
@@ -214,6 +247,21 @@ def describe_differences(new, old, most=4):
     if len(keys) > most:
         parts.append(f"and {len(keys) - most} more")
     return ", ".join(parts) or "nothing that the identity records"
+
+
+def differs_from_newest(identity, runs):
+    """What ``identity`` differs in from the newest of ``runs`` (``run_folders``)."""
+    newest = max(runs, key=lambda run: os.path.getmtime(runs[run]))
+    try:
+        manifest = read_manifest(runs[newest])
+    except CheckpointError:
+        manifest = None
+    differs = (
+        "an unreadable manifest"
+        if manifest is None
+        else describe_differences(identity.described, manifest.get("identity", {}))
+    )
+    return f"it differs from the newest, {newest}, in: {differs}"
 
 
 def run_folders(dirname):
