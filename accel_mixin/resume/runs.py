@@ -198,9 +198,7 @@ def fit_identity(net, X, y, name=None):
 def _units(described):
     """What a description says, by what the user would name: a parameter,
     a callback's parameter, a callback, the data, a fit parameter."""
-    units = {}
-    for key, value in described.get("net", {}).get("params", {}).items():
-        units[key] = value
+    units = dict(described.get("net", {}).get("params", {}))
     units["net class"] = described.get("net", {}).get("class")
     for name, callback in described.get("callbacks", {}).items():
         units[f"callback {name}"] = callback.get("class")
