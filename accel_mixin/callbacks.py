@@ -13,11 +13,9 @@ itself::
 
 import os
 import signal
-import uuid
 import warnings
 from contextlib import contextmanager
 
-from accelerate.utils import gather_object
 from skorch.callbacks import Callback
 
 from accel_mixin.checkpoint.checkpoint_files import (
@@ -30,107 +28,67 @@ from accel_mixin.checkpoint.files import remove_temporaries
 from accel_mixin.distributed.preemption import NoticeBoard, can_handle, handling_signals
 from accel_mixin.distributed.process_layout import writes_files
 from accel_mixin.errors import CheckpointError, Preempted
-from accel_mixin.resume.mid_epoch import resumable_inside_epochs
+from accel_mixin.resume.data_order import resumable_inside_epochs
 from accel_mixin.resume.runs import (
     check_run_name,
-    describe_differences,
+    differs_from_newest,
     find_run,
+    fit_identity,
     read_manifest,
     run_folders,
-    run_identity,
     write_manifest,
 )
-from accel_mixin.training.process_state import process_state
 from accel_mixin.training.skorch_callbacks import stopped_early
 
 __all__ = ["ResumeTraining", "TrainingCheckpoint"]
 
 
-def _check_net(net, callback):
-    """Training states are AccelerateMixin's: say so on any other net."""
-    if not all(hasattr(net, name) for name in ("save_state", "load_state", "wait_for_everyone")):
-        raise TypeError(
-            f"{type(callback).__name__} saves and loads training states with "
-            f"AccelerateMixin.save_state and load_state, which {type(net).__name__} does not "
-            "have: use it on a net with AccelerateMixin in front (in one process, "
-            "Accelerator(cpu=True) will do), or use skorch's Checkpoint and LoadInitState."
-        )
+class _RunCallback(Callback):
+    """What the two callbacks share: they record the run, they do not
+    change it (``runs``), and a training state keeps nothing of theirs."""
+
+    in_run_identity = False
+
+    def state_dict(self):
+        return {}
+
+    def _check_net(self, net):
+        if not all(hasattr(net, n) for n in ("save_state", "load_state", "wait_for_everyone")):
+            raise TypeError(
+                f"{type(self).__name__} saves and loads training states with "
+                f"AccelerateMixin.save_state and load_state, which {type(net).__name__} does "
+                "not have: use it on a net with AccelerateMixin in front (in one process, "
+                "Accelerator(cpu=True) will do), or use skorch's Checkpoint and LoadInitState."
+            )
 
 
-def fit_identity(net, X, y):
-    """The run identity of the running fit, the same on every rank.
-
-    Computed once per fit, so that the checkpoint callbacks share it and the
-    data are hashed once, with the fit parameters that
-    ``AccelerateMixin.partial_fit`` kept and the run name of the net's
-    ``TrainingCheckpoint``. An unnamed fit that the identity cannot tell
-    from others gets a unique id, drawn on the main process. Under several
-    processes the ranks compare their identities, and every rank raises a
-    ``CheckpointError`` where they differ (other data on some rank).
-    """
-    state = process_state(net)
-    if state.identity is not None:
-        return state.identity
+def _fit_identity(net, X, y):
     names = {cb.run_name for _, cb in net.callbacks_ if isinstance(cb, TrainingCheckpoint)}
     names.discard(None)
     if len(names) > 1:
         raise ValueError(f"The net's TrainingCheckpoints name the run differently: {sorted(names)}")
-    identity = run_identity(net, X, y, state.fit_params, name=next(iter(names), None))
-    nonce = uuid.uuid4().hex[:16]
-    if net.accelerator.num_processes > 1:
-        # every rank comes here: the callbacks before succeeded on all of them
-        net.wait_for_everyone("the run identity")
-        everyone = gather_object([(identity.id, identity.described, nonce)])
-        nonce = everyone[0][2]
-        for rank, (id_, described, _) in enumerate(everyone):
-            if id_ != everyone[0][0]:
-                raise CheckpointError(
-                    f"The ranks fit different runs: the run identity of rank {rank} differs "
-                    f"from rank 0's in: {describe_differences(described, everyone[0][1])}. "
-                    "Every process must run the same script on the same data."
-                )
-    if identity.refused and identity.name is None:
-        identity = identity.unique(nonce)
-    state.identity = identity
-    return identity
+    return fit_identity(net, X, y, name=next(iter(names), None))
 
 
-class TrainingCheckpoint(Callback):
+class TrainingCheckpoint(_RunCallback):
     """Save the whole training state at the end of epochs, for resuming.
 
-    The net calls it after every other callback at the end of an epoch, so
-    the state it saves is that of the finished epoch, with the decisions of
-    the other callbacks in it. Every fit is a run with an identity of its
-    own (what the user set, by content: the hyperparameters that differ from
-    their defaults and a hash of all of the data, see ``accel_mixin.resume.runs``),
-    and its files go to a folder of their own, ``dirname/run-<id>/``
-    (``run-<run_name>-<id>/`` for a named run), with a ``manifest.json`` that says what went into
-    the identity, which epochs are saved and whether the run is running,
-    finished or stopped early. Files are named after the epoch,
-    ``training-state-000012.pt``, so numbering continues after a resume, and
-    are renamed into place when complete, so ``ResumeTraining`` never picks
-    a file whose write was interrupted.
+    It runs after every other callback at an epoch's end, so the state is
+    that of the finished epoch. Every fit is a run with an identity by
+    content (hyperparameters that differ from their defaults, a hash of all
+    of the data; ``accel_mixin.resume.runs``), and its files go to
+    ``dirname/run-<id>/`` (``run-<run_name>-<id>/``) with a ``manifest.json``
+    of the identity, the epochs saved and the run's status. A file is named
+    after its epoch (``training-state-000012.pt``) and renamed into place
+    when complete, so ``ResumeTraining`` never picks a half-written one.
 
-    Inside an epoch, ``every_n_batches`` saves a training state every so
-    many training batches (named
-    ``training-state-<epoch>-batch-<batch>-ranks-<n>.pt``, ``<epoch>`` the
-    epochs finished before), which ``ResumeTraining`` resumes exactly where
-    it was saved, on the same number of processes (see
-    ``accel_mixin.resume.mid_epoch``). On a preemption notice (one of ``signals``,
-    on any rank), every rank stops at the same batch, saves a training
-    state there and raises ``accel_mixin.Preempted``, so that the script
-    exits non-zero and the scheduler requeues it. The ranks poll for
-    notices about every half second of training (at the slowest rank's
-    pace) and at least every 64 batches, so the stop comes at most 65
-    batches after the notice, and at most two where a batch takes half a
-    second or more (under gradient accumulation, at the next optimizer step
-    after those; see ``accel_mixin.distributed.preemption``). A notice that the ranks
-    learn of at an epoch's last training batch or at its end (one during
-    the last batches, up to 65, its validation or its end) stops at the end
-    of that epoch, as does any notice where the training data cannot
-    resume inside an epoch (an ``IterableDataset``). A notice after the
-    last epoch's end is delivered again once ``fit`` has put the previous
-    handlers back.
+    On a preemption notice (one of ``signals``, on any rank), every rank
+    stops at the same batch (at the next optimizer step under gradient
+    accumulation; at the epoch's end for a notice during its last batches or
+    with an ``IterableDataset``), saves a training state there and raises
+    ``accel_mixin.Preempted``, so that the script exits non-zero and the
+    scheduler requeues it. The ranks poll about every half second and at
+    least every 64 batches (``accel_mixin.distributed.preemption``).
 
     Parameters
     ----------
@@ -142,39 +100,34 @@ class TrainingCheckpoint(Callback):
 
     every_n_batches : int or None (default=None)
       Also save after every ``every_n_batches``-th training batch of an
-      epoch (the epoch's last excepted), at the first optimizer step at or
-      after it under gradient accumulation. None saves at epoch ends only.
-      Needs map-style training data: with an ``IterableDataset`` training
-      raises a ``ValueError`` at its first batch.
+      epoch but its last (under gradient accumulation, at the next optimizer
+      step), as ``training-state-<epoch>-batch-<batch>-ranks-<n>.pt``, which
+      resumes exactly there on as many processes. Needs map-style training
+      data (an ``IterableDataset`` raises a ``ValueError``). None: epoch ends
+      only.
 
     keep_last : int or None (default=2)
-      How many checkpoint files of the run to keep, besides the newest
-      state of an epoch's end, which is always kept (a state inside an
-      epoch resumes on its own number of processes only); older ones are deleted
-      once a new one is complete. None keeps all. Other runs' files are
-      never deleted.
+      How many of the run's files to keep, besides its newest state of an
+      epoch's end; older ones are deleted once a new one is complete. None
+      keeps all. Other runs' files are never deleted.
 
     asynchronous : bool (default=False)
-      Copy the state to CPU memory and write it in a background thread while
-      training goes on. At most one write is in flight; the next save and
-      the end of training wait for it, and a failed write raises on every
-      rank there.
+      Write the state from CPU memory in a background thread while training
+      goes on, one write at a time: the next save and the end of training
+      wait for it, and a failed write raises on every rank there. A state
+      saved on a notice is written synchronously.
 
     signals : tuple of int (default=(signal.SIGTERM,))
       The preemption notices handled while ``fit`` runs, e.g.
       ``(signal.SIGTERM, signal.SIGUSR1)`` for SLURM's ``--signal``; ``()``
       handles none. The previous handlers are back once ``fit`` returns or
-      raises. A state saved on a notice is written synchronously.
+      raises, and a notice after the last epoch goes to them then.
 
     run_name : str or None (default=None)
-      A name for the run, in words (letters, digits, ``.``, ``_``, ``-``):
-      it is part of the run's identity and of its folder's name,
-      ``dirname/run-<run_name>-<id>/``, and ``ResumeTraining(run=...)``
-      accepts it. Fits that differ otherwise are still other runs. A name
-      also stands for what the identity cannot describe by content (an
-      object without attributes): a named fit with such a value resumes
-      its run, where an unnamed one starts afresh every time; give fits
-      that differ in such values different names.
+      A name for the run (letters, digits, ``.``, ``_``, ``-``), part of its
+      identity and folder, which ``ResumeTraining(run=...)`` accepts. It
+      stands for what the identity cannot describe by content: a named fit
+      with such a value resumes, an unnamed one starts afresh every time.
 
     Attributes
     ----------
@@ -185,13 +138,6 @@ class TrainingCheckpoint(Callback):
       Where its files go.
 
     """
-
-    in_run_identity = False  # it records the run, it does not change it (runs.py)
-
-    def state_dict(self):
-        """Nothing for a training state to keep: the run is the fit's own
-        (``callback_state``)."""
-        return {}
 
     def __init__(
         self,
@@ -220,18 +166,18 @@ class TrainingCheckpoint(Callback):
                 f"every_n_batches must be at least 1 or None, got {self.every_n_batches}"
             )
         self.signals = tuple(signal.Signals(signum) for signum in self.signals)
+        if self.keep_last is not None and self.keep_last < 1:
+            raise ValueError(f"keep_last must be at least 1 or None, got {self.keep_last}")
         # process-local, never part of a training state (no trailing _)
         self._notices = None
         self._stop = False
-        if self.keep_last is not None and self.keep_last < 1:
-            raise ValueError(f"keep_last must be at least 1 or None, got {self.keep_last}")
         self.run_ = None
         self.run_folder_ = None
         return self
 
     def on_train_begin(self, net, X=None, y=None, **kwargs):
-        _check_net(net, self)
-        self.run_ = fit_identity(net, X, y)
+        self._check_net(net)
+        self.run_ = _fit_identity(net, X, y)
         run_folders(self.dirname)  # a clear error where dirname is a file
         self.run_folder_ = os.path.join(self.dirname, self.run_.folder)
         try:
@@ -257,21 +203,16 @@ class TrainingCheckpoint(Callback):
             signal.raise_signal(notices.received)
 
     def on_batch_finished(self, net, training=True, batches=0, **kwargs):
-        """Save inside the epoch if it is due, and stop on a notice.
-
-        ``AccelerateMixin`` calls it after every training batch, after every
-        callback's ``on_batch_end``, with the number of training batches done
-        in the epoch.
-        """
+        """After every training batch and every callback's ``on_batch_end``,
+        with the epoch's training batches done: save if due, stop on a notice."""
         state = net.accelerator.gradient_state
         last, stepped = state.end_of_dataloader, state.sync_gradients
         if self._inside is None:
             self._inside = resumable_inside_epochs(net)
             if self.every_n_batches and not self._inside:
                 resumable_inside_epochs(net, explain=True)
-        # every rank asks, whatever its signals: the all-reduces must match
-        # (the board stops polling where no rank has signals)
-        # an epoch's last batch waits for no poll: the epoch's end polls and waits
+        # every rank asks, whatever its signals, for the all-reduces to match;
+        # a notice at an epoch's last batch waits for the epoch's end
         notice = self._notices is not None and self._notices.agreed()
         if notice and (last or not self._inside):
             self._stop = "epoch end"
@@ -294,14 +235,8 @@ class TrainingCheckpoint(Callback):
             self._preempted(net, f"after training batch {batches} of epoch {len(net.history)}")
 
     def on_epoch_finished(self, net, stopped=False, **kwargs):
-        """Save the state of the epoch that just ended, if it is due.
-
-        ``AccelerateMixin`` calls it once an epoch is over on every rank:
-        after every callback's ``on_epoch_end``, with the epoch's row, the
-        callbacks' decisions and the replica check agreed, so that the state
-        saved is that of the finished epoch. ``stopped`` says whether
-        ``EarlyStopping`` ends training there.
-        """
+        """Once an epoch is over and agreed on every rank (after every
+        ``on_epoch_end``): save it if due; ``stopped``: ``EarlyStopping`` ends here."""
         epoch = len(net.history)
         # notices that came during the last batches, validation or the end
         if self._notices is not None and self._notices.agreed(drain=True, batch=False):
@@ -366,23 +301,21 @@ class TrainingCheckpoint(Callback):
         self._write_manifest(status)
 
 
-class ResumeTraining(Callback):
+class ResumeTraining(_RunCallback):
     """Resume the run from its latest complete training state, if it has one.
 
     At the start of training, computes the run's identity as
-    ``TrainingCheckpoint`` does and loads the newest file that
-    ``TrainingCheckpoint`` completed in the run's folder ``dirname/run-<id>/``;
-    ``fit`` then trains only the epochs that remain up to ``max_epochs``,
-    none if the run had finished or was stopped by ``EarlyStopping``. A fit
-    with other data or other hyperparameters (another fold of a
-    cross-validation, another candidate of a search) is another run and
-    starts afresh: one line says so, and what differs from the newest run in
-    the folder. A fit with a value that the identity cannot describe by
-    content (``accel_mixin.resume.describe``) and no ``run_name`` is never resumed:
-    it starts afresh in a run of its own, and a warning on the main process
-    says which value and why, once. Where machines keep their own copies (``save_on_each_node``),
-    every rank resumes from the newest epoch that all of them have, and all
-    raise a ``CheckpointError`` if some have files and others none of those.
+    ``TrainingCheckpoint`` does and loads the newest complete file in the
+    run's folder; ``fit`` then trains only the epochs that remain up to
+    ``max_epochs`` (none after ``EarlyStopping``). A fit with other data or
+    hyperparameters (another fold, another candidate of a search) is another
+    run and starts afresh, and one line says what differs from the newest
+    run in the folder. A fit with a value that the identity cannot describe
+    by content and no ``run_name`` is never resumed, and a warning on the
+    main process says which value, once. Where machines keep their own
+    copies (``save_on_each_node``), every rank resumes from the newest epoch
+    that all of them have, and all raise a ``CheckpointError`` if some have
+    files and others none of those.
 
     Parameters
     ----------
@@ -408,13 +341,6 @@ class ResumeTraining(Callback):
 
     """
 
-    in_run_identity = False  # it records the run, it does not change it (runs.py)
-
-    def state_dict(self):
-        """Nothing for a training state to keep: the run is the fit's own
-        (``callback_state``)."""
-        return {}
-
     def __init__(self, dirname, run=None, sink=print):
         self.dirname = dirname
         self.run = run
@@ -425,8 +351,8 @@ class ResumeTraining(Callback):
         return self
 
     def on_train_begin(self, net, X=None, y=None, **kwargs):
-        _check_net(net, self)
-        identity = fit_identity(net, X, y)
+        self._check_net(net)
+        identity = _fit_identity(net, X, y)
         runs = run_folders(self.dirname)
         own = os.path.join(self.dirname, identity.folder)
         if identity.key in runs:
@@ -460,22 +386,9 @@ class ResumeTraining(Callback):
             net.load_state(path)
             self.resumed_from_ = path
             return
-        others = [run for run in runs if run != identity.key]
+        others = {key: folder for key, folder in runs.items() if key != identity.key}
         if others and net.verbose and not identity.described.get("unique"):
-            self.sink(self._new_run_line(identity, runs, others))
-
-    def _new_run_line(self, identity, runs, others):
-        newest = max(others, key=lambda run: os.path.getmtime(runs[run]))
-        try:
-            manifest = read_manifest(runs[newest])
-        except CheckpointError:
-            manifest = None
-        differs = (
-            "an unreadable manifest"
-            if manifest is None
-            else describe_differences(identity.described, manifest.get("identity", {}))
-        )
-        return (
-            f"ResumeTraining: run {identity.key} starts afresh in {self.dirname}, next to "
-            f"{len(others)} other run(s); it differs from the newest, {newest}, in: {differs}"
-        )
+            self.sink(
+                f"ResumeTraining: run {identity.key} starts afresh in {self.dirname}, next to "
+                f"{len(others)} other run(s); {differs_from_newest(identity, others)}"
+            )

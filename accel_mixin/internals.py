@@ -15,10 +15,10 @@ Each is used because no public API does the job:
 - a prepared dataloader's ``synchronized_generator`` and ``iteration``, which
   decide the shuffling that a training state saves, and the ``batch_sampler``
   of the DataLoader it wraps (``base_dataloader``), which a resumed epoch
-  swaps for one that skips the batches already trained (``mid_epoch.py``);
+  swaps for one that skips the batches already trained (``resume/data_order.py``);
 - torch's ``DataLoader._iterator`` and ``_get_iterator``: the iterator of
   persistent workers, which a resumed fit starts with the generators put
-  back afterwards (``loader_rng.py``);
+  back afterwards (``resume/data_order.py``);
 - skorch's ``_check_f_arguments`` and ``NeuralNet._get_module``, which
   ``save_params`` and ``load_params`` share with skorch, and
   ``ProgressBar._get_batches_per_epoch_phase``, whose count of the whole

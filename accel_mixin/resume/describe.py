@@ -1,29 +1,15 @@
-"""Values described by what they are: the content that a run identity hashes.
+"""Values described by their content: what a run identity hashes.
 
-Two values with the same description must train the same; two that train
-differently must not share one. So every value is described by its content,
-never by its address or its type alone:
-
-- ``None``, booleans, numbers, strings as themselves (floats by ``repr``,
-  exact); lists, tuples, dicts and sets element by element;
-- tensors and arrays by dtype, shape and the SHA-256 of their bytes; scipy's
-  sparse matrices and pandas objects by their arrays; bytes by their hash;
-- classes and functions by their qualified names, plus a function's
-  defaults and closure (a factory's ``lambda`` closes over its arguments);
-  ``functools.partial`` by its function and arguments (skorch's
-  ``predefined_split`` is one: its dataset is described by content);
-- modules by class, architecture and the content of their ``state_dict``;
-  random generators by their state; estimators and callbacks by their class
-  and the parameters that differ from the defaults of their ``__init__``;
-- any other object (a ``ValidSplit``, a sampler, a dataset) by its class and
-  its attributes (``vars()`` or ``__slots__``), recursively, at most
-  ``MAX_DEPTH`` levels deep and ``MAX_VALUES`` values in all.
-
-What cannot be described so (an object without attributes whose ``repr``
-shows an address, a structure beyond the bounds, a tensor that cannot be
-read) is never guessed equal to another: it is described as
+Two values with the same description must train the same, and two that
+train differently must not share one: values are described by content,
+never by address or type alone. Arrays, tensors and bytes by dtype, shape
+and SHA-256; modules by architecture and ``state_dict``; estimators and
+callbacks by the parameters that differ from their ``__init__`` defaults;
+functions by name, defaults and closure; any other object by its class and
+attributes, within ``MAX_DEPTH`` levels and ``MAX_VALUES`` values. What
+cannot be so described is never guessed equal to another: it becomes
 ``{"undescribable": ...}`` and the ``Describer`` records why, so that
-``accel_mixin.resume.runs`` can refuse to resume such a fit.
+``runs`` refuses to resume such a fit.
 """
 
 import enum
@@ -74,19 +60,6 @@ def init_defaults(cls):
     return defaults
 
 
-def _digest(data):
-    """SHA-256 of ``data``; of the digests of its 64 MiB chunks where it is
-    larger, hashed in threads (hashlib lets go of the GIL): the same value
-    on any machine, in half the time on two cores."""
-    data = memoryview(data).cast("B")
-    if len(data) <= _CHUNK:
-        return hashlib.sha256(data).hexdigest()
-    chunks = [data[start : start + _CHUNK] for start in range(0, len(data), _CHUNK)]
-    with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:
-        digests = list(pool.map(lambda chunk: hashlib.sha256(chunk).digest(), chunks))
-    return hashlib.sha256(b"chunks" + b"".join(digests)).hexdigest()
-
-
 def _array_bytes(array):
     # a memoryview of a contiguous array: hashing 1 GB copies nothing
     array = np.ascontiguousarray(array)
@@ -103,6 +76,31 @@ class Describer:
         self.refusals = []
         self._values = 0
         self._path_ids = set()
+        self._pool = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        """Stop the threads that hashed big arrays, if any."""
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+    def _digest(self, data):
+        """SHA-256 of ``data``, of the digests of its 64 MiB chunks where
+        larger: hashed in threads (hashlib releases the GIL), one pool a fit."""
+        data = memoryview(data).cast("B")
+        if len(data) <= _CHUNK:
+            return hashlib.sha256(data).hexdigest()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)))
+        chunks = [data[start : start + _CHUNK] for start in range(0, len(data), _CHUNK)]
+        digests = self._pool.map(lambda chunk: hashlib.sha256(chunk).digest(), chunks)
+        return hashlib.sha256(b"chunks" + b"".join(digests)).hexdigest()
 
     def refuse(self, path, reason):
         self.refusals.append((path, reason))
@@ -118,10 +116,8 @@ class Describer:
             value = value.item()
         if isinstance(value, _PLAIN) and not isinstance(value, enum.Enum):
             return repr(value) if isinstance(value, float) else value
-        if isinstance(value, (complex, slice, range)):
-            return {"class": name_of(type(value)), "repr": repr(value)}
         if isinstance(value, (bytes, bytearray, memoryview)):
-            return {"bytes": _digest(bytes(value))}
+            return {"bytes": self._digest(bytes(value))}
         if isinstance(value, enum.Enum):
             return f"{name_of(type(value))}.{value.name}"
         if isinstance(value, (torch.dtype, torch.device, np.dtype)):
@@ -251,7 +247,7 @@ class Describer:
         return {
             "tensor": str(value.dtype),
             "shape": list(value.shape),
-            "sha256": _digest(memoryview(data)),
+            "sha256": self._digest(memoryview(data)),
         }
 
     def _array(self, value, path, depth):
@@ -264,7 +260,7 @@ class Describer:
         return {
             "array": value.dtype.str if not value.dtype.fields else str(value.dtype.descr),
             "shape": list(value.shape),
-            "sha256": _digest(_array_bytes(value)),
+            "sha256": self._digest(_array_bytes(value)),
         }
 
     def _special(self, value, path, depth):
@@ -309,24 +305,25 @@ def _slots(cls):
 
 
 def fingerprint(data, describer=None, path="X"):
-    """A fingerprint of training data that changes when any row does.
-
-    Type, length and the SHA-256 of every byte of every array and tensor in
-    ``data`` (nested in dicts, lists and tuples), of every value of a list,
-    and of a ``Dataset``'s attributes (in-memory tensors completely) plus 64
-    of its rows at evenly spaced positions (rows it reads from elsewhere
-    cannot all be read at every fit). None for None.
-    """
+    """Type, length and a SHA-256 of training data (None for None) that
+    changes when any row does: every byte of its arrays and tensors, every
+    value of a list, a ``Dataset``'s attributes and 64 of its rows evenly
+    spaced (rows read from elsewhere cannot all be read at every fit)."""
     if data is None:
         return None
-    describer = Describer() if describer is None else describer
+    own = describer is None
+    describer = Describer() if own else describer
     out = {"type": name_of(type(data))}
     try:
         out["length"] = get_len(data)
     except (TypeError, ValueError):
         pass  # an iterable
     digest = hashlib.sha256()
-    _stream(data, digest, describer, path)
+    try:
+        _stream(data, digest, describer, path)
+    finally:
+        if own:
+            describer.close()
     out["sha256"] = digest.hexdigest()
     return out
 

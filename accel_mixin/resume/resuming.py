@@ -1,36 +1,45 @@
-"""Resuming from a training state, as a sequence of named steps.
+"""Resuming from a training state: ``load_state``'s steps, and the plan
+they leave for the next fit.
 
-In the order Lightning's checkpoint connector follows, each step a
-collective section that fails on every rank if it fails on one:
-
-1. read the state once, on every rank;
-2. load the weights into the unwrapped modules;
-3. prepare them (or rewrap them);
-4. restore optimizers, schedulers, gradient scaler, history, loop and
-   callbacks;
-5. free the state and wait for every rank.
-
-What goes back only during the next fit (the callbacks' state, the random
-number generators, the order of the training data) waits in a
-``ResumePlan`` (``resume_plan``), which that fit applies; a state saved
-inside an epoch resumes that epoch where it was saved (``continue_epoch``,
-``mid_epoch``).
+``resume`` takes Lightning's order, each step a collective section that
+fails on every rank if it fails on one: read the state; load the weights
+into the unwrapped modules; prepare; restore optimizers, scaler and
+history; free the state and wait for every rank. What can only go back
+where the uninterrupted run had it waits in a ``ResumePlan``, which the next
+fit applies, each part once: at train begin (after the callbacks reset),
+once prepared (``EarlyStopping``'s best weights under the wrapped keys) and
+at the first epoch's begin (generators; inside an epoch, its part done).
 """
 
+import copy
 import functools
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Optional
 
-from accel_mixin.checkpoint.state_dict import read_state
-from accel_mixin.checkpoint.state_values import rng_state
-from accel_mixin.resume.mid_epoch import apply_partial_epoch
+from skorch.history import History
+
+from accel_mixin.checkpoint.params import load_optimizer_state
+from accel_mixin.checkpoint.state_dict import load_module_state, read_state, strip_wrapper_prefixes
+from accel_mixin.checkpoint.state_values import restore_rng, rng_state
+from accel_mixin.errors import CheckpointError
+from accel_mixin.resume.data_order import restore_generator_states
 from accel_mixin.resume.training_state import (
-    restore_training_state,
-    restore_weights,
+    BEST_IS_CURRENT,
+    BEST_WEIGHTS,
+    FORMAT,
+    VERSION,
+    restore_callback_state,
     train_iterator_state,
-    validate_state,
 )
+from accel_mixin.training.net_objects import net_modules, raw
 from accel_mixin.training.process_state import process_state
 
-__all__ = ["begin_epoch", "continue_epoch", "resume"]
+__all__ = ["ResumePlan", "begin_epoch", "continue_epoch", "resume"]
+
+# the parts of a fit, in order; each method applies its part once
+_LOADED, _TRAINING, _PREPARED, _EPOCH = range(4)
 
 
 def resume(net, path):
@@ -42,10 +51,18 @@ def resume(net, path):
     state = coordinator.run(
         lambda: _read(net, path), what="load_state", files=str(path), io_timeout=net.io_timeout
     )
-    was_wrapped = _load_weights(net, coordinator, state, path)
-    _prepare(net, was_wrapped)
+    # a net never prepared ends prepared, as initialize() leaves it
+    was_wrapped = process.prepared.wrapped or not len(process.prepared)
+    net._unwrap_accelerator()  # pylint: disable=protected-access
+    coordinator.run(functools.partial(_restore_weights, net, state, path), what="load_state")
+    # prepare what is new (a scheduler a callback before ResumeTraining
+    # built, before its state goes into the raw scheduler) and rewrap; at
+    # train begin the callbacks set up on the unwrapped objects
+    net._initialize_accelerator()  # pylint: disable=protected-access
+    if not was_wrapped:
+        net._unwrap_accelerator()  # pylint: disable=protected-access
     plan = coordinator.run(
-        functools.partial(restore_training_state, net, state, path), what="load_state"
+        functools.partial(_restore_training_state, net, state, path), what="load_state"
     )
     del state  # before the wait: the largest object of the load
     process.plan = plan
@@ -55,44 +72,197 @@ def resume(net, path):
 def _read(net, path):
     # unmapped: optimizers keep the loaded tensors
     state = read_state(path, torch_load_kwargs=net.torch_load_kwargs)
-    validate_state(state, path)
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{path} is not a training state written by save_state; files of "
+            "save_params load with load_params."
+        )
+    if state.get("version") != VERSION:
+        raise CheckpointError(
+            f"{path} is a training state of version {state.get('version')}; this "
+            f"accel_mixin reads version {VERSION}."
+        )
     return state
 
 
-def _load_weights(net, coordinator, state, path):
-    """Load the weights into the unwrapped modules; return whether the net
-    is to be wrapped afterwards."""
-    prepared = process_state(net).prepared
-    # a net never prepared ends prepared, as initialize() leaves it
-    was_wrapped = prepared.wrapped or not len(prepared)
-    net._unwrap_accelerator()  # pylint: disable=protected-access
-    coordinator.run(lambda: restore_weights(net, state, path), what="load_state")
-    return was_wrapped
+def _restore_weights(net, state, source):
+    saved = state["modules"]
+    for name, module in net_modules(net):
+        if name not in saved:
+            raise CheckpointError(
+                f"{source} holds no state for {name}_ (it holds {sorted(saved)}): it was "
+                "saved from a net with other modules."
+            )
+        load_module_state(module, saved[name], source=source, name=name + "_")
 
 
-def _prepare(net, was_wrapped):
-    """Prepare what is new and rewrap, or leave the net unwrapped as it was
-    (at train begin, where ``ResumeTraining`` loads, the callbacks set up on
-    the unwrapped objects). A scheduler that a callback before
-    ``ResumeTraining`` built is prepared here, before its state is restored
-    into the raw scheduler that the wrapper steps: the same as after."""
-    net._initialize_accelerator()  # pylint: disable=protected-access
-    if not was_wrapped:
-        net._unwrap_accelerator()  # pylint: disable=protected-access
+def _restore_training_state(net, state, source):
+    """Restore optimizers, scaler and history; return the ``ResumePlan``."""
+    accelerator = net.accelerator
+    for name in net._optimizers:  # pylint: disable=protected-access
+        if name not in state["optimizers"]:
+            raise CheckpointError(f"{source} holds no state for {name}_.")
+        load_optimizer_state(
+            raw(net, name), state["optimizers"][name], source=source, name=name + "_"
+        )
+    if state["scaler"] is not None and accelerator.scaler is not None:
+        accelerator.scaler.load_state_dict(state["scaler"])
+    net.history = History(state["history"])
+
+    loop, rngs, rank = state["loop"], state["rng"], accelerator.process_index
+    if loop.get("batches", 0) and len(rngs) != accelerator.num_processes:
+        raise CheckpointError(
+            f"{source} was saved inside an epoch by {len(rngs)} process(es); each of them "
+            f"holds its own part of that epoch, so it resumes on {len(rngs)} processes only, "
+            f"not on {accelerator.num_processes}. Resume from a training state of an epoch's "
+            "end (training-state-<epoch>.pt) instead."
+        )
+    if len(rngs) != accelerator.num_processes and accelerator.is_main_process:
+        warnings.warn(
+            f"{source} was saved by {len(rngs)} process(es) and resumes on "
+            f"{accelerator.num_processes}: weights, optimizers and history continue, but "
+            "the random number streams differ from the run that saved it, so the "
+            "resumed run will not repeat it exactly.",
+            RuntimeWarning,
+        )
+    plan = ResumePlan(
+        stopped=loop.get("stopped", False),
+        accumulation_step=loop["accumulation_step"],
+        callbacks=state["callbacks"],
+        schedulers=state["schedulers"],
+        optimizer_groups={name: opt["param_groups"] for name, opt in state["optimizers"].items()},
+        rng=rngs[rank] if rank < len(rngs) else None,
+        train_iterator=loop["train_iterator"],
+    )
+    if loop.get("batches", 0):
+        # the RNGs are those after the last batch done, for the first resumed one
+        plan.partial_epoch = dict(
+            loop["partial_epoch"][rank], batches=loop["batches"], rng=plan.rng
+        )
+        plan.rng = None
+    return plan
+
+
+@dataclass
+class ResumePlan:
+    """The parts of a training state that go back during the next fit.
+
+    ``rng`` is this rank's generators as the next epoch begins (None where
+    fewer ranks saved the state, or inside an epoch); ``partial_epoch`` is,
+    inside an epoch, this rank's part of it (``row``, ``caches``,
+    ``epoch_rng``, ``batch_count``), the ``batches`` done and the generators
+    after the last of them (``rng``).
+    """
+
+    stopped: bool  # EarlyStopping stopped the run: the next fit trains nothing
+    accumulation_step: int
+    callbacks: dict
+    schedulers: dict
+    optimizer_groups: dict  # param_groups by optimizer name
+    rng: Optional[dict]
+    train_iterator: dict
+    partial_epoch: Optional[dict] = None
+    fitting: bool = False  # whether the fit it belongs to has begun
+    _stage: int = _LOADED
+    _best_weights: dict = field(default_factory=dict)
+    _resume_point: Optional[dict] = None
+
+    def epochs_to_train(self, net, epochs):
+        """``epochs`` where given, else those left up to ``max_epochs``
+        (none after an early stop)."""
+        if epochs is not None:
+            return epochs
+        if self.stopped:
+            warnings.warn(
+                f"The training state resumed from ends where EarlyStopping stopped "
+                f"training, after epoch {len(net.history)}: no epochs are trained. "
+                "To train on regardless, call partial_fit(X, y, epochs=n).",
+                RuntimeWarning,
+            )
+            return 0
+        return max(net.max_epochs - len(net.history), 0)
+
+    def _enter(self, stage):
+        if self._stage != stage - 1:
+            return False
+        self._stage = stage
+        return True
+
+    def at_train_begin(self, net):
+        """After the callbacks' ``on_train_begin``, which resets them and the
+        accumulation step."""
+        if not self._enter(_TRAINING):
+            return
+        net.accelerator.step = self.accumulation_step
+        callbacks = dict(net.callbacks_)
+        for name, cb_state in self.callbacks.items():
+            if name in callbacks:
+                if BEST_IS_CURRENT in cb_state:
+                    cb_state = dict(cb_state)
+                    self._best_weights[name] = (
+                        cb_state.pop(BEST_IS_CURRENT),
+                        cb_state.pop(BEST_WEIGHTS),
+                    )
+                restore_callback_state(callbacks[name], cb_state)
+        for name, cb in net.callbacks_:
+            scheduler = getattr(cb, "lr_scheduler_", None)
+            if name in self.schedulers and scheduler is not None:
+                scheduler.load_state_dict(self.schedulers[name])
+        # a scheduler built after the restore set the optimizer's learning
+        # rate (and momentum) anew from the restored history's epoch count;
+        # the saved hyperparameters are the ones to go on with
+        for name, groups in self.optimizer_groups.items():
+            for group, saved in zip(raw(net, name).param_groups, groups):
+                group.update({key: value for key, value in saved.items() if key != "params"})
+
+    def once_prepared(self, net):
+        """``EarlyStopping``'s best weights, under the keys of ``module_`` as
+        it is wrapped now, which it loads them into when training ends."""
+        if not self._enter(_PREPARED):
+            return
+        callbacks = dict(net.callbacks_)
+        for name, (current, weights) in self._best_weights.items():
+            module_state = net.module_.state_dict()
+            if current:
+                callbacks[name].best_model_weights_ = copy.deepcopy(module_state)
+                continue
+            # wrapped keys by the bare keys they end in
+            keys = strip_wrapper_prefixes(OrderedDict((key, key) for key in module_state))
+            callbacks[name].best_model_weights_ = OrderedDict(
+                (keys.get(key, key), value) for key, value in weights.items()
+            )
+        self._best_weights = {}
+
+    def at_epoch_begin(self, train_iterator):
+        """The generators as the uninterrupted run had them when the first
+        resumed epoch began; the epoch's part done inside it, else None."""
+        if not self._enter(_EPOCH):
+            return None
+        partial = self.partial_epoch
+        if partial is None and self.rng is not None:
+            restore_rng(self.rng)
+        if train_iterator is not None:
+            restore_generator_states(train_iterator, self.train_iterator.get("generators", []))
+            iteration = self.train_iterator.get("iteration")
+            if iteration is not None and hasattr(train_iterator, "iteration"):
+                train_iterator.iteration = iteration
+        if partial is not None:
+            # a sampler without a generator of its own, or a dataloader's
+            # seed, draws from the global ones before any batch
+            restore_rng(partial["epoch_rng"])
+            self._resume_point = partial
+        return partial
+
+    def resume_point(self):
+        """The epoch's part done, once, for the resumed epoch's batches."""
+        point, self._resume_point = self._resume_point, None
+        return point
 
 
 def begin_epoch(net):
-    """When an epoch begins, before the callbacks: restore the RNGs and the
-    shuffling a resumed run saved (for a state from inside an epoch, those of
-    that epoch's start), and keep the RNGs and the shuffling state this epoch
-    begins with, for training states saved inside it.
-
-    Returns
-    -------
-    partial : dict or None
-      The unfinished epoch that a state from inside it holds.
-
-    """
+    """When an epoch begins, before the callbacks: apply the plan's epoch
+    part, and keep the generators this epoch begins with for states saved
+    inside it. Returns the unfinished epoch a state from inside it holds."""
     process = process_state(net)
     iterator = process.running_train_iterator()
     partial = process.plan.at_epoch_begin(iterator) if process.plan is not None else None
@@ -102,6 +272,11 @@ def begin_epoch(net):
 
 
 def continue_epoch(net, partial):
-    """After the callbacks' ``on_epoch_begin``: the unfinished epoch's row
-    and caches back, and its batches done to be skipped."""
-    apply_partial_epoch(net, partial)
+    """After the callbacks' ``on_epoch_begin`` (which starts a row and
+    empties caches): the unfinished epoch's row and caches back."""
+    net.history[-1] = partial["row"]
+    device = net.accelerator.device
+    callbacks = dict(net.callbacks_)
+    for name, (preds, trues) in partial["caches"].items():
+        callbacks[name].y_preds_ = [p.to(device) if hasattr(p, "to") else p for p in preds]
+        callbacks[name].y_trues_ = list(trues)

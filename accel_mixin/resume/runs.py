@@ -1,53 +1,26 @@
 """Runs: which training states belong to which fit.
 
-A checkpoint folder outlives the fit that wrote it: the folds of a
-cross-validation, the candidates of a search and a rerun on other data may
-all use the same one. Every fit therefore has a run identity, a hash of what
-the user set to make it that fit, described by content
-(``accel_mixin.resume.describe``):
+A checkpoint folder outlives the fit that wrote it (the folds of a
+cross-validation, the candidates of a search, a rerun on other data), so
+every fit has a run identity: a hash of what the user set to make it that
+fit, by content (``describe``), the same on every rank and after a crash:
 
-- the net's class and the hyperparameters (``get_params``) that differ from
-  the defaults of its class's ``__init__``: a parameter that an upgrade of
-  skorch or accel_mixin adds with a default, or a value equal to its
-  default, is not there. Left out as well, so that changing them continues
-  the run: what only says how long, how loudly or where to train
-  (``max_epochs``, ``verbose``, ``warm_start``, ``device``, the accelerator,
-  so that a run resumes on another number of processes, ``io_timeout``,
-  ``torch_load_kwargs``, the mixin's ``unwrap_after_train`` and
-  ``replica_check_every``) and the DataLoader settings that do not change
-  what is trained (``iterator_*__`` ``num_workers``, ``pin_memory``,
-  ``pin_memory_device``, ``persistent_workers``, ``prefetch_factor``,
-  ``timeout``, ``multiprocessing_context``);
-- every callback with its parameters that differ from its class's defaults
-  (``callbacks__*`` included; ``sink``, where output goes, left out),
-  except those that only log or checkpoint: skorch's logging callbacks
-  (``PrintLog``, ``ProgressBar``, ``EpochTimer``, the loggers),
-  ``TrainingCheckpoint`` and ``ResumeTraining``, and callbacks of your own
-  whose class sets ``in_run_identity = False`` (a logger, a preemption hook);
-- the data: a fingerprint of ``X`` and of ``y`` that changes when any row or
-  label does (every byte is hashed; ``describe.fingerprint``), and of every
-  fit parameter (``fit(X, y, sample_weight=w)``);
-- the name of the run, where ``TrainingCheckpoint(run_name=...)`` gives one.
+- the net's class and its parameters that differ from the ``__init__``
+  defaults, except those that only say how long, how loudly or where to
+  train (``_CONTINUING``) and DataLoader settings that do not change what is
+  trained (``_HARMLESS_LOADING``), so that changing them continues the run;
+- every callback and its parameters but ``sink``, except skorch's logging
+  callbacks and those whose class sets ``in_run_identity = False``;
+- a fingerprint of ``X``, ``y`` and every fit parameter;
+- the run's name, where ``TrainingCheckpoint(run_name=...)`` gives one.
 
-The same script on the same data after a crash computes the same identity by
-itself, on every rank; another fold, other data or another hyperparameter
-does not. A value that cannot be described by its content is never guessed
-equal to another: the identity records why (``RunIdentity.refused``), and an
-unnamed fit with such a value is a run of its own that is never resumed by
-itself (``accel_mixin.callbacks`` draws it a unique id). A name stands for
-what cannot be described: a named fit resumes its run.
+A value that cannot be described by content is never guessed equal to
+another: ``RunIdentity.refused`` says why, and an unnamed fit with one is a
+run of its own, never resumed; a name stands for what cannot be described.
 
-Layout::
-
-    dirname/
-      run-3f2a9c1b04de/               an unnamed run: its id
-        manifest.json                 run id, its identity, epochs saved, status
-        training-state-000003.pt
-        training-state-000004.pt
-      run-baseline-8b0e77a2c5f1/      a run named 'baseline'
-        ...
-
-Rotation and numbering only ever look at the run's own folder.
+Each run has a folder ``dirname/run-<id>/`` (``run-<name>-<id>/``) with its
+training states and a ``manifest.json`` (identity, epochs saved, status);
+rotation and numbering only ever look at the run's own folder.
 """
 
 import hashlib
@@ -55,20 +28,25 @@ import json
 import os
 import re
 import time
+import uuid
 
+from accelerate.utils import gather_object
 from skorch.callbacks import Callback
 from skorch.callbacks import logging as skorch_logging
 
 from accel_mixin.checkpoint.files import atomic_write
 from accel_mixin.errors import CheckpointError
 from accel_mixin.resume.describe import Describer, fingerprint, init_defaults, name_of
+from accel_mixin.training.process_state import process_state
 
 __all__ = [
     "MANIFEST",
     "RunIdentity",
     "check_run_name",
     "describe_differences",
+    "differs_from_newest",
     "find_run",
+    "fit_identity",
     "read_manifest",
     "run_folders",
     "run_identity",
@@ -109,15 +87,6 @@ _HARMLESS_LOADING = frozenset(
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
-def _is_bookkeeping(callback):
-    """Callbacks that log or checkpoint but do not change what is trained
-    (``TrainingCheckpoint`` and ``ResumeTraining`` say so themselves)."""
-    return (
-        type(callback).__module__ == skorch_logging.__name__
-        or getattr(callback, "in_run_identity", True) is False
-    )
-
-
 def _counts(key):
     if key.startswith("_") or key in _CONTINUING or key.split("__")[0] == "callbacks":
         return False
@@ -135,29 +104,9 @@ def check_run_name(name):
 
 
 class RunIdentity:
-    """What makes a fit that fit, and its id.
-
-    Parameters
-    ----------
-    described : dict
-      What went into it, as plain JSON data.
-
-    refused : str or None (default=None)
-      Why the fit cannot be described faithfully, in a line; None where it
-      can.
-
-    Attributes
-    ----------
-    id : str
-      12 hexadecimal digits, the hash of ``described``.
-
-    name : str or None
-      The run's name, if it has one (``described['name']``).
-
-    key : str
-      What names the run in its folder's name: ``<name>-<id>`` or ``<id>``.
-
-    """
+    """What makes a fit that fit (``described``, plain JSON data), why it
+    cannot be described faithfully (``refused``, a line, or None), its
+    ``id`` (12 hex digits), ``name`` and ``key`` (``<name>-<id>`` or ``<id>``)."""
 
     def __init__(self, described, refused=None):
         self.described = described
@@ -178,53 +127,37 @@ class RunIdentity:
 
 
 def run_identity(net, X, y=None, fit_params=None, name=None):
-    """The identity of fitting ``net`` (initialized) on ``X`` and ``y``.
-
-    Parameters
-    ----------
-    net : skorch.NeuralNet
-      Initialized: its callbacks are described from ``callbacks_``.
-
-    X, y
-      The data ``fit`` got.
-
-    fit_params : dict or None (default=None)
-      The fit parameters ``fit`` got.
-
-    name : str or None (default=None)
-      The run's name.
-
-    Returns
-    -------
-    identity : RunIdentity
-
-    """
-    describe = Describer()
-    defaults = init_defaults(type(net))
-    hyper = {}
-    for key, value in sorted(net.get_params(deep=False).items()):
-        if _counts(key):
-            described = describe.unless_default(value, defaults, key, key)
-            if described is not describe.DEFAULT:
-                hyper[key] = described
-    callbacks = {
-        name: {
-            "class": name_of(type(cb)),
-            "params": describe.params(cb, f"callbacks__{name}", skip=("sink",)),
+    """The ``RunIdentity`` of fitting ``net`` (initialized) on ``X`` and
+    ``y`` with ``fit_params``, named ``name``."""
+    with Describer() as describe:
+        defaults = init_defaults(type(net))
+        hyper = {}
+        for key, value in sorted(net.get_params(deep=False).items()):
+            if _counts(key):
+                described = describe.unless_default(value, defaults, key, key)
+                if described is not describe.DEFAULT:
+                    hyper[key] = described
+        callbacks = {
+            name: {
+                "class": name_of(type(cb)),
+                "params": describe.params(cb, f"callbacks__{name}", skip=("sink",)),
+            }
+            for name, cb in net.callbacks_
+            # not those that only log or checkpoint
+            if isinstance(cb, Callback)
+            and type(cb).__module__ != skorch_logging.__name__
+            and getattr(cb, "in_run_identity", True) is not False
         }
-        for name, cb in net.callbacks_
-        if isinstance(cb, Callback) and not _is_bookkeeping(cb)
-    }
-    data = {"X": fingerprint(X, describe, "X"), "y": fingerprint(y, describe, "y")}
-    if fit_params:
-        data["fit_params"] = {
-            key: fingerprint(value, describe, key) for key, value in sorted(fit_params.items())
+        data = {"X": fingerprint(X, describe, "X"), "y": fingerprint(y, describe, "y")}
+        if fit_params:
+            data["fit_params"] = {
+                key: fingerprint(value, describe, key) for key, value in sorted(fit_params.items())
+            }
+        described = {
+            "net": {"class": name_of(type(net)), "params": hyper},
+            "callbacks": callbacks,
+            "data": data,
         }
-    described = {
-        "net": {"class": name_of(type(net)), "params": hyper},
-        "callbacks": callbacks,
-        "data": data,
-    }
     if name is not None:
         described["name"] = name
     refused = None
@@ -234,12 +167,38 @@ def run_identity(net, X, y=None, fit_params=None, name=None):
     return RunIdentity(described, refused)
 
 
+def fit_identity(net, X, y, name=None):
+    """The run identity of the running fit, computed once per fit (the data
+    hashed once), the same on every rank: the ranks compare theirs and all
+    raise where they differ; an unnamed fit that the identity cannot tell
+    from others gets a unique id, drawn on the main process."""
+    state = process_state(net)
+    if state.identity is not None:
+        return state.identity
+    identity = run_identity(net, X, y, state.fit_params, name=name)
+    nonce = uuid.uuid4().hex[:16]
+    if net.accelerator.num_processes > 1:
+        # every rank comes here: the callbacks before succeeded on all of them
+        net.wait_for_everyone("the run identity")
+        everyone = gather_object([(identity.id, identity.described, nonce)])
+        nonce = everyone[0][2]
+        for rank, (id_, described, _) in enumerate(everyone):
+            if id_ != everyone[0][0]:
+                raise CheckpointError(
+                    f"The ranks fit different runs: the run identity of rank {rank} differs "
+                    f"from rank 0's in: {describe_differences(described, everyone[0][1])}. "
+                    "Every process must run the same script on the same data."
+                )
+    if identity.refused and identity.name is None:
+        identity = identity.unique(nonce)
+    state.identity = identity
+    return identity
+
+
 def _units(described):
     """What a description says, by what the user would name: a parameter,
     a callback's parameter, a callback, the data, a fit parameter."""
-    units = {}
-    for key, value in described.get("net", {}).get("params", {}).items():
-        units[key] = value
+    units = dict(described.get("net", {}).get("params", {}))
     units["net class"] = described.get("net", {}).get("class")
     for name, callback in described.get("callbacks", {}).items():
         units[f"callback {name}"] = callback.get("class")
@@ -288,6 +247,21 @@ def describe_differences(new, old, most=4):
     return ", ".join(parts) or "nothing that the identity records"
 
 
+def differs_from_newest(identity, runs):
+    """What ``identity`` differs in from the newest of ``runs`` (``run_folders``)."""
+    newest = max(runs, key=lambda run: os.path.getmtime(runs[run]))
+    try:
+        manifest = read_manifest(runs[newest])
+    except CheckpointError:
+        manifest = None
+    differs = (
+        "an unreadable manifest"
+        if manifest is None
+        else describe_differences(identity.described, manifest.get("identity", {}))
+    )
+    return f"it differs from the newest, {newest}, in: {differs}"
+
+
 def run_folders(dirname):
     """The run folders in ``dirname``, by run key (``RunIdentity.key``:
     the id, after the name for a named run)."""
@@ -314,14 +288,7 @@ def run_folders(dirname):
 
 def find_run(runs, wanted):
     """The key in ``runs`` (``run_folders``) of the run that ``wanted``
-    names: its key, its id or its name; None where none does.
-
-    Raises
-    ------
-    CheckpointError
-      If ``wanted`` is the name of several runs.
-
-    """
+    names by key, id or name (a name of several runs raises); else None."""
     if wanted in runs:
         return wanted
     found = [key for key in runs if wanted in (key[-_ID_LENGTH:], key[: -_ID_LENGTH - 1])]
@@ -333,14 +300,8 @@ def find_run(runs, wanted):
 
 
 def read_manifest(folder):
-    """The manifest of a run folder, or None where it has none yet.
-
-    Raises
-    ------
-    CheckpointError
-      If the manifest is not one that ``write_manifest`` wrote.
-
-    """
+    """The manifest of a run folder, None where it has none yet; raises
+    where it is not one that ``write_manifest`` wrote."""
     path = os.path.join(folder, MANIFEST)
     try:
         with open(path, encoding="utf-8") as f:

@@ -1,66 +1,137 @@
-"""Training-state checkpoints: everything a run needs to go on as if it had
-never stopped.
+"""What a training state holds, collected on every rank.
 
-A training state is one torch file: the weights of every module and
-criterion, every optimizer, the LR schedulers of ``LRScheduler`` callbacks,
-the gradient scaler, the random number generators of every rank, the
-history, the position of training (epochs done, gradient accumulation, the
-training dataloader's shuffling) and the fitted state of the callbacks. It
-holds only tensors and plain Python values, so it loads with
-``weights_only=True``.
+One torch file of tensors and plain values (it loads with
+``weights_only=True``): the weights of every module and criterion, the
+optimizers, the ``LRScheduler`` callbacks' schedulers, the gradient scaler,
+every rank's random number generators, the history, the position of
+training (epochs done, accumulation step, the training data's generators)
+and the callbacks' fitted state. A state saved inside an epoch also holds
+each rank's part of that epoch (``partial_epoch``). ``resuming`` reads it.
 
-Restoring follows Lightning's order, as steps the mixin calls by name: read
-the file once; load the weights into the unwrapped modules; prepare; restore
-optimizers, schedulers, scaler, history, loop and callbacks; free the file's
-state and wait for everyone. Random number generators and the dataloader's
-shuffling are restored at the start of the next epoch, after ``fit`` has set
-up its data, as the uninterrupted run had them there.
+A callback keeps in it what it declares as accelerate's
+``register_for_checkpointing`` expects (``state_dict()`` and
+``load_state_dict(state)``); skorch's callbacks declare nothing, so
+``SKORCH_STATE`` names the fitted attributes a resumed run needs of those
+accel_mixin supports. Any other callback keeps nothing, and the main process
+warns once where it has fitted attributes that a file could hold.
 """
 
 import warnings
+import weakref
 
 from accelerate.utils import gather_object
-from skorch.callbacks import EarlyStopping, LRScheduler
-from skorch.history import History
-
-from accel_mixin.checkpoint.params import load_optimizer_state
-from accel_mixin.checkpoint.state_dict import (
-    clean_state_dict,
-    load_module_state,
-    strip_wrapper_prefixes,
+from skorch.callbacks import (
+    Callback,
+    EarlyStopping,
+    EpochScoring,
+    LoadInitState,
+    LRScheduler,
+    PassthroughScoring,
 )
-from accel_mixin.checkpoint.state_values import as_plain, history_state, rng_state
-from accel_mixin.errors import CheckpointError
-from accel_mixin.resume.callback_state import callback_state
-from accel_mixin.resume.loader_rng import generator_states
-from accel_mixin.resume.mid_epoch import partial_epoch
-from accel_mixin.resume.resume_plan import BEST_IS_CURRENT, BEST_WEIGHTS, ResumePlan
+from skorch.callbacks.scoring import ScoringBase
+
+from accel_mixin.checkpoint.state_dict import clean_state_dict, strip_wrapper_prefixes
+from accel_mixin.checkpoint.state_values import (
+    NOT_PLAIN,
+    as_plain,
+    cpu_snapshot,
+    history_state,
+    plain_or_not,
+    rng_state,
+)
+from accel_mixin.resume.data_order import generator_states
 from accel_mixin.training.net_objects import net_modules, raw, raw_scheduler
+from accel_mixin.training.process_state import process_state
 
 __all__ = [
+    "BEST_IS_CURRENT",
+    "BEST_WEIGHTS",
     "FORMAT",
+    "VERSION",
+    "callback_state",
     "collect_state",
-    "restore_training_state",
-    "restore_weights",
-    "validate_state",
+    "restore_callback_state",
+    "train_iterator_state",
+    "warn_if_inside_accumulation",
 ]
 
 FORMAT = "accel_mixin.resume.training_state"
 VERSION = 1
+BEST_WEIGHTS = "best_model_weights_"
+BEST_IS_CURRENT = "accel_mixin:best_model_weights_are_the_current_ones"
+
+# skorch's callbacks, by class (subclasses included): the fitted attributes
+# a resumed run needs
+SKORCH_STATE = {
+    EarlyStopping: ("misses_", "dynamic_threshold_", "best_epoch_", BEST_WEIGHTS),
+    ScoringBase: ("best_score_",),
+    PassthroughScoring: ("best_score_",),
+    LRScheduler: ("batch_idx_",),
+    LoadInitState: ("did_load_",),
+}
+
+# a save runs under warning filters of its own, which reset Python's memory
+# of the warnings it showed
+_WARNED = weakref.WeakSet()
 
 
-def _schedulers(net):
-    for name, cb in net.callbacks_:
-        if isinstance(cb, LRScheduler):
-            yield name, cb
+def _declared(callback):
+    """The names ``SKORCH_STATE`` gives ``callback``: () for skorch's others
+    (timers, loggers, progress bars), None for a callback not skorch's."""
+    mro = type(callback).__mro__
+    for cls in mro:
+        if cls in SKORCH_STATE:
+            return SKORCH_STATE[cls]
+    if any(cls is not Callback and cls.__module__.split(".")[0] == "skorch" for cls in mro):
+        return ()
+    return None
+
+
+def callback_state(callback, name="", warn=False):
+    """The state of ``callback`` as tensors and plain values; ``warn`` (the
+    main process) says where it declares none but has fitted attributes."""
+    if callable(getattr(callback, "state_dict", None)):
+        return as_plain(callback.state_dict())
+    names = _declared(callback)
+    if names is not None:
+        values = {key: plain_or_not(vars(callback)[key]) for key in names if key in vars(callback)}
+        return {key: value for key, value in values.items() if value is not NOT_PLAIN}
+    if warn and callback not in _WARNED:
+        fitted = sorted(
+            key
+            for key, value in vars(callback).items()
+            if key.endswith("_")
+            and not key.startswith("_")
+            and plain_or_not(value) is not NOT_PLAIN
+        )
+        if fitted:
+            _WARNED.add(callback)
+            warnings.warn(
+                f"The callback {name or type(callback).__name__} "
+                f"({type(callback).__qualname__}) has fitted attributes that a training "
+                f"state does not keep: {', '.join(fitted)}. Give its class state_dict() and "
+                "load_state_dict(state) to keep them, or a state_dict() that returns {} "
+                "to say that a resumed run needs none of them.",
+                UserWarning,
+                stacklevel=2,
+            )
+    return {}
+
+
+def restore_callback_state(callback, state):
+    """Put back what ``callback_state`` returned for the same callback."""
+    if callable(getattr(callback, "load_state_dict", None)):
+        callback.load_state_dict(state)
+        return
+    for key, value in state.items():
+        setattr(callback, key, value)
 
 
 def warn_if_inside_accumulation(accelerator):
-    """Say so on the main process where a state saved now misses gradients:
-    those accumulated since the last optimizer step, which no state holds."""
-    # accelerate counts the batches since the last sync in its own step
-    # (0 at a dataloader's end with sync_with_dataloader); the gradient
-    # state's flags are shared by every Accelerator of the process
+    """Warn on the main process where a state saved now misses the gradients
+    accumulated since the last optimizer step."""
+    # accelerate's step counts the batches since the last sync (0 at a
+    # dataloader's end with sync_with_dataloader)
     steps = accelerator.gradient_accumulation_steps
     if steps > 1 and accelerator.step % steps and accelerator.is_main_process:
         warnings.warn(
@@ -73,41 +144,49 @@ def warn_if_inside_accumulation(accelerator):
         )
 
 
+def train_iterator_state(train_iterator):
+    """What decides the order of ``train_iterator``'s next epoch."""
+    return {
+        "generators": generator_states(train_iterator),
+        "iteration": getattr(train_iterator, "iteration", None),
+    }
+
+
+def partial_epoch(net, batch_count):
+    """This rank's part of the unfinished epoch: its row, the predictions of
+    ``EpochScoring(on_train=True)`` and the generators the epoch began with."""
+    return {
+        "row": history_state([net.history[-1]])[0],
+        "batch_count": batch_count,
+        "epoch_rng": process_state(net).epoch_start_rng,
+        "caches": {
+            name: cpu_snapshot(as_plain([list(cb.y_preds_), list(cb.y_trues_)]))
+            for name, cb in net.callbacks_
+            if isinstance(cb, EpochScoring) and cb.on_train and hasattr(cb, "y_preds_")
+        },
+    }
+
+
 def collect_state(net, train_iterator_state, stopped=False, position=None):
     """The training state of ``net``; every rank calls it (for the RNGs).
 
-    Parameters
-    ----------
-    net : AccelerateMixin net
-      Initialized.
-
-    train_iterator_state : dict
-      What decides the shuffling of the next epoch, or inside an epoch, of
-      that epoch.
-
-    stopped : bool (default=False)
-      Whether training stops after this epoch (``EarlyStopping``), so that
-      a resumed run trains no further.
-
-    position : tuple or None (default=None)
-      Inside an epoch, ``(batches, batch_count)``: the training batches done
-      in the epoch, and how many of them held real samples (``mid_epoch``).
-
+    ``train_iterator_state`` decides the next epoch's order (inside an epoch,
+    that epoch's); ``stopped`` says that training ends here
+    (``EarlyStopping``); ``position`` is ``(batches, batch_count)`` inside an
+    epoch: the batches done, and how many of them held real samples.
     """
     accelerator = net.accelerator
     mine = {"rng": rng_state()}
     if position is not None:
         mine["partial"] = partial_epoch(net, position[1])
-    everyone = [mine]
-    if accelerator.num_processes > 1:
-        everyone = gather_object(everyone)
+    everyone = gather_object([mine]) if accelerator.num_processes > 1 else [mine]
     rows = net.history if position is None else net.history[:-1]
     schedulers = {}
-    for name, cb in _schedulers(net):
-        scheduler = raw_scheduler(name, cb, net)
+    for name, cb in net.callbacks_:
+        scheduler = raw_scheduler(name, cb, net) if isinstance(cb, LRScheduler) else None
         if scheduler is not None:
-            # a plateau scheduler keeps the best score as skorch recorded it,
-            # a NumPy float, which weights_only loading refuses
+            # a plateau scheduler keeps skorch's NumPy float, which
+            # weights_only loading refuses
             schedulers[name] = as_plain(scheduler.state_dict())
     return {
         "format": FORMAT,
@@ -125,7 +204,6 @@ def collect_state(net, train_iterator_state, stopped=False, position=None):
             "accumulation_step": int(accelerator.step),
             "train_iterator": train_iterator_state,
             "stopped": bool(stopped),
-            # inside an epoch: the batches done, and each rank's part of it
             "batches": position[0] if position is not None else 0,
             "partial_epoch": (
                 [item["partial"] for item in everyone] if position is not None else None
@@ -135,105 +213,12 @@ def collect_state(net, train_iterator_state, stopped=False, position=None):
 
 
 def _callback_state(net, name, cb):
-    # EarlyStopping(load_best=True) keeps a copy of the best weights; a state
-    # holds it only where it differs from the weights saved anyway
+    # EarlyStopping(load_best=True)'s copy of the best weights is kept only
+    # where it differs from the weights saved anyway
     state = callback_state(cb, name, warn=net.accelerator.is_main_process)
     if isinstance(cb, EarlyStopping) and state.get(BEST_WEIGHTS) is not None:
         current = cb.best_epoch_ == net.history[-1, "epoch"]
         state[BEST_IS_CURRENT] = current
-        # under the keys of the bare module, which fit any process layout
+        # under the bare module's keys, which fit any process layout
         state[BEST_WEIGHTS] = None if current else strip_wrapper_prefixes(state[BEST_WEIGHTS])
     return state
-
-
-def validate_state(state, source):
-    """Refuse anything but a training state of a version we read."""
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise CheckpointError(
-            f"{source} is not a training state written by save_state; files of "
-            "save_params load with load_params."
-        )
-    if state.get("version") != VERSION:
-        raise CheckpointError(
-            f"{source} is a training state of version {state.get('version')}; this "
-            f"accel_mixin reads version {VERSION}."
-        )
-
-
-def restore_weights(net, state, source):
-    """Load every module and criterion; the net must be unwrapped."""
-    saved = state["modules"]
-    for name, module in net_modules(net):
-        if name not in saved:
-            raise CheckpointError(
-                f"{source} holds no state for {name}_ (it holds {sorted(saved)}): it was "
-                "saved from a net with other modules."
-            )
-        load_module_state(module, saved[name], source=source, name=name + "_")
-
-
-def restore_training_state(net, state, source):
-    """Restore optimizers, scaler, history, loop and callbacks.
-
-    Returns the ``ResumePlan`` of what can only be restored during the next
-    fit: the callbacks' and schedulers' state once training begins, the
-    random number generators and the data's order once the epoch begins.
-
-    """
-    accelerator = net.accelerator
-    for name in net._optimizers:  # pylint: disable=protected-access
-        if name not in state["optimizers"]:
-            raise CheckpointError(f"{source} holds no state for {name}_.")
-        load_optimizer_state(
-            raw(net, name), state["optimizers"][name], source=source, name=name + "_"
-        )
-    if state["scaler"] is not None and accelerator.scaler is not None:
-        accelerator.scaler.load_state_dict(state["scaler"])
-    net.history = History(state["history"])
-
-    rngs = state["rng"]
-    rank = accelerator.process_index
-    if state["loop"].get("batches", 0) and len(rngs) != accelerator.num_processes:
-        raise CheckpointError(
-            f"{source} was saved inside an epoch by {len(rngs)} process(es); each of them "
-            f"holds its own part of that epoch, so it resumes on {len(rngs)} processes only, "
-            f"not on {accelerator.num_processes}. Resume from a training state of an epoch's "
-            "end (training-state-<epoch>.pt) instead."
-        )
-    if len(rngs) != accelerator.num_processes and accelerator.is_main_process:
-        warnings.warn(
-            f"{source} was saved by {len(rngs)} process(es) and resumes on "
-            f"{accelerator.num_processes}: weights, optimizers and history continue, but "
-            "the random number streams differ from the run that saved it, so the "
-            "resumed run will not repeat it exactly.",
-            RuntimeWarning,
-        )
-    loop = state["loop"]
-    plan = ResumePlan(
-        stopped=loop.get("stopped", False),
-        # after on_train_begin, which starts every fit at step 0
-        accumulation_step=loop["accumulation_step"],
-        callbacks=state["callbacks"],
-        schedulers=state["schedulers"],
-        optimizer_groups={
-            name: optimizer["param_groups"] for name, optimizer in state["optimizers"].items()
-        },
-        rng=rngs[rank] if rank < len(rngs) else None,
-        train_iterator=loop["train_iterator"],
-    )
-    if loop.get("batches", 0):
-        # the RNGs are those after the last batch done, for the first resumed one
-        plan.partial_epoch = dict(
-            loop["partial_epoch"][rank], batches=loop["batches"], rng=plan.rng
-        )
-        plan.rng = None
-    return plan
-
-
-def train_iterator_state(train_iterator):
-    """What decides the shuffling of the next epoch of ``train_iterator``:
-    its generators (``loader_rng``) and accelerate's count of its epochs."""
-    return {
-        "generators": generator_states(train_iterator),
-        "iteration": getattr(train_iterator, "iteration", None),
-    }

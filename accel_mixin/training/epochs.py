@@ -27,8 +27,7 @@ from accel_mixin.distributed.history_sync import (
 )
 from accel_mixin.distributed.replicas import check_net_replicas, check_same_steps
 from accel_mixin.errors import DistributedError
-from accel_mixin.resume.loader_rng import start_workers_without_draws
-from accel_mixin.resume.mid_epoch import skipping_batches
+from accel_mixin.resume.data_order import skipping_batches, start_workers_without_draws
 from accel_mixin.training.notifications import hook
 from accel_mixin.training.process_state import process_state
 from accel_mixin.training.skorch_callbacks import main_process_pickles, stopped_early
@@ -48,7 +47,7 @@ class EpochBatches:
 
     While training batches run, the net's process state holds the position
     a training state saved there records; a resumed epoch skips the batches
-    its state had done (``mid_epoch``). After each training batch, callbacks
+    its state had done (``resume/data_order.py``). After each training batch, callbacks
     with an ``on_batch_finished(net, training, batches)`` hook run, after
     every callback's ``on_batch_end``, with ``batches``, the training batches
     done in the epoch: ``TrainingCheckpoint`` saves there.

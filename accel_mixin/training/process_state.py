@@ -33,7 +33,7 @@ class ProcessState:
     writer: Any = None
     snapshot: Any = None  # the CPU copy that asynchronous saves reuse, for one fit
     train_iterator: Any = None  # a weak reference to the running fit's dataloader
-    # what a loaded training state gives the next fit (resume_plan.py)
+    # what a loaded training state gives the next fit (resume/resuming.py)
     plan: Any = None
     # while a fit goes on from a loaded state: initialize() keeps it
     keep_loaded: bool = False
