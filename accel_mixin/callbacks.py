@@ -39,8 +39,8 @@ from accel_mixin.resume.runs import (
     run_identity,
     write_manifest,
 )
+from accel_mixin.training.notifications import stopped_early
 from accel_mixin.training.process_state import process_state
-from accel_mixin.training.skorch_callbacks import stopped_early
 
 __all__ = ["ResumeTraining", "TrainingCheckpoint"]
 
@@ -67,7 +67,7 @@ def fit_identity(net, X, y):
     processes the ranks compare their identities, and every rank raises a
     ``CheckpointError`` where they differ (other data on some rank).
     """
-    state = process_state(net)
+    state = process_state(net).fit
     if state.identity is not None:
         return state.identity
     names = {cb.run_name for _, cb in net.callbacks_ if isinstance(cb, TrainingCheckpoint)}

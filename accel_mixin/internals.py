@@ -1,60 +1,63 @@
-"""The private names of torch, accelerate and skorch that accel_mixin relies on.
+"""Every private name of torch, accelerate and skorch that accel_mixin uses.
 
-Each is used because no public API does the job:
+Each is used because no public API does the job; a release that renames one
+must make accel_mixin fail loudly, naming it, never degrade silently. The
+helpers check where they are used; ``missing`` lists what is gone, for a test
+on the pinned versions.
 
-- torch's ``_get_default_store``: the key-value store of the process group,
-  which carries the fail-fast barriers (``coordination.py``);
-- accelerate's ``Accelerator._models``, ``_optimizers``, ``_schedulers`` and
-  ``_dataloaders``: the lists that unwrapping and rewrapping keep exact
-  (``wrapping.py``);
-- the marks accelerate leaves on a prepared module: ``_original_forward``
-  (the autocast patch), which unwrapping stashes and rewrapping restores, and
-  ``_is_accelerate_prepared`` (since accelerate 1.x, on what ``prepare_model``
-  returns), which makes ``prepare_model`` return a module untouched, and which
-  is removed before a module is prepared again;
-- a prepared dataloader's ``synchronized_generator`` and ``iteration``, which
-  decide the shuffling that a training state saves, and the ``batch_sampler``
-  of the DataLoader it wraps (``base_dataloader``), which a resumed epoch
-  swaps for one that skips the batches already trained (``mid_epoch.py``);
-- torch's ``DataLoader._iterator`` and ``_get_iterator``: the iterator of
-  persistent workers, which a resumed fit starts with the generators put
-  back afterwards (``loader_rng.py``);
-- skorch's ``_check_f_arguments`` and ``NeuralNet._get_module``, which
-  ``save_params`` and ``load_params`` share with skorch, and
-  ``ProgressBar._get_batches_per_epoch_phase``, whose count of the whole
-  data's batches a rank's bar divides into its share.
+- torch: ``distributed_c10d._get_default_store`` (the store of the barriers),
+  ``DataLoader._iterator``/``_get_iterator`` (persistent workers), a state
+  dict's ``_metadata``, a compiled module's ``_orig_mod``;
+- accelerate: ``Accelerator._models``, ``_optimizers``, ``_schedulers``,
+  ``_dataloaders`` (kept holding exactly what is wrapped), the module marks
+  ``_original_forward`` and ``_is_accelerate_prepared``, a prepared
+  dataloader's ``synchronized_generator``, ``iteration`` and
+  ``base_dataloader.batch_sampler``;
+- skorch: ``utils._check_f_arguments``, ``ProgressBar._get_batches_per_epoch_phase``,
+  ``DistributedHistory._history``.
 
-A release that renames one of them must make accel_mixin fail loudly, naming
-it, never degrade silently (a barrier that no longer waits, a module that is
-no longer wrapped in DDP). The checks here run where the names are used;
-``missing`` lists what a given accelerator lacks, for a test on the pinned
-versions.
+skorch's own ``NeuralNet`` methods that the mixin overrides and calls through
+``super()`` are its extension points, not listed: ``_validate_params``,
+``_initialize_callbacks``, ``_step_optimizer``, ``_zero_grad_optimizer``,
+``_get_module``, ``_check_device``, ``_set_training``, and the net's
+``_modules``, ``_criteria``, ``_optimizers`` registries.
 """
+
+from collections import OrderedDict
 
 import accelerate
 import skorch
 import torch
 from skorch import utils as skorch_utils
 from skorch.callbacks import ProgressBar
-from skorch.net import NeuralNet
 from torch.utils.data import IterableDataset
 
 from accel_mixin.errors import InternalsChanged
 
 __all__ = [
     "InternalsChanged",
+    "accelerator_list",
     "batch_sampler_owner",
+    "batches_per_epoch_phase",
     "check_accelerator",
     "check_dataloader",
+    "check_f_arguments",
     "check_prepared_module",
-    "check_progress_bar",
+    "compiled_inner",
+    "copy_state_dict",
     "default_store",
+    "drop_dataloader",
     "missing",
+    "pop_marks",
+    "put_marks",
     "start_persistent_iterator",
+    "wrapped_history",
 ]
 
-ACCELERATOR_LISTS = ("_models", "_optimizers", "_schedulers", "_dataloaders")
-DATALOADER_ATTRIBUTES = ("synchronized_generator", "iteration")
+_LISTS = {"module": "_models", "criterion": "_models", "optimizer": "_optimizers"}
+_LISTS.update(scheduler="_schedulers", dataloader="_dataloaders")
+# the autocast patch of ``forward`` and the flag that makes ``prepare`` skip a module
+_MARKS = ("forward", "_original_forward", "_is_accelerate_prepared")
 
 
 def _changed(package, name, what):
@@ -68,7 +71,6 @@ def _changed(package, name, what):
 
 
 def _default_store_getter():
-    # imported here, where a release without it gets the clear error
     try:
         from torch.distributed.distributed_c10d import _get_default_store  # pylint: disable=import-outside-toplevel
     except ImportError as exc:
@@ -87,7 +89,7 @@ def default_store():
 
 def check_accelerator(accelerator):
     """Raise unless the accelerator keeps the lists that wrapping maintains."""
-    for name in ACCELERATOR_LISTS:
+    for name in sorted(set(_LISTS.values())):
         if not isinstance(getattr(accelerator, name, None), list):
             raise _changed(
                 "accelerate",
@@ -96,13 +98,39 @@ def check_accelerator(accelerator):
             )
 
 
-def check_prepared_module(prepared, module, accelerator, wrapped):
-    """Raise unless accelerate prepared ``module`` into ``prepared`` as expected.
+def accelerator_list(accelerator, kind):
+    """The accelerator's list of prepared objects of ``kind`` ('module', ...)."""
+    return getattr(accelerator, _LISTS[kind])
 
-    ``wrapped``: whether accelerate must have wrapped it (DDP). A module that
-    comes back unwrapped where DDP was due has kept a mark that made
-    ``prepare_model`` skip it: one that accel_mixin did not know to remove.
-    """
+
+def drop_dataloader(accelerator, dataloader):
+    """Take ``dataloader`` off the accelerator's list of prepared dataloaders."""
+    dataloaders = accelerator_list(accelerator, "dataloader")
+    dataloaders[:] = [dl for dl in dataloaders if dl is not dataloader]
+
+
+def pop_marks(obj):
+    """Remove accelerate's marks from a raw module (a compiled one keeps part
+    on its ``_orig_mod``); return them for ``put_marks``."""
+    targets = [obj] + [t for t in (vars(obj).get("_modules", {}).get("_orig_mod"),) if t]
+    patched = any("_original_forward" in vars(t) for t in targets)
+    # only the forward that accelerate patched is ours to remove
+    keys = _MARKS if patched else ("_is_accelerate_prepared",)
+    marks = [(t, {k: vars(t).pop(k) for k in keys if k in vars(t)}) for t in targets]
+    original = next((m["_original_forward"] for _, m in marks if "_original_forward" in m), None)
+    if original is not None and getattr(original, "__func__", None) is not type(obj).forward:
+        vars(obj)["forward"] = original  # the instance's own forward (torch.compile's)
+    return marks
+
+
+def put_marks(marks):
+    for target, attrs in marks:
+        vars(target).update(attrs)
+
+
+def check_prepared_module(prepared, module, accelerator, wrapped):
+    """Raise unless accelerate prepared ``module`` into ``prepared`` with the
+    marks unwrapping relies on, and into a wrapper where ``wrapped`` (DDP)."""
     if wrapped and prepared is module:
         raise _changed(
             "accelerate",
@@ -122,10 +150,10 @@ def check_prepared_module(prepared, module, accelerator, wrapped):
 
 def check_dataloader(dataloader):
     """Raise unless a prepared training dataloader exposes its shuffling state
-    (iterable data has none: it goes through accelerate's dispatcher)."""
+    (iterable data has none)."""
     if isinstance(getattr(dataloader, "dataset", None), IterableDataset):
         return
-    for name in DATALOADER_ATTRIBUTES:
+    for name in ("synchronized_generator", "iteration"):
         if not hasattr(dataloader, name):
             raise _changed(
                 "accelerate",
@@ -135,8 +163,8 @@ def check_dataloader(dataloader):
 
 
 def start_persistent_iterator(loader):
-    """Start the iterator of the torch DataLoader ``loader``, whose workers
-    persist, unless it has one; return whether it started one."""
+    """Start the iterator of ``loader``, whose workers persist, unless it has
+    one; return whether it started one."""
     if not hasattr(loader, "_iterator") or not hasattr(loader, "_get_iterator"):
         raise _changed(
             "torch",
@@ -152,15 +180,7 @@ def start_persistent_iterator(loader):
 
 def batch_sampler_owner(dataloader):
     """The torch DataLoader whose ``batch_sampler`` a prepared dataloader
-    iterates.
-
-    Raises
-    ------
-    ValueError
-      If the data has no batch sampler (an ``IterableDataset``): batches
-      cannot be skipped without loading them.
-
-    """
+    iterates; ValueError for data without one (an ``IterableDataset``)."""
     owner = getattr(dataloader, "base_dataloader", dataloader)
     if not hasattr(owner, "batch_sampler"):
         raise _changed(
@@ -178,18 +198,57 @@ def batch_sampler_owner(dataloader):
     return owner
 
 
-def missing(accelerator):
-    """The private names that are missing here, for an accelerator.
+def compiled_inner(module):
+    """The module that torch.compile wrapped in ``module``, or None."""
+    inner = getattr(module, "_orig_mod", None)
+    return inner if isinstance(inner, torch.nn.Module) else None
 
-    Prepares a small module and dataloader on ``accelerator`` to look.
-    """
+
+def copy_state_dict(state_dict):
+    """A shallow copy of ``state_dict`` that keeps torch's ``_metadata``."""
+    metadata = getattr(state_dict, "_metadata", None)
+    copy = OrderedDict(state_dict)
+    if metadata is not None:
+        copy._metadata = OrderedDict(metadata)  # pylint: disable=protected-access
+    return copy
+
+
+def check_f_arguments(caller, **kwargs):
+    """skorch's ``_check_f_arguments``, shared by ``save_params`` and ``load_params``."""
+    check = getattr(skorch_utils, "_check_f_arguments", None)
+    if not callable(check):
+        raise _changed(
+            "skorch",
+            "skorch.utils._check_f_arguments",
+            "to read the file arguments of save_params and load_params",
+        )
+    return check(caller, **kwargs)
+
+
+def batches_per_epoch_phase(progress_bar, net, dataset, training):
+    """skorch's count of a ProgressBar's batches of one phase of the whole data."""
+    count = getattr(progress_bar, "_get_batches_per_epoch_phase", None)
+    if not callable(count):
+        raise _changed(
+            "skorch",
+            "ProgressBar._get_batches_per_epoch_phase",
+            "to make each rank's progress bar count the batches it runs",
+        )
+    return count(net, dataset, training)
+
+
+def wrapped_history(history):
+    """The plain ``History`` inside skorch's ``DistributedHistory``."""
+    if not hasattr(history, "_history"):
+        raise _changed("skorch", "DistributedHistory._history", "to record into its plain History")
+    return history._history  # pylint: disable=protected-access
+
+
+def missing(accelerator):
+    """The private names missing here; prepares a small module and dataloader
+    on ``accelerator`` to look."""
     found = []
-    for check in (
-        _default_store_getter,
-        lambda: check_accelerator(accelerator),
-        lambda: _check_prepare(accelerator),
-        _check_skorch,
-    ):
+    for check in (_default_store_getter, lambda: _check_prepare(accelerator), _check_skorch):
         try:
             check()
         except InternalsChanged as exc:
@@ -198,41 +257,24 @@ def missing(accelerator):
 
 
 def _check_prepare(accelerator):
+    check_accelerator(accelerator)
     module = torch.nn.Linear(2, 2)
     prepared = accelerator.prepare_model(module, evaluation_mode=True)
     try:
         check_prepared_module(prepared, module, accelerator, wrapped=False)
     finally:
-        accelerator._models[:] = [m for m in accelerator._models if m is not module]  # pylint: disable=protected-access
+        models = accelerator_list(accelerator, "module")
+        models[:] = [m for m in models if m is not module]
     data = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(torch.zeros(4, 2)), batch_size=2, shuffle=True
     )
     prepared = accelerator.prepare_data_loader(data)
-    accelerator._dataloaders[:] = [d for d in accelerator._dataloaders if d is not prepared]  # pylint: disable=protected-access
+    drop_dataloader(accelerator, prepared)
     check_dataloader(prepared)
 
 
 def _check_skorch():
     if not callable(getattr(skorch_utils, "_check_f_arguments", None)):
-        raise _changed(
-            "skorch",
-            "skorch.utils._check_f_arguments",
-            "to read the file arguments of save_params and load_params",
-        )
-    if not callable(getattr(NeuralNet, "_get_module", None)):
-        raise _changed(
-            "skorch",
-            "NeuralNet._get_module",
-            "to find the modules that save_params and load_params name",
-        )
-    check_progress_bar()
-
-
-def check_progress_bar():
-    """Raise unless skorch's ProgressBar counts the batches of a phase."""
+        check_f_arguments("save_params")  # raises, naming it
     if not callable(getattr(ProgressBar, "_get_batches_per_epoch_phase", None)):
-        raise _changed(
-            "skorch",
-            "ProgressBar._get_batches_per_epoch_phase",
-            "to make each rank's progress bar count the batches it runs",
-        )
+        batches_per_epoch_phase(ProgressBar(), None, None, True)

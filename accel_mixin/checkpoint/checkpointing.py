@@ -25,8 +25,8 @@ from accel_mixin.resume.training_state import (
     train_iterator_state,
     warn_if_inside_accumulation,
 )
+from accel_mixin.training.notifications import stopped_early
 from accel_mixin.training.process_state import process_state
-from accel_mixin.training.skorch_callbacks import stopped_early
 
 __all__ = ["CheckpointingMixin"]
 
@@ -156,7 +156,7 @@ class CheckpointingMixin(SafeParamsMixin):
             self._coordinator.session("save_state"),
         ):
             self.wait_for_saves()
-            process = self._process
+            process = self._process.fit
             if process.position is None:
                 shuffling = train_iterator_state(process.running_train_iterator())
             else:  # inside an epoch: its order is replayed from its start

@@ -6,7 +6,6 @@ from collections.abc import Mapping
 from contextlib import contextmanager
 
 import torch
-from skorch.utils import _check_f_arguments
 
 from accel_mixin.checkpoint import files as _files
 from accel_mixin.checkpoint.files import check_readable, check_same_save, history_error, read_error
@@ -16,6 +15,7 @@ from accel_mixin.checkpoint.state_dict import (
     load_module_state,
 )
 from accel_mixin.errors import CheckpointError
+from accel_mixin.internals import check_f_arguments
 
 __all__ = ["SafeParamsMixin", "load_optimizer_state"]
 
@@ -82,7 +82,7 @@ class SafeParamsMixin:
             f_history=f_history,
             **kwargs,
         )
-        kwargs_module, _ = _check_f_arguments("save_params", **files)
+        kwargs_module, _ = check_f_arguments("save_params", **files)
         # everything is checked before the first file is written
         for attr, f in kwargs_module.items():
             obj = self._checked_attribute(attr, "save")
@@ -126,7 +126,7 @@ class SafeParamsMixin:
             if checkpoint is not None:
                 resolved = dict(checkpoint.get_formatted_files(self), **kwargs)
             resolved.update({key: val for key, val in explicit.items() if val})
-            return _check_f_arguments("load_params", **resolved)[0]
+            return check_f_arguments("load_params", **resolved)[0]
 
         if f_history is None and checkpoint is not None and checkpoint.f_history is not None:
             f_history_read = checkpoint.f_history_

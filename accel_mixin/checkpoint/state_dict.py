@@ -6,13 +6,13 @@ carries it, as super-gradients does: a partial prefix means a different
 model, and is reported rather than guessed at.
 """
 
-from collections import OrderedDict
 from collections.abc import Mapping
 
 import torch
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from accel_mixin.errors import CheckpointError
+from accel_mixin.internals import compiled_inner, copy_state_dict
 
 __all__ = [
     "CheckpointError",
@@ -62,10 +62,7 @@ def strip_wrapper_prefixes(state_dict):
         if prefix is None:
             break
         if not copied:
-            metadata = getattr(state_dict, "_metadata", None)
-            state_dict = OrderedDict(state_dict)
-            if metadata is not None:
-                state_dict._metadata = OrderedDict(metadata)  # pylint: disable=protected-access
+            state_dict = copy_state_dict(state_dict)
             copied = True
         consume_prefix_in_state_dict_if_present(state_dict, prefix)
     return state_dict
@@ -76,8 +73,8 @@ def unwrap_module(module):
     while True:
         if isinstance(module, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
             module = module.module
-        elif isinstance(getattr(module, "_orig_mod", None), torch.nn.Module):
-            module = module._orig_mod  # pylint: disable=protected-access
+        elif compiled_inner(module) is not None:
+            module = compiled_inner(module)
         else:
             return module
 

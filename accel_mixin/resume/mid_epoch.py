@@ -38,7 +38,7 @@ def resumable_inside_epochs(net, explain=False):
     map-style data, whose batches have indices to skip. With ``explain``,
     raise the ``ValueError`` that says why not instead of returning False."""
     try:
-        batch_sampler_owner(process_state(net).running_train_iterator())
+        batch_sampler_owner(process_state(net).fit.running_train_iterator())
     except ValueError:
         if explain:
             raise
@@ -57,7 +57,7 @@ def partial_epoch(net, batch_count):
     return {
         "row": history_state([net.history[-1]])[0],
         "batch_count": batch_count,
-        "epoch_rng": process_state(net).epoch_start_rng,
+        "epoch_rng": process_state(net).fit.epoch_start_rng,
         "caches": {
             name: cpu_snapshot(as_plain([list(cb.y_preds_), list(cb.y_trues_)]))
             for name, cb in _training_caches(net)
