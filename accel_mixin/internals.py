@@ -28,6 +28,7 @@ from collections import OrderedDict
 import accelerate
 import skorch
 import torch
+import torch.distributed.distributed_c10d as c10d
 from skorch import utils as skorch_utils
 from skorch.callbacks import ProgressBar
 from torch.utils.data import IterableDataset
@@ -60,26 +61,23 @@ _LISTS.update(scheduler="_schedulers", dataloader="_dataloaders")
 _MARKS = ("forward", "_original_forward", "_is_accelerate_prepared")
 
 
-def _changed(package, name, what):
-    return InternalsChanged(
-        f"{package} no longer has {name}, which accel_mixin uses {what}. This accel_mixin "
-        f"was tested with the versions in constraints/pinned.txt; installed are torch "
-        f"{torch.__version__}, accelerate {accelerate.__version__}, skorch "
-        f"{skorch.__version__}. Install the pinned versions, or an accel_mixin that "
-        "supports these."
-    )
+def _require(present, package, name, what):
+    """Raise, naming ``name``, unless ``present``."""
+    if not present:
+        raise InternalsChanged(
+            f"{package} no longer has {name}, which accel_mixin uses {what}. This accel_mixin "
+            f"was tested with the versions in constraints/pinned.txt; installed are torch "
+            f"{torch.__version__}, accelerate {accelerate.__version__}, skorch "
+            f"{skorch.__version__}. Install the pinned versions, or an accel_mixin that "
+            "supports these."
+        )
 
 
 def _default_store_getter():
-    try:
-        from torch.distributed.distributed_c10d import _get_default_store  # pylint: disable=import-outside-toplevel
-    except ImportError as exc:
-        raise _changed(
-            "torch",
-            "torch.distributed.distributed_c10d._get_default_store",
-            "for the barriers of several processes",
-        ) from exc
-    return _get_default_store
+    getter = getattr(c10d, "_get_default_store", None)
+    what = "for the barriers of several processes"
+    _require(getter, "torch", "torch.distributed.distributed_c10d._get_default_store", what)
+    return getter
 
 
 def default_store():
@@ -90,12 +88,9 @@ def default_store():
 def check_accelerator(accelerator):
     """Raise unless the accelerator keeps the lists that wrapping maintains."""
     for name in sorted(set(_LISTS.values())):
-        if not isinstance(getattr(accelerator, name, None), list):
-            raise _changed(
-                "accelerate",
-                f"Accelerator.{name}",
-                "to keep the prepared objects exact when unwrapping and rewrapping",
-            )
+        present = isinstance(getattr(accelerator, name, None), list)
+        what = "to keep the prepared objects exact when unwrapping and rewrapping"
+        _require(present, "accelerate", f"Accelerator.{name}", what)
 
 
 def accelerator_list(accelerator, kind):
@@ -131,21 +126,20 @@ def put_marks(marks):
 def check_prepared_module(prepared, module, accelerator, wrapped):
     """Raise unless accelerate prepared ``module`` into ``prepared`` with the
     marks unwrapping relies on, and into a wrapper where ``wrapped`` (DDP)."""
-    if wrapped and prepared is module:
-        raise _changed(
-            "accelerate",
-            "the mark _is_accelerate_prepared on prepared modules "
-            "(prepare_model returned a module unwrapped, by a mark accel_mixin "
-            "does not know)",
-            "to prepare a module again after unwrapping",
-        )
+    _require(
+        not (wrapped and prepared is module),
+        "accelerate",
+        "the mark _is_accelerate_prepared on prepared modules (prepare_model returned "
+        "a module unwrapped, by a mark accel_mixin does not know)",
+        "to prepare a module again after unwrapping",
+    )
     # getattr: a compiled module keeps the patch on the module it compiled
-    if accelerator.native_amp and getattr(module, "_original_forward", None) is None:
-        raise _changed(
-            "accelerate",
-            "the mark _original_forward on prepared modules",
-            "to keep mixed precision when unwrapping and rewrapping",
-        )
+    _require(
+        not accelerator.native_amp or getattr(module, "_original_forward", None) is not None,
+        "accelerate",
+        "the mark _original_forward on prepared modules",
+        "to keep mixed precision when unwrapping and rewrapping",
+    )
 
 
 def check_dataloader(dataloader):
@@ -154,23 +148,21 @@ def check_dataloader(dataloader):
     if isinstance(getattr(dataloader, "dataset", None), IterableDataset):
         return
     for name in ("synchronized_generator", "iteration"):
-        if not hasattr(dataloader, name):
-            raise _changed(
-                "accelerate",
-                f"{type(dataloader).__name__}.{name}",
-                "to save and restore the shuffling of the training data",
-            )
+        what = "to save and restore the shuffling of the training data"
+        _require(
+            hasattr(dataloader, name), "accelerate", f"{type(dataloader).__name__}.{name}", what
+        )
 
 
 def start_persistent_iterator(loader):
     """Start the iterator of ``loader``, whose workers persist, unless it has
     one; return whether it started one."""
-    if not hasattr(loader, "_iterator") or not hasattr(loader, "_get_iterator"):
-        raise _changed(
-            "torch",
-            "DataLoader._iterator and DataLoader._get_iterator",
-            "to start the persistent workers of a resumed fit without drawing their seed twice",
-        )
+    _require(
+        hasattr(loader, "_iterator") and hasattr(loader, "_get_iterator"),
+        "torch",
+        "DataLoader._iterator and DataLoader._get_iterator",
+        "to start the persistent workers of a resumed fit without drawing their seed twice",
+    )
     if loader._iterator is not None:  # pylint: disable=protected-access
         return False
     # DataLoader.__iter__ resets an iterator it has, and draws nothing then
@@ -182,12 +174,12 @@ def batch_sampler_owner(dataloader):
     """The torch DataLoader whose ``batch_sampler`` a prepared dataloader
     iterates; ValueError for data without one (an ``IterableDataset``)."""
     owner = getattr(dataloader, "base_dataloader", dataloader)
-    if not hasattr(owner, "batch_sampler"):
-        raise _changed(
-            "accelerate",
-            f"{type(dataloader).__name__}.base_dataloader.batch_sampler",
-            "to resume an epoch without loading the batches already trained",
-        )
+    _require(
+        hasattr(owner, "batch_sampler"),
+        "accelerate",
+        f"{type(dataloader).__name__}.base_dataloader.batch_sampler",
+        "to resume an epoch without loading the batches already trained",
+    )
     if owner.batch_sampler is None or isinstance(getattr(owner, "dataset", None), IterableDataset):
         raise ValueError(
             "Training states inside an epoch need map-style training data (a Dataset with "
@@ -216,31 +208,23 @@ def copy_state_dict(state_dict):
 def check_f_arguments(caller, **kwargs):
     """skorch's ``_check_f_arguments``, shared by ``save_params`` and ``load_params``."""
     check = getattr(skorch_utils, "_check_f_arguments", None)
-    if not callable(check):
-        raise _changed(
-            "skorch",
-            "skorch.utils._check_f_arguments",
-            "to read the file arguments of save_params and load_params",
-        )
+    what = "to read the file arguments of save_params and load_params"
+    _require(callable(check), "skorch", "skorch.utils._check_f_arguments", what)
     return check(caller, **kwargs)
 
 
 def batches_per_epoch_phase(progress_bar, net, dataset, training):
     """skorch's count of a ProgressBar's batches of one phase of the whole data."""
     count = getattr(progress_bar, "_get_batches_per_epoch_phase", None)
-    if not callable(count):
-        raise _changed(
-            "skorch",
-            "ProgressBar._get_batches_per_epoch_phase",
-            "to make each rank's progress bar count the batches it runs",
-        )
+    what = "to make each rank's progress bar count the batches it runs"
+    _require(callable(count), "skorch", "ProgressBar._get_batches_per_epoch_phase", what)
     return count(net, dataset, training)
 
 
 def wrapped_history(history):
     """The plain ``History`` inside skorch's ``DistributedHistory``."""
-    if not hasattr(history, "_history"):
-        raise _changed("skorch", "DistributedHistory._history", "to record into its plain History")
+    what = "to record into its plain History"
+    _require(hasattr(history, "_history"), "skorch", "DistributedHistory._history", what)
     return history._history  # pylint: disable=protected-access
 
 

@@ -1,18 +1,13 @@
 """How a net notifies its callbacks on several processes.
 
-Every notification is a section of the coordinator's protocol: an error in a
-callback on one rank reaches the others at their next barrier instead of
-leaving them in DDP's collectives until the timeout. ``on_train_begin`` and
-``on_epoch_begin`` end with a barrier (collectives follow); ``on_epoch_end``
-has its own exchange (``epochs.end_epoch``). Per-batch notifications get no
-barrier and no section key (ranks may run different numbers of batches); an
-error there is reported to the enclosing section.
-
-Loggers run on the main process only. Beside skorch's notifications, callbacks
-may have hooks only ``AccelerateMixin`` calls: ``during_fit(net)``, a context
-around every fit; ``on_batch_finished(net, training, batches)`` after a training
-batch's ``on_batch_end``; ``on_epoch_finished(net, stopped)`` once the ranks
-agreed on an epoch's end. ``TrainingCheckpoint`` uses all three.
+Every notification is a section of the coordinator's protocol, so that a
+callback's error on one rank reaches the others at their next barrier, not
+after DDP's timeout; per-batch ones (ranks may run different numbers of
+batches) report to the enclosing section. Loggers run on the main process
+only. Hooks only ``AccelerateMixin`` calls: ``during_fit(net)``, a context
+around every fit; ``on_batch_finished(net, training, batches)`` after a
+training batch; ``on_epoch_finished(net, stopped)`` once the ranks agreed on
+an epoch's end (``TrainingCheckpoint`` uses all three).
 """
 
 from contextlib import ExitStack, contextmanager

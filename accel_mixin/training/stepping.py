@@ -1,24 +1,15 @@
-"""What accelerate adds around skorch's training step, for one fit.
+"""What accelerate adds around skorch's training step.
 
 skorch's ``train_step``, ``train_step_single``, ``_step_optimizer`` and
-``_zero_grad_optimizer`` run (and a user's overrides of them); the optimizers
-are accelerate's, whose ``step`` and ``zero_grad`` do nothing inside an
-accumulation window. Around them the mixin:
-
-- runs the step within ``accelerator.accumulate``, so that DDP syncs only on a
-  window's last micro-batch, and zeroes the gradients after the step instead
-  of before the forward pass, which would discard the window's gradients;
-- notifies ``on_grad_computed`` only where the optimizers step, with the
-  gradients unscaled, so that ``GradientNormClipping`` clips what it would in
-  plain skorch;
-- steps optimizers that act on their closure's loss (LBFGS, or any ``step``
-  not torch's own) with skorch's closure, its loss averaged over the ranks;
-  otherwise computes the gradients once and calls skorch's
-  ``_step_optimizer(None)``, with one gradient scaler update for all
-  optimizers (torch's recipe; accelerate updates after each);
-- runs skorch's ``train_step_single`` where accelerate's backward is
-  ``loss.backward()``, and its own, with ``accelerator.backward``, elsewhere:
-  an override of ``train_step_single`` below the mixin is then refused.
+``_zero_grad_optimizer`` run, and a user's overrides of them. Around them:
+``accelerator.accumulate``, with the zeroing after the step rather than
+before the forward pass, which would discard a window's gradients;
+``on_grad_computed`` only where the optimizers step, on unscaled gradients;
+skorch's closure (its loss averaged over the ranks) for optimizers that act
+on its loss (LBFGS), else the gradients computed once and one scaler update
+for all optimizers (torch's recipe); and ``accelerator.backward`` where it is
+not ``loss.backward()``, with an override of ``train_step_single`` below the
+mixin then refused.
 """
 
 import contextlib
