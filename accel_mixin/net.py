@@ -369,17 +369,6 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
             self._process.fit.track(iterator)  # for save_state
         return iterator
 
-    # --- inference ----------------------------------------------------------
-
-    def forward_iter(self, X, training=False, device="cpu"):
-        """skorch's ``forward_iter``, after every rank arrived: inference
-        gathers from every rank, so a rank that calls ``predict`` alone gets a
-        ``DistributedError`` naming both calls instead of a hang."""
-        if self.accelerator.num_processes > 1:
-            self._coordinator.barrier("inference (predict, predict_proba, forward, score)")
-        with quiet_unless_main(self.accelerator):
-            yield from super().forward_iter(X, training=training, device=device)
-
     # --- copies -------------------------------------------------------------
 
     def __getstate__(self):

@@ -444,7 +444,7 @@ BREAKS = [
         "mixin-inference-warns-everywhere",
         "mixin",
         "warnings of inference appear on every rank",
-        "accel_mixin/net.py",
+        "accel_mixin/training/stepping.py",
         "        with quiet_unless_main(self.accelerator):\n            yield from",
         "        if True:\n            yield from",
         (SYNC + "test_one_voice",),

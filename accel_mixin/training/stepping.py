@@ -20,6 +20,8 @@ from accelerate.utils import DistributedType, convert_to_fp32
 from skorch.dataset import unpack_data
 from skorch.net import NeuralNet
 
+from accel_mixin.distributed.output import quiet_unless_main
+
 __all__ = [
     "StepMixin",
     "Stepper",
@@ -237,6 +239,15 @@ class StepMixin:
     def validation_step(self, batch, **fit_params):
         with self._stepper.autocast():
             return super().validation_step(batch, **fit_params)
+
+    def forward_iter(self, X, training=False, device="cpu"):
+        """skorch's ``forward_iter``, after every rank arrived: inference
+        gathers from every rank, so a rank that calls ``predict`` alone gets a
+        ``DistributedError`` naming both calls instead of a hang."""
+        if self.accelerator.num_processes > 1:
+            self._coordinator.barrier("inference (predict, predict_proba, forward, score)")
+        with quiet_unless_main(self.accelerator):
+            yield from super().forward_iter(X, training=training, device=device)
 
     def evaluation_step(self, batch, training=False):
         # autocast here too, so that unwrapped nets predict with the same precision
