@@ -93,7 +93,8 @@ def begin_epoch(net):
       The unfinished epoch that a state from inside it holds.
 
     """
-    process, fit = process_state(net), process_state(net).fit
+    process = process_state(net)
+    fit = process.fit
     iterator = fit.running_train_iterator()
     partial = process.plan.at_epoch_begin(iterator) if process.plan is not None else None
     fit.epoch_start_iterator = train_iterator_state(iterator)
