@@ -38,7 +38,7 @@ from accel_mixin.resume.runs import (
     run_folders,
     write_manifest,
 )
-from accel_mixin.training.skorch_callbacks import stopped_early
+from accel_mixin.training.notifications import stopped_early
 
 __all__ = ["ResumeTraining", "TrainingCheckpoint"]
 

@@ -1,83 +1,83 @@
-"""The private names of torch, accelerate and skorch that accel_mixin relies on.
+"""Every private name of torch, accelerate and skorch that accel_mixin uses.
 
-Each is used because no public API does the job:
+Each is used because no public API does the job; a release that renames one
+must make accel_mixin fail loudly, naming it, never degrade silently. The
+helpers check where they are used; ``missing`` lists what is gone, for a test
+on the pinned versions.
 
-- torch's ``_get_default_store``: the key-value store of the process group,
-  which carries the fail-fast barriers (``coordination.py``);
-- accelerate's ``Accelerator._models``, ``_optimizers``, ``_schedulers`` and
-  ``_dataloaders``: the lists that unwrapping and rewrapping keep exact
-  (``wrapping.py``);
-- the marks accelerate leaves on a prepared module: ``_original_forward``
-  (the autocast patch), which unwrapping stashes and rewrapping restores, and
-  ``_is_accelerate_prepared`` (since accelerate 1.x, on what ``prepare_model``
-  returns), which makes ``prepare_model`` return a module untouched, and which
-  is removed before a module is prepared again;
-- a prepared dataloader's ``synchronized_generator`` and ``iteration``, which
-  decide the shuffling that a training state saves, and the ``batch_sampler``
-  of the DataLoader it wraps (``base_dataloader``), which a resumed epoch
-  swaps for one that skips the batches already trained (``resume/data_order.py``);
-- torch's ``DataLoader._iterator`` and ``_get_iterator``: the iterator of
-  persistent workers, which a resumed fit starts with the generators put
-  back afterwards (``resume/data_order.py``);
-- skorch's ``_check_f_arguments`` and ``NeuralNet._get_module``, which
-  ``save_params`` and ``load_params`` share with skorch, and
-  ``ProgressBar._get_batches_per_epoch_phase``, whose count of the whole
-  data's batches a rank's bar divides into its share.
+- torch: ``distributed_c10d._get_default_store`` (the store of the barriers),
+  ``DataLoader._iterator``/``_get_iterator`` (persistent workers), a state
+  dict's ``_metadata``, a compiled module's ``_orig_mod``;
+- accelerate: ``Accelerator._models``, ``_optimizers``, ``_schedulers``,
+  ``_dataloaders`` (kept holding exactly what is wrapped), the module marks
+  ``_original_forward`` and ``_is_accelerate_prepared``, a prepared
+  dataloader's ``synchronized_generator``, ``iteration`` and
+  ``base_dataloader.batch_sampler``;
+- skorch: ``utils._check_f_arguments``, ``ProgressBar._get_batches_per_epoch_phase``,
+  ``DistributedHistory._history``.
 
-A release that renames one of them must make accel_mixin fail loudly, naming
-it, never degrade silently (a barrier that no longer waits, a module that is
-no longer wrapped in DDP). The checks here run where the names are used;
-``missing`` lists what a given accelerator lacks, for a test on the pinned
-versions.
+skorch's own ``NeuralNet`` methods that the mixin overrides and calls through
+``super()`` are its extension points, not listed: ``_validate_params``,
+``_initialize_callbacks``, ``_step_optimizer``, ``_zero_grad_optimizer``,
+``_get_module``, ``_check_device``, ``_set_training``, and the net's
+``_modules``, ``_criteria``, ``_optimizers`` registries.
 """
+
+from collections import OrderedDict
 
 import accelerate
 import skorch
 import torch
+import torch.distributed.distributed_c10d as c10d
 from skorch import utils as skorch_utils
 from skorch.callbacks import ProgressBar
-from skorch.net import NeuralNet
 from torch.utils.data import IterableDataset
 
 from accel_mixin.errors import InternalsChanged
 
 __all__ = [
     "InternalsChanged",
+    "accelerator_list",
     "batch_sampler_owner",
+    "batches_per_epoch_phase",
     "check_accelerator",
     "check_dataloader",
+    "check_f_arguments",
     "check_prepared_module",
-    "check_progress_bar",
+    "compiled_inner",
+    "copy_state_dict",
     "default_store",
+    "drop_dataloader",
     "missing",
+    "pop_marks",
+    "put_marks",
     "start_persistent_iterator",
+    "wrapped_history",
 ]
 
-ACCELERATOR_LISTS = ("_models", "_optimizers", "_schedulers", "_dataloaders")
-DATALOADER_ATTRIBUTES = ("synchronized_generator", "iteration")
+_LISTS = {"module": "_models", "criterion": "_models", "optimizer": "_optimizers"}
+_LISTS.update(scheduler="_schedulers", dataloader="_dataloaders")
+# the autocast patch of ``forward`` and the flag that makes ``prepare`` skip a module
+_MARKS = ("forward", "_original_forward", "_is_accelerate_prepared")
 
 
-def _changed(package, name, what):
-    return InternalsChanged(
-        f"{package} no longer has {name}, which accel_mixin uses {what}. This accel_mixin "
-        f"was tested with the versions in constraints/pinned.txt; installed are torch "
-        f"{torch.__version__}, accelerate {accelerate.__version__}, skorch "
-        f"{skorch.__version__}. Install the pinned versions, or an accel_mixin that "
-        "supports these."
-    )
+def _require(present, package, name, what):
+    """Raise, naming ``name``, unless ``present``."""
+    if not present:
+        raise InternalsChanged(
+            f"{package} no longer has {name}, which accel_mixin uses {what}. This accel_mixin "
+            f"was tested with the versions in constraints/pinned.txt; installed are torch "
+            f"{torch.__version__}, accelerate {accelerate.__version__}, skorch "
+            f"{skorch.__version__}. Install the pinned versions, or an accel_mixin that "
+            "supports these."
+        )
 
 
 def _default_store_getter():
-    # imported here, where a release without it gets the clear error
-    try:
-        from torch.distributed.distributed_c10d import _get_default_store  # pylint: disable=import-outside-toplevel
-    except ImportError as exc:
-        raise _changed(
-            "torch",
-            "torch.distributed.distributed_c10d._get_default_store",
-            "for the barriers of several processes",
-        ) from exc
-    return _get_default_store
+    getter = getattr(c10d, "_get_default_store", None)
+    what = "for the barriers of several processes"
+    _require(getter, "torch", "torch.distributed.distributed_c10d._get_default_store", what)
+    return getter
 
 
 def default_store():
@@ -87,62 +87,82 @@ def default_store():
 
 def check_accelerator(accelerator):
     """Raise unless the accelerator keeps the lists that wrapping maintains."""
-    for name in ACCELERATOR_LISTS:
-        if not isinstance(getattr(accelerator, name, None), list):
-            raise _changed(
-                "accelerate",
-                f"Accelerator.{name}",
-                "to keep the prepared objects exact when unwrapping and rewrapping",
-            )
+    for name in sorted(set(_LISTS.values())):
+        present = isinstance(getattr(accelerator, name, None), list)
+        what = "to keep the prepared objects exact when unwrapping and rewrapping"
+        _require(present, "accelerate", f"Accelerator.{name}", what)
+
+
+def accelerator_list(accelerator, kind):
+    """The accelerator's list of prepared objects of ``kind`` ('module', ...)."""
+    return getattr(accelerator, _LISTS[kind])
+
+
+def drop_dataloader(accelerator, dataloader):
+    """Take ``dataloader`` off the accelerator's list of prepared dataloaders."""
+    dataloaders = accelerator_list(accelerator, "dataloader")
+    dataloaders[:] = [dl for dl in dataloaders if dl is not dataloader]
+
+
+def pop_marks(obj):
+    """Remove accelerate's marks from a raw module (a compiled one keeps part
+    on its ``_orig_mod``); return them for ``put_marks``."""
+    targets = [obj] + [t for t in (vars(obj).get("_modules", {}).get("_orig_mod"),) if t]
+    patched = any("_original_forward" in vars(t) for t in targets)
+    # only the forward that accelerate patched is ours to remove
+    keys = _MARKS if patched else ("_is_accelerate_prepared",)
+    marks = [(t, {k: vars(t).pop(k) for k in keys if k in vars(t)}) for t in targets]
+    original = next((m["_original_forward"] for _, m in marks if "_original_forward" in m), None)
+    if original is not None and getattr(original, "__func__", None) is not type(obj).forward:
+        vars(obj)["forward"] = original  # the instance's own forward (torch.compile's)
+    return marks
+
+
+def put_marks(marks):
+    for target, attrs in marks:
+        vars(target).update(attrs)
 
 
 def check_prepared_module(prepared, module, accelerator, wrapped):
-    """Raise unless accelerate prepared ``module`` into ``prepared`` as expected.
-
-    ``wrapped``: whether accelerate must have wrapped it (DDP). A module that
-    comes back unwrapped where DDP was due has kept a mark that made
-    ``prepare_model`` skip it: one that accel_mixin did not know to remove.
-    """
-    if wrapped and prepared is module:
-        raise _changed(
-            "accelerate",
-            "the mark _is_accelerate_prepared on prepared modules "
-            "(prepare_model returned a module unwrapped, by a mark accel_mixin "
-            "does not know)",
-            "to prepare a module again after unwrapping",
-        )
+    """Raise unless accelerate prepared ``module`` into ``prepared`` with the
+    marks unwrapping relies on, and into a wrapper where ``wrapped`` (DDP)."""
+    _require(
+        not (wrapped and prepared is module),
+        "accelerate",
+        "the mark _is_accelerate_prepared on prepared modules (prepare_model returned "
+        "a module unwrapped, by a mark accel_mixin does not know)",
+        "to prepare a module again after unwrapping",
+    )
     # getattr: a compiled module keeps the patch on the module it compiled
-    if accelerator.native_amp and getattr(module, "_original_forward", None) is None:
-        raise _changed(
-            "accelerate",
-            "the mark _original_forward on prepared modules",
-            "to keep mixed precision when unwrapping and rewrapping",
-        )
+    _require(
+        not accelerator.native_amp or getattr(module, "_original_forward", None) is not None,
+        "accelerate",
+        "the mark _original_forward on prepared modules",
+        "to keep mixed precision when unwrapping and rewrapping",
+    )
 
 
 def check_dataloader(dataloader):
     """Raise unless a prepared training dataloader exposes its shuffling state
-    (iterable data has none: it goes through accelerate's dispatcher)."""
+    (iterable data has none)."""
     if isinstance(getattr(dataloader, "dataset", None), IterableDataset):
         return
-    for name in DATALOADER_ATTRIBUTES:
-        if not hasattr(dataloader, name):
-            raise _changed(
-                "accelerate",
-                f"{type(dataloader).__name__}.{name}",
-                "to save and restore the shuffling of the training data",
-            )
+    for name in ("synchronized_generator", "iteration"):
+        what = "to save and restore the shuffling of the training data"
+        _require(
+            hasattr(dataloader, name), "accelerate", f"{type(dataloader).__name__}.{name}", what
+        )
 
 
 def start_persistent_iterator(loader):
-    """Start the iterator of the torch DataLoader ``loader``, whose workers
-    persist, unless it has one; return whether it started one."""
-    if not hasattr(loader, "_iterator") or not hasattr(loader, "_get_iterator"):
-        raise _changed(
-            "torch",
-            "DataLoader._iterator and DataLoader._get_iterator",
-            "to start the persistent workers of a resumed fit without drawing their seed twice",
-        )
+    """Start the iterator of ``loader``, whose workers persist, unless it has
+    one; return whether it started one."""
+    _require(
+        hasattr(loader, "_iterator") and hasattr(loader, "_get_iterator"),
+        "torch",
+        "DataLoader._iterator and DataLoader._get_iterator",
+        "to start the persistent workers of a resumed fit without drawing their seed twice",
+    )
     if loader._iterator is not None:  # pylint: disable=protected-access
         return False
     # DataLoader.__iter__ resets an iterator it has, and draws nothing then
@@ -152,22 +172,14 @@ def start_persistent_iterator(loader):
 
 def batch_sampler_owner(dataloader):
     """The torch DataLoader whose ``batch_sampler`` a prepared dataloader
-    iterates.
-
-    Raises
-    ------
-    ValueError
-      If the data has no batch sampler (an ``IterableDataset``): batches
-      cannot be skipped without loading them.
-
-    """
+    iterates; ValueError for data without one (an ``IterableDataset``)."""
     owner = getattr(dataloader, "base_dataloader", dataloader)
-    if not hasattr(owner, "batch_sampler"):
-        raise _changed(
-            "accelerate",
-            f"{type(dataloader).__name__}.base_dataloader.batch_sampler",
-            "to resume an epoch without loading the batches already trained",
-        )
+    _require(
+        hasattr(owner, "batch_sampler"),
+        "accelerate",
+        f"{type(dataloader).__name__}.base_dataloader.batch_sampler",
+        "to resume an epoch without loading the batches already trained",
+    )
     if owner.batch_sampler is None or isinstance(getattr(owner, "dataset", None), IterableDataset):
         raise ValueError(
             "Training states inside an epoch need map-style training data (a Dataset with "
@@ -178,18 +190,49 @@ def batch_sampler_owner(dataloader):
     return owner
 
 
-def missing(accelerator):
-    """The private names that are missing here, for an accelerator.
+def compiled_inner(module):
+    """The module that torch.compile wrapped in ``module``, or None."""
+    inner = getattr(module, "_orig_mod", None)
+    return inner if isinstance(inner, torch.nn.Module) else None
 
-    Prepares a small module and dataloader on ``accelerator`` to look.
-    """
+
+def copy_state_dict(state_dict):
+    """A shallow copy of ``state_dict`` that keeps torch's ``_metadata``."""
+    metadata = getattr(state_dict, "_metadata", None)
+    copy = OrderedDict(state_dict)
+    if metadata is not None:
+        copy._metadata = OrderedDict(metadata)  # pylint: disable=protected-access
+    return copy
+
+
+def check_f_arguments(caller, **kwargs):
+    """skorch's ``_check_f_arguments``, shared by ``save_params`` and ``load_params``."""
+    check = getattr(skorch_utils, "_check_f_arguments", None)
+    what = "to read the file arguments of save_params and load_params"
+    _require(callable(check), "skorch", "skorch.utils._check_f_arguments", what)
+    return check(caller, **kwargs)
+
+
+def batches_per_epoch_phase(progress_bar, net, dataset, training):
+    """skorch's count of a ProgressBar's batches of one phase of the whole data."""
+    count = getattr(progress_bar, "_get_batches_per_epoch_phase", None)
+    what = "to make each rank's progress bar count the batches it runs"
+    _require(callable(count), "skorch", "ProgressBar._get_batches_per_epoch_phase", what)
+    return count(net, dataset, training)
+
+
+def wrapped_history(history):
+    """The plain ``History`` inside skorch's ``DistributedHistory``."""
+    what = "to record into its plain History"
+    _require(hasattr(history, "_history"), "skorch", "DistributedHistory._history", what)
+    return history._history  # pylint: disable=protected-access
+
+
+def missing(accelerator):
+    """The private names missing here; prepares a small module and dataloader
+    on ``accelerator`` to look."""
     found = []
-    for check in (
-        _default_store_getter,
-        lambda: check_accelerator(accelerator),
-        lambda: _check_prepare(accelerator),
-        _check_skorch,
-    ):
+    for check in (_default_store_getter, lambda: _check_prepare(accelerator), _check_skorch):
         try:
             check()
         except InternalsChanged as exc:
@@ -198,41 +241,24 @@ def missing(accelerator):
 
 
 def _check_prepare(accelerator):
+    check_accelerator(accelerator)
     module = torch.nn.Linear(2, 2)
     prepared = accelerator.prepare_model(module, evaluation_mode=True)
     try:
         check_prepared_module(prepared, module, accelerator, wrapped=False)
     finally:
-        accelerator._models[:] = [m for m in accelerator._models if m is not module]  # pylint: disable=protected-access
+        models = accelerator_list(accelerator, "module")
+        models[:] = [m for m in models if m is not module]
     data = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(torch.zeros(4, 2)), batch_size=2, shuffle=True
     )
     prepared = accelerator.prepare_data_loader(data)
-    accelerator._dataloaders[:] = [d for d in accelerator._dataloaders if d is not prepared]  # pylint: disable=protected-access
+    drop_dataloader(accelerator, prepared)
     check_dataloader(prepared)
 
 
 def _check_skorch():
     if not callable(getattr(skorch_utils, "_check_f_arguments", None)):
-        raise _changed(
-            "skorch",
-            "skorch.utils._check_f_arguments",
-            "to read the file arguments of save_params and load_params",
-        )
-    if not callable(getattr(NeuralNet, "_get_module", None)):
-        raise _changed(
-            "skorch",
-            "NeuralNet._get_module",
-            "to find the modules that save_params and load_params name",
-        )
-    check_progress_bar()
-
-
-def check_progress_bar():
-    """Raise unless skorch's ProgressBar counts the batches of a phase."""
+        check_f_arguments("save_params")  # raises, naming it
     if not callable(getattr(ProgressBar, "_get_batches_per_epoch_phase", None)):
-        raise _changed(
-            "skorch",
-            "ProgressBar._get_batches_per_epoch_phase",
-            "to make each rank's progress bar count the batches it runs",
-        )
+        batches_per_epoch_phase(ProgressBar(), None, None, True)

@@ -5,12 +5,8 @@ and leaves what accelerate adds to a module of its own (the README's
 development section maps them).
 """
 
-import weakref
 from contextlib import contextmanager
 from typing import ClassVar
-
-from accelerate.utils import convert_to_fp32
-from skorch.dataset import unpack_data
 
 from accel_mixin.checkpoint.background import finished_on_error
 from accel_mixin.checkpoint.checkpointing import CheckpointingMixin
@@ -36,19 +32,20 @@ from accel_mixin.training.net_objects import (
 from accel_mixin.training.notifications import (
     callbacks_during_fit,
     callbacks_of_this_rank,
+    main_process_pickles,
     notify_in_section,
+    progress_of_this_rank,
 )
 from accel_mixin.training.portable import PortableAccelerator, settle_unpickled
 from accel_mixin.training.process_state import ATTRIBUTE as PROCESS_STATE
-from accel_mixin.training.skorch_callbacks import main_process_pickles, progress_of_this_rank
-from accel_mixin.training.stepping import Stepper
-from accel_mixin.training.training_step import check_overrides, clear_gradients
+from accel_mixin.training.process_state import FitContext
+from accel_mixin.training.stepping import StepMixin, Stepper, check_overrides, clear_gradients
 from accel_mixin.training.wrapping import prepare_dataloader
 
 __all__ = ["AccelerateMixin"]
 
 
-class AccelerateMixin(CheckpointingMixin):
+class AccelerateMixin(StepMixin, CheckpointingMixin):
     """Mixin class that trains a skorch net with HuggingFace accelerate.
 
     Put it before a skorch net class and pass an ``accelerate.Accelerator``.
@@ -103,17 +100,15 @@ class AccelerateMixin(CheckpointingMixin):
       raise a ``DistributedError`` on every rank, naming the first parameter
       that differs, if the ranks no longer hold the same model. 0 turns the
       check off. It costs one small collective and a pass over the
-      parameters (see the benchmarks).
+      parameters.
 
     io_timeout : float or None (default=None)
       With several processes, the seconds a save or a load that every
       process waits for (``save_params``, ``load_params``, ``save_state``,
       ``load_state``) may go without reading or writing anything before it
-      fails on every process, naming the files (a hung filesystem would
-      otherwise keep every process waiting forever). None: the process
-      group's timeout (30 minutes unless set with accelerate's
-      ``InitProcessGroupKwargs``). A slow save that keeps writing is never
-      cut short.
+      fails on every process, naming the files. None: the process group's
+      timeout (set with accelerate's ``InitProcessGroupKwargs``). A slow
+      save that keeps writing is never cut short.
 
     **kwargs
       The other parameters of the skorch net class it is mixed into
@@ -176,8 +171,7 @@ class AccelerateMixin(CheckpointingMixin):
     def _initialize_callbacks(self):
         if self.callbacks__print_log__sink != "auto":
             return super()._initialize_callbacks()
-        # resolve 'auto' for the callbacks only: the parameter stays 'auto'
-        # so that clone and get_params see what the user passed
+        # the parameter stays 'auto' for clone and get_params
         self.callbacks__print_log__sink = sink_for(self.accelerator)
         try:
             return super()._initialize_callbacks()
@@ -187,14 +181,8 @@ class AccelerateMixin(CheckpointingMixin):
     # --- what accelerate prepares -------------------------------------------
 
     def _initialize_accelerator(self):
-        """Prepare what is new for accelerate and wrap everything.
-
-        Idempotent: objects prepared before are put back, never prepared
-        again, so no new DDP wrapper is built and nothing is broadcast (a
-        module whose trainable parameters changed is the one exception, see
-        ``net_objects.prepare_retrainable_modules``).
-
-        """
+        """Prepare what is new for accelerate and wrap everything; what was
+        prepared before is put back, not prepared again."""
         check_process_layout(self.accelerator)
         check_supported(self.accelerator)
         check_optimizers(self)
@@ -218,19 +206,13 @@ class AccelerateMixin(CheckpointingMixin):
                 self._process.prepared.wrap(self.accelerator)
 
     def get_all_learnable_params(self):
-        # skorch's (or an override's) with the net's own modules in place of
-        # their wrappers: names carry no DDP prefix, and an override reaches
-        # the module's attributes. Lazily, as skorch's, but taken whole under
-        # the swap, which must not outlast the call.
+        # skorch's (or an override's) on the raw modules: no DDP prefix in the
+        # names; taken whole, as the swap must not outlast the call
         with bare_modules(self):
             params = list(super().get_all_learnable_params())
         yield from params
 
     # --- training -----------------------------------------------------------
-
-    @property
-    def _stepper(self):
-        return self._process.stepper_for(self.accelerator)
 
     def fit(self, X, y=None, **fit_params):
         """Initialize and fit the module, as skorch does.
@@ -260,8 +242,7 @@ class AccelerateMixin(CheckpointingMixin):
             self.initialize()
         adopt_history(self)  # a DistributedHistory assigned after initialize
         # skorch's notifications pass no fit parameters; the run identity needs them
-        self._process.fit_params = {k: v for k, v in fit_params.items() if not k.startswith("_")}
-        self._process.identity = None
+        self._process.fit = FitContext({k: v for k, v in fit_params.items() if k[:1] != "_"})
         with (
             self._coordinator.session("partial_fit"),
             quiet_unless_main(self.accelerator),
@@ -287,12 +268,11 @@ class AccelerateMixin(CheckpointingMixin):
     }
 
     def notify(self, method_name, **cb_kwargs):
-        # Every notification is a section (see notifications.py); what goes
-        # into collectives follows once every rank's callbacks succeeded.
+        # every notification is a section (notifications.py)
         if method_name == "on_grad_computed":
             if not self._stepper.sync_gradients:
-                return  # partial sums of an accumulation window (training_step.py)
-            self._stepper.unscale([getattr(self, name + "_") for name in self._optimizers])
+                return  # partial sums of an accumulation window (stepping.py)
+            self._stepper.unscale(self._optimizers_now())
         step = self._NOTIFIED.get(method_name)
         notify_in_section(
             self._coordinator,
@@ -314,16 +294,15 @@ class AccelerateMixin(CheckpointingMixin):
             super().notify(method_name, **cb_kwargs)
 
     def _train_begins(self, **cb_kwargs):
-        # Callbacks set up on the net's own objects (an LR scheduler is built
-        # on the raw optimizer); _begin_training prepares what they built.
+        # callbacks build on the raw objects (an LR scheduler on the raw
+        # optimizer); _begin_training prepares what they built
         self._unwrap_accelerator()
         self._notify_callbacks("on_train_begin", **cb_kwargs)
 
     def _begin_training(self, X, y):
-        """After the callbacks' on_train_begin: check the data, restore what
-        a resumed run has for the callbacks, prepare what they built."""
-        # before preparing: a net trimmed for prediction has no optimizer
-        self.check_training_readiness()
+        """After the callbacks' on_train_begin: check the data, restore what a
+        resumed run has for the callbacks, prepare what they built."""
+        self.check_training_readiness()  # a net trimmed for prediction has no optimizer
         distributed = self.accelerator.num_processes > 1
         if distributed:
             check_same_data(self.accelerator, X, y)
@@ -335,10 +314,9 @@ class AccelerateMixin(CheckpointingMixin):
         if plan is not None:
             plan.once_prepared(self)
         if distributed and self.replica_check_every:
-            # a load that worked on some ranks only (LoadInitState ignores
-            # errors) shows here
+            # a load that worked on some ranks only (LoadInitState ignores errors)
             check_net_replicas(self, "when training begins")
-        self._process.stepper = Stepper(self.accelerator)
+        self._process.fit.stepper = Stepper(self.accelerator)
 
     def on_train_begin(self, net, X=None, y=None, **kwargs):
         super().on_train_begin(net, X=X, y=y, **kwargs)
@@ -360,72 +338,17 @@ class AccelerateMixin(CheckpointingMixin):
             )
 
     def run_single_epoch(self, iterator, training, prefix, step_fn, **fit_params):
-        """Run one epoch of training or validation: skorch's loop over the
-        real samples of each batch; the padding of even batches trains but
-        is not counted (see ``epochs``)."""
+        """skorch's loop over the real samples of each batch; the padding of
+        even batches trains but is not counted (``epochs``)."""
         if iterator is None:
             return super().run_single_epoch(iterator, training, prefix, step_fn, **fit_params)
-        batches = EpochBatches(self, iterator, training, self._stepper.autocast)
+        process = self._process
+        batches = EpochBatches(
+            self, iterator, training, self._stepper.autocast, process.fit, process.plan
+        )
         super().run_single_epoch(batches, training, prefix, batches.step(step_fn), **fit_params)
         self.history.record(prefix + "_batch_count", batches.batch_count)
         return None
-
-    def train_step_single(self, batch, **fit_params):
-        stepper = self._stepper
-        if stepper.plain_backward:
-            with stepper.autocast():
-                return super().train_step_single(batch, **fit_params)
-        # accelerate's backward divides the loss for accumulation and scales
-        # it for the gradient scaler, which skorch's loss.backward() cannot
-        self._set_training(True)
-        Xi, yi = unpack_data(batch)
-        with stepper.autocast():
-            y_pred = self.infer(Xi, **fit_params)
-            loss = self.get_loss(y_pred, yi, X=Xi, training=True)
-        self.accelerator.backward(loss)
-        return {
-            "loss": loss,
-            "y_pred": y_pred,
-        }
-
-    def train_step(self, batch, **fit_params):
-        """skorch's ``train_step`` within accelerate's gradient accumulation;
-        see ``accel_mixin.training.training_step`` for when the optimizers step, the
-        gradients are zeroed and ``on_grad_computed`` is notified."""
-        stepper = self._stepper
-        optimizers = [getattr(self, name + "_") for name in self._optimizers]
-        wrapped = lambda: [module for _, module in net_modules(self, unwrapped=False)]  # noqa: E731
-        with stepper.accumulate(wrapped):
-            with stepper.step_window(stepper.closures_for(optimizers)):
-                step = super().train_step(batch, **fit_params)
-            if stepper.steps > 1 and stepper.sync_gradients:
-                self._zero_grad_optimizer()  # skorch's zeroing, after the step
-        return step
-
-    def _step_optimizer(self, step_fn):
-        stepper = self._stepper
-        closures = stepper.closures
-        if closures is None:  # called outside train_step
-            optimizers = [getattr(self, name + "_") for name in self._optimizers]
-            closures = stepper.closures_for(optimizers)
-        if step_fn is not None and closures:
-            return super()._step_optimizer(stepper.closure(step_fn))
-        # compute the gradients once; every optimizer steps on them
-        if step_fn is not None:
-            step_fn()
-        with stepper.one_scaler_update():
-            return super()._step_optimizer(None)
-
-    def _zero_grad_optimizer(self, set_to_none=None):
-        if self._stepper.deferring:
-            return  # inside an accumulation window: after the step (train_step)
-        if set_to_none is None:
-            return super()._zero_grad_optimizer()
-        return super()._zero_grad_optimizer(set_to_none=set_to_none)
-
-    def validation_step(self, batch, **fit_params):
-        with self._stepper.autocast():
-            return super().validation_step(batch, **fit_params)
 
     def _end_epoch(self, **cb_kwargs):
         end_epoch(self, self._coordinator, self._notify_callbacks, **cb_kwargs)
@@ -434,12 +357,12 @@ class AccelerateMixin(CheckpointingMixin):
         with main_process_pickles(self.callbacks_, self.accelerator.is_main_process):
             self._notify_callbacks("on_train_end", **cb_kwargs)
         self._coordinator.barrier("on_train_end")
-        # Unwrap only after the callbacks: EarlyStopping(load_best=True)
-        # restores weights it took from the wrapped module.
+        # after the callbacks: EarlyStopping(load_best=True) restores weights
+        # it took from the wrapped module
         if self.unwrap_after_train:
             self._unwrap_accelerator()
-        # the CPU copy that asynchronous saves reuse is for one fit: a write
-        # still in flight holds its own reference
+        # asynchronous saves reuse the CPU copy within one fit; a write in
+        # flight holds its own reference
         self._process.snapshot = None
 
     def get_iterator(self, dataset, training=False):
@@ -447,32 +370,8 @@ class AccelerateMixin(CheckpointingMixin):
             self.accelerator, super().get_iterator(dataset, training=training), training
         )
         if training:
-            self._process.train_iterator = weakref.ref(iterator)  # for save_state
+            self._process.fit.track(iterator)  # for save_state
         return iterator
-
-    # --- inference ----------------------------------------------------------
-
-    def forward_iter(self, X, training=False, device="cpu"):
-        """skorch's ``forward_iter``, after every rank arrived.
-
-        Inference gathers every batch from every rank: a rank that calls
-        ``predict`` alone would wait in a collective that the others never
-        join, or abort in one of theirs. The barrier instead raises a
-        ``DistributedError`` on every rank that names both calls, or, if the
-        others make no collective call, one after the timeout.
-        """
-        if self.accelerator.num_processes > 1:
-            self._coordinator.barrier("inference (predict, predict_proba, forward, score)")
-        # warnings and output of inference are the main process's, as in training
-        with quiet_unless_main(self.accelerator):
-            yield from super().forward_iter(X, training=training, device=device)
-
-    def evaluation_step(self, batch, training=False):
-        # Autocast here rather than only in the prepared module's forward, so
-        # that unwrapped nets predict with the same precision.
-        with self._stepper.autocast():
-            y_infer = super().evaluation_step(batch, training=training)
-        return self.accelerator.gather_for_metrics(convert_to_fp32(y_infer))
 
     # --- copies -------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from skorch.callbacks import (
 )
 from skorch.callbacks.logging import MlflowLogger, NeptuneLogger, SacredLogger
 
-from accel_mixin.training.skorch_callbacks import main_process_only
+from accel_mixin.training.notifications import main_process_only
 
 
 class HistogramBoard(TensorBoard):

@@ -20,8 +20,8 @@ from accel_mixin.resume.training_state import (
     train_iterator_state,
     warn_if_inside_accumulation,
 )
+from accel_mixin.training.notifications import stopped_early
 from accel_mixin.training.process_state import process_state
-from accel_mixin.training.skorch_callbacks import stopped_early
 
 
 def _files_of(args, kwargs):
@@ -140,15 +140,15 @@ class CheckpointingMixin(SafeParamsMixin):
             self._coordinator.session("save_state"),
         ):
             self.wait_for_saves()
-            process = self._process
-            if process.position is None:
-                shuffling = train_iterator_state(process.running_train_iterator())
+            fit = self._process.fit
+            if fit.position is None:
+                shuffling = train_iterator_state(fit.running_train_iterator())
             else:  # inside an epoch: its order is replayed from its start
-                batch_sampler_owner(process.running_train_iterator())
-                shuffling = process.epoch_start_iterator
+                batch_sampler_owner(fit.running_train_iterator())
+                shuffling = fit.epoch_start_iterator
             if stopped is None:
-                stopped = process.position is None and stopped_early(self.callbacks_)
-            state = collect_state(self, shuffling, stopped=stopped, position=process.position)
+                stopped = fit.position is None and stopped_early(self.callbacks_)
+            state = collect_state(self, shuffling, stopped=stopped, position=fit.position)
             # after collect_state's collective: an error reaches every rank
             warn_if_inside_accumulation(self.accelerator)
             writes = writes_files(self.accelerator)

@@ -6,7 +6,6 @@ from collections.abc import Mapping
 from contextlib import ExitStack, contextmanager
 
 import torch
-from skorch.utils import _check_f_arguments
 
 from accel_mixin.checkpoint import files as _files
 from accel_mixin.checkpoint.state_dict import (
@@ -18,6 +17,7 @@ from accel_mixin.checkpoint.state_dict import (
     read_error,
 )
 from accel_mixin.errors import CheckpointError
+from accel_mixin.internals import check_f_arguments
 
 
 class SafeParamsMixin:
@@ -69,7 +69,7 @@ class SafeParamsMixin:
             f_history=f_history,
             **kwargs,
         )
-        for attr, f in _check_f_arguments("save_params", **files)[0].items():
+        for attr, f in check_f_arguments("save_params", **files)[0].items():
             obj = self.__dict__.get(attr)  # a missing one: skorch's error
             if use_safetensors and obj is not None and not isinstance(obj, torch.nn.Module):
                 raise ValueError(
@@ -114,7 +114,7 @@ class SafeParamsMixin:
             if checkpoint is not None:
                 resolved = dict(checkpoint.get_formatted_files(self), **kwargs)
             resolved.update({key: val for key, val in explicit.items() if val})
-            return _check_f_arguments("load_params", **resolved)[0]
+            return check_f_arguments("load_params", **resolved)[0]
 
         f_history_read = f_history
         if f_history is None and checkpoint is not None and checkpoint.f_history is not None:

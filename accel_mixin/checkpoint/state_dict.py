@@ -12,7 +12,6 @@ import json
 import os
 import pickle
 import zipfile
-from collections import OrderedDict
 from collections.abc import Mapping
 
 import safetensors
@@ -20,6 +19,7 @@ import torch
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from accel_mixin.errors import CheckpointError
+from accel_mixin.internals import compiled_inner, copy_state_dict
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 _SHOWN = 5
@@ -61,10 +61,7 @@ def strip_wrapper_prefixes(state_dict):
         if prefix is None:
             break
         if not copied:
-            metadata = getattr(state_dict, "_metadata", None)
-            state_dict = OrderedDict(state_dict)
-            if metadata is not None:
-                state_dict._metadata = OrderedDict(metadata)  # pylint: disable=protected-access
+            state_dict = copy_state_dict(state_dict)
             copied = True
         consume_prefix_in_state_dict_if_present(state_dict, prefix)
     return state_dict
@@ -75,8 +72,8 @@ def unwrap_module(module):
     while True:
         if isinstance(module, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
             module = module.module
-        elif isinstance(getattr(module, "_orig_mod", None), torch.nn.Module):
-            module = module._orig_mod  # pylint: disable=protected-access
+        elif compiled_inner(module) is not None:
+            module = compiled_inner(module)
         else:
             return module
 

@@ -19,6 +19,7 @@ from skorch.history import DistributedHistory
 
 from accel_mixin.distributed.coordination import failure_message
 from accel_mixin.errors import DistributedError
+from accel_mixin.internals import wrapped_history
 
 __all__ = [
     "NOTICE",
@@ -43,8 +44,7 @@ def adopt_history(net):
     history = net.history_
     if not isinstance(history, DistributedHistory):
         return
-    # pylint: disable-next=protected-access
-    net.history_ = history._history
+    net.history_ = wrapped_history(history)
     if net.accelerator.is_main_process:
         warnings.warn(NOTICE, UserWarning, stacklevel=2)
 

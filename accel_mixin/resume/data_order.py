@@ -82,7 +82,7 @@ def resumable_inside_epochs(net, explain=False):
     """Whether the running fit's training data has batch indices to skip
     (map-style data); ``explain`` raises the ``ValueError`` that says why not."""
     try:
-        batch_sampler_owner(process_state(net).running_train_iterator())
+        batch_sampler_owner(process_state(net).fit.running_train_iterator())
     except ValueError:
         if explain:
             raise

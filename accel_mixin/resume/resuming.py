@@ -264,10 +264,11 @@ def begin_epoch(net):
     part, and keep the generators this epoch begins with for states saved
     inside it. Returns the unfinished epoch a state from inside it holds."""
     process = process_state(net)
-    iterator = process.running_train_iterator()
+    fit = process.fit
+    iterator = fit.running_train_iterator()
     partial = process.plan.at_epoch_begin(iterator) if process.plan is not None else None
-    process.epoch_start_iterator = train_iterator_state(iterator)
-    process.epoch_start_rng = rng_state()
+    fit.epoch_start_iterator = train_iterator_state(iterator)
+    fit.epoch_start_rng = rng_state()
     return partial
 
 

@@ -172,7 +172,7 @@ def fit_identity(net, X, y, name=None):
     hashed once), the same on every rank: the ranks compare theirs and all
     raise where they differ; an unnamed fit that the identity cannot tell
     from others gets a unique id, drawn on the main process."""
-    state = process_state(net)
+    state = process_state(net).fit
     if state.identity is not None:
         return state.identity
     identity = run_identity(net, X, y, state.fit_params, name=name)

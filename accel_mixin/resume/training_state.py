@@ -158,7 +158,7 @@ def partial_epoch(net, batch_count):
     return {
         "row": history_state([net.history[-1]])[0],
         "batch_count": batch_count,
-        "epoch_rng": process_state(net).epoch_start_rng,
+        "epoch_rng": process_state(net).fit.epoch_start_rng,
         "caches": {
             name: cpu_snapshot(as_plain([list(cb.y_preds_), list(cb.y_trues_)]))
             for name, cb in net.callbacks_

@@ -1,16 +1,12 @@
 """One epoch on every rank: its batches, and its end.
 
-With even batches, accelerate pads the last batches of an epoch so that every
-rank takes the same number of steps. The padding trains (it keeps the ranks
-in step) but is not counted: the history records the loss and size of the
-real samples of each batch, and callbacks see only those (an empty batch,
-recorded with size 0 and loss 0, where a rank's batch is all padding).
-skorch's own ``run_single_epoch`` runs the loop (``EpochBatches``).
-
-At the end of an epoch the ranks share their records (``history_sync``), every
-rank runs the callbacks on the same row, and the ranks agree on the row, on
-whether to stop and on any error, before the replica check and the hooks that
-save the finished epoch (``on_epoch_finished``).
+With even batches accelerate pads an epoch's last batches so that every rank
+takes the same number of steps. The padding trains but is not counted: the
+history and the callbacks see the real samples of each batch (an empty batch,
+size 0 and loss 0, where it is all padding). skorch's ``run_single_epoch``
+runs the loop. At an epoch's end the ranks share their records, run the
+callbacks on the same row, and agree on the row, on stopping and on any
+error, before the replica check and the ``on_epoch_finished`` hooks.
 """
 
 import inspect
@@ -28,9 +24,7 @@ from accel_mixin.distributed.history_sync import (
 from accel_mixin.distributed.replicas import check_net_replicas, check_same_steps
 from accel_mixin.errors import DistributedError
 from accel_mixin.resume.data_order import skipping_batches, start_workers_without_draws
-from accel_mixin.training.notifications import hook
-from accel_mixin.training.process_state import process_state
-from accel_mixin.training.skorch_callbacks import main_process_pickles, stopped_early
+from accel_mixin.training.notifications import hook, main_process_pickles, stopped_early
 
 __all__ = ["EpochBatches", "end_epoch"]
 
@@ -38,51 +32,23 @@ __all__ = ["EpochBatches", "end_epoch"]
 class EpochBatches:
     """One epoch's batches for skorch's ``run_single_epoch``.
 
-    Iterating it yields the batches of ``iterator``, each as the view of its
-    real samples (padding off; empty where the batch is all padding), and
-    ``step(step_fn)`` is the step function to pass beside it: it trains on
-    the whole batch and returns the step of its real samples. So skorch's own
-    loop (and a user's override of it) records and notifies what one process
-    would. ``batch_count`` counts the batches with real samples.
-
-    While training batches run, the net's process state holds the position
-    a training state saved there records; a resumed epoch skips the batches
-    its state had done (``resume/data_order.py``). After each training batch, callbacks
-    with an ``on_batch_finished(net, training, batches)`` hook run, after
-    every callback's ``on_batch_end``, with ``batches``, the training batches
-    done in the epoch: ``TrainingCheckpoint`` saves there.
-
-    Parameters
-    ----------
-    net : AccelerateMixin net
-      The net running the epoch.
-
-    iterator : DataLoader
-      Prepared by accelerate.
-
-    training : bool
-      Whether the epoch trains.
-
-    autocast : callable
-      The context manager of the net's precision, for the loss of the real
-      samples of a padded batch.
-
+    Iterating yields each batch of ``iterator`` as the view of its real
+    samples; ``step(step_fn)`` trains on the whole batch and returns the step
+    of the real samples. While training batches run, ``fit.position`` holds
+    what a training state saved there records; a resumed epoch (``plan``)
+    skips the batches done. ``on_batch_finished`` hooks run after each
+    training batch.
     """
 
-    def __init__(self, net, iterator, training, autocast):
-        self.net = net
-        self.iterator = iterator
-        self.training = training
-        self.autocast = autocast
+    def __init__(self, net, iterator, training, autocast, fit, plan):
+        self.net, self.iterator, self.training, self.autocast = net, iterator, training, autocast
+        self.fit, self.plan = fit, plan
         accelerator = net.accelerator
         self.processes, self.rank = accelerator.num_processes, accelerator.process_index
-        # without even batches nothing is padded: every sample is real
         self.padded = self.processes > 1 and accelerator.even_batches
-        self.process = process_state(net)
         self.resume, self.done, self.batch_count, self.finished = None, 0, 0, []
         self._batch = self._real = None
         if training:
-            plan = self.process.plan
             self.resume = plan.resume_point() if plan is not None else None
             if self.resume is not None:
                 self.done, self.batch_count = self.resume["batches"], self.resume["batch_count"]
@@ -105,7 +71,7 @@ class EpochBatches:
             check_same_steps(accelerator, self.iterator)
         try:
             with skipping_batches(self.iterator, self.done):
-                if self.process.plan is not None and len(net.history) > 1:
+                if self.plan is not None and len(net.history) > 1:
                     # the uninterrupted run started them in its first epoch
                     start_workers_without_draws(self.iterator)
                 for batch in self.iterator:
@@ -121,8 +87,7 @@ class EpochBatches:
                     )
                     self._batch, self._real = batch, real
                     yield batch if real == size else leading_samples(batch, real)
-                    # skorch recorded the batch and notified on_batch_end
-                    for finish in self.finished:
+                    for finish in self.finished:  # after skorch's on_batch_end
                         finish(net, training=True, batches=self.done)
             if self.resume is not None:  # every batch was done already
                 restore_rng(self.resume["rng"])
@@ -130,7 +95,7 @@ class EpochBatches:
                 self.iterator.iteration = getattr(self.iterator, "iteration", 0) + 1
         finally:
             if self.training:
-                self.process.position = None
+                self.fit.position = None
 
     def step(self, step_fn):
         """``step_fn`` on the whole batch; the step of its real samples."""
@@ -141,7 +106,7 @@ class EpochBatches:
             self.batch_count += bool(real)  # padding alone is no batch of the data
             if self.training:
                 self.done += 1
-                self.process.position = (self.done, self.batch_count)
+                self.fit.position = (self.done, self.batch_count)
             if view is batch:
                 return step
             return _real_step(self.net, step, view, real, self.training, self.autocast)
@@ -167,26 +132,10 @@ def _real_step(net, step, view, real, training, autocast):
 def end_epoch(net, coordinator, notify_callbacks, **cb_kwargs):
     """Sync the epoch, run the callbacks, agree on the row and on stopping.
 
-    Callbacks decide on scores of the whole data, the same on every rank.
-    EarlyStopping stops training by raising KeyboardInterrupt; if any rank
-    stops, all do. An error in a callback on any rank makes every rank raise:
-    the rank that failed still joins the final exchange, which carries its
-    error to the others. Then callbacks with an ``on_epoch_finished(net,
-    stopped)`` hook see the finished epoch, ``stopped`` saying whether
-    ``EarlyStopping`` ends training there (a Ctrl-C or another callback's
-    stop does not count: a rerun goes on).
-
-    Parameters
-    ----------
-    net : AccelerateMixin net
-      Training.
-
-    coordinator : coordination.Coordinator
-      The net's coordinator.
-
-    notify_callbacks : callable
-      ``notify_callbacks(method_name, **cb_kwargs)`` runs the callbacks.
-
+    EarlyStopping's KeyboardInterrupt on any rank stops all; a callback's error
+    on any rank makes every rank raise (the failed rank still joins the final
+    exchange). ``on_epoch_finished(net, stopped)`` hooks then run, ``stopped``
+    saying whether ``EarlyStopping`` ends training (a Ctrl-C does not count).
     """
     distributed = net.accelerator.num_processes > 1
     if distributed:

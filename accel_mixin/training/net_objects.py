@@ -1,13 +1,10 @@
 """The objects of a skorch net that accelerate prepares.
 
-A net builds modules, criteria and optimizers (``module_``, ``criterion_``,
-``optimizer_`` and custom ones such as ``module2_``), and its ``LRScheduler``
-callbacks build schedulers when training begins. Each lives in a slot (see
-``wrapping.Slot``) whose key names it; ``PreparedObjects`` keeps the raw
-object behind each wrapper. This module lists the slots of a net in the
-order accelerate must prepare them, finds the raw objects behind them, and
-decides which modules must be prepared again because their trainable
-parameters changed.
+Modules, criteria and optimizers the net builds (``module_``, ``module2_``,
+...) and the schedulers its ``LRScheduler`` callbacks build each live in a
+slot (``wrapping.Slot``). This module lists the slots in the order accelerate
+prepares them, finds the raw objects behind wrappers, and prepares again the
+modules whose trainable parameters changed.
 """
 
 from contextlib import contextmanager
@@ -35,13 +32,8 @@ __all__ = [
 
 def _scheduler_slot(cb_name, cb):
     # a scheduler stepped per epoch steps once whatever the number of processes
-    return Slot(
-        f"callbacks__{cb_name}__lr_scheduler_",
-        cb,
-        "lr_scheduler_",
-        "scheduler",
-        step_once=cb.step_every != "batch",
-    )
+    key = f"callbacks__{cb_name}__lr_scheduler_"
+    return Slot(key, cb, "lr_scheduler_", "scheduler", step_once=cb.step_every != "batch")
 
 
 def slots(net):
@@ -59,8 +51,7 @@ def slots(net):
 
 
 def raw(net, name):
-    """The object the net built for ``name`` (``'module'``, ``'optimizer2'``),
-    whether it is wrapped now or not."""
+    """The object the net built for ``name`` ('module', 'optimizer2'), wrapped now or not."""
     return process_state(net).prepared.raw_or_current(name + "_", net, name + "_")
 
 
@@ -70,21 +61,17 @@ def raw_scheduler(cb_name, cb, net):
     return process_state(net).prepared.raw_or_current(slot.key, slot.owner, slot.attr)
 
 
-def net_modules(net, unwrapped=True):
-    """``(name, module)`` of every module and criterion that is a
-    ``torch.nn.Module``: the objects the net built, or with
-    ``unwrapped=False`` what is in place now (DDP wrappers while wrapped)."""
+def net_modules(net):
+    """``(name, module)`` of every raw module and criterion that is a ``torch.nn.Module``."""
     for name in net._modules + net._criteria:  # pylint: disable=protected-access
-        module = raw(net, name) if unwrapped else getattr(net, name + "_", None)
+        module = raw(net, name)
         if isinstance(module, torch.nn.Module):
             yield name, module
 
 
 @contextmanager
 def bare_modules(net):
-    """Within the block the net's module and criterion attributes hold the
-    objects the net built, not their wrappers; a cheap swap, for code that
-    reads the modules as skorch leaves them (``get_all_learnable_params``)."""
+    """Within the block the net's module and criterion attributes hold the raw objects."""
     swapped = []
     for name in net._modules + net._criteria:  # pylint: disable=protected-access
         current = getattr(net, name + "_", None)
@@ -100,8 +87,7 @@ def bare_modules(net):
 
 
 def check_params(net):
-    """Refuse parameters that contradict the accelerator or the mixin; a
-    ``DistributedHistory`` is not refused but set aside (``adopt_history``)."""
+    """Refuse parameters that contradict the accelerator or the mixin."""
     if net.accelerator.device_placement and (net.device is not None):
         raise ValueError("When device placement is performed by the accelerator, set device=None")
     adopt_history(net)
@@ -138,13 +124,8 @@ def check_optimizers(net):
 
 
 def prepare_retrainable_modules(net):
-    """Prepare again the modules whose trainable parameters changed.
-
-    DDP syncs the gradients of the parameters that were trainable when it
-    was built; after ``Freezer``, ``Unfreezer`` or a user's
-    ``requires_grad_`` a module therefore gets a new DDP wrapper, on every
-    rank if its trainable set changed on any (one small all-reduce).
-    """
+    """Give a new DDP wrapper to the modules whose trainable parameters changed
+    (``Freezer``, ``requires_grad_``) on any rank; one small all-reduce."""
     accelerator = net.accelerator
     if accelerator.distributed_type == DistributedType.NO:
         return  # no DDP, so nothing to rebuild

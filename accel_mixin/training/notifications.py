@@ -1,36 +1,38 @@
-"""How a net notifies its callbacks when it runs on several processes.
+"""How a net notifies its callbacks on several processes.
 
-Every notification is a section of the coordinator's protocol: an error in a
-callback on one rank reaches the other ranks at their next barrier, instead
-of leaving them waiting in DDP's collectives for the process group's
-timeout. After ``on_train_begin`` and ``on_epoch_begin`` the ranks go into
-collectives that a failed rank would never join, so a barrier ends those
-notifications; ``on_epoch_end`` has its own exchange (``epochs.end_epoch``).
-Per-batch notifications get no barrier, which would cost one per batch, and
-number no section: ranks may run different numbers of batches
-(``even_batches=False``), and their keys would drift apart. An error there
-is reported to the enclosing section.
-
-Loggers (``skorch_callbacks.main_process_only``) run on the main process
-only, and record once.
-
-Beside skorch's notifications, callbacks may have hooks that only
-``AccelerateMixin`` calls: ``during_fit(net)``, a context entered around
-every ``fit`` and ``partial_fit``; ``on_batch_finished(net, training,
-batches)`` after every callback's ``on_batch_end`` of a training batch; and
-``on_epoch_finished(net, stopped)`` once the ranks agreed on an epoch's end
-(``epochs``). ``TrainingCheckpoint`` uses all three.
+Every notification is a section of the coordinator's protocol, so that a
+callback's error on one rank reaches the others at their next barrier, not
+after DDP's timeout; per-batch ones (ranks may run different numbers of
+batches) report to the enclosing section. Loggers run on the main process
+only. Hooks only ``AccelerateMixin`` calls: ``during_fit(net)``, a context
+around every fit; ``on_batch_finished(net, training, batches)`` after a
+training batch; ``on_epoch_finished(net, stopped)`` once the ranks agreed on
+an epoch's end (``TrainingCheckpoint`` uses all three).
 """
 
 from contextlib import ExitStack, contextmanager
 
-from accel_mixin.errors import DistributedError, Preempted
-from accel_mixin.training.skorch_callbacks import main_process_only
+from skorch.callbacks import EarlyStopping, EpochTimer, PrintLog, ProgressBar
 
-__all__ = ["callbacks_during_fit", "callbacks_of_this_rank", "hook", "notify_in_section"]
+from accel_mixin.errors import DistributedError, Preempted
+from accel_mixin.internals import batches_per_epoch_phase
+
+__all__ = [
+    "callbacks_during_fit",
+    "callbacks_of_this_rank",
+    "hook",
+    "main_process_only",
+    "main_process_pickles",
+    "notify_in_section",
+    "progress_of_this_rank",
+    "stopped_early",
+]
 
 _BARRIER_AFTER = frozenset(["on_train_begin", "on_epoch_begin"])
 _PER_BATCH = frozenset(["on_batch_begin", "on_batch_end", "on_grad_computed"])
+_LOGGERS = "skorch.callbacks.logging"
+_RUN_EVERYWHERE = (EpochTimer, PrintLog, ProgressBar)
+_MAIN_ONLY = {}
 
 
 def notify_in_section(coordinator, method_name, notify):
@@ -51,14 +53,27 @@ def notify_in_section(coordinator, method_name, notify):
                 coordinator.barrier(method_name)
 
 
+def main_process_only(callback):
+    """Whether ``callback`` runs on the main process only: skorch's loggers
+    (``skorch.callbacks.logging``) and their subclasses, except ``EpochTimer``,
+    ``PrintLog`` and ``ProgressBar``, which record alike on every rank. A
+    ``main_process_only`` attribute decides otherwise."""
+    explicit = getattr(callback, "main_process_only", None)
+    if explicit is not None:
+        return bool(explicit)
+    cls = type(callback)
+    if cls not in _MAIN_ONLY:
+        _MAIN_ONLY[cls] = any(
+            base.__module__ == _LOGGERS for base in cls.__mro__
+        ) and not issubclass(cls, _RUN_EVERYWHERE)
+    return _MAIN_ONLY[cls]
+
+
 @contextmanager
 def callbacks_of_this_rank(net, coordinator):
-    """Within the block ``net.callbacks_`` holds what this rank runs, for
-    skorch's ``notify``: loggers on the main process only, where a collective
-    call that one makes raises at once on every rank, naming the logger
-    (``save_params`` excepted, which the main process then writes alone:
-    ``WandbLogger(save_model=True)``, ``MlflowLogger``). Without loggers (the
-    common case) nothing changes."""
+    """Within the block ``net.callbacks_`` holds what this rank runs: loggers
+    on the main process only, where a collective they make raises on every
+    rank, naming the logger (``save_params`` writes alone)."""
     callbacks = net.callbacks_
     if not any(main_process_only(cb) for _, cb in callbacks):
         yield
@@ -96,9 +111,8 @@ class _RunningAlone:
 
 
 def hook(callback, name):
-    """The bound hook ``name`` of ``callback``, or None: looked up on its
-    class, so that an object that answers every attribute (a ``Mock``) has
-    none."""
+    """The bound hook ``name`` of ``callback``, or None; looked up on its class,
+    so that a ``Mock`` has none."""
     return getattr(callback, name) if callable(getattr(type(callback), name, None)) else None
 
 
@@ -111,3 +125,60 @@ def callbacks_during_fit(net):
             if during_fit is not None:
                 stack.enter_context(during_fit(net))
         yield
+
+
+@contextmanager
+def main_process_pickles(callbacks, is_main_process):
+    """Let only the main process write the ``f_pickle`` of skorch's
+    ``Checkpoint`` (and ``TrainEndCheckpoint``'s ``checkpoint_``)."""
+    if is_main_process:
+        yield
+        return
+    saved = []
+    for _, cb in callbacks:
+        for obj in (cb, getattr(cb, "checkpoint_", None)):
+            if getattr(obj, "f_pickle", None):
+                saved.append((obj, obj.f_pickle))
+                obj.f_pickle = None
+    try:
+        yield
+    finally:
+        for obj, value in saved:
+            obj.f_pickle = value
+
+
+def progress_of_this_rank(net, dataset_train=None, dataset_valid=None):
+    """Let each ``ProgressBar`` count the batches this rank runs, after the
+    callbacks' ``on_epoch_begin``."""
+    accelerator = net.accelerator
+    n, rank = accelerator.num_processes, accelerator.process_index
+
+    def share(batches):  # rank r runs r, r + n, ...; even batches pad the rest
+        return -(-batches // n) if accelerator.even_batches else len(range(rank, batches, n))
+
+    for _, cb in net.callbacks_:
+        if not isinstance(cb, ProgressBar) or getattr(cb, "pbar_", None) is None:
+            continue
+        if cb.batches_per_epoch == "auto":
+            total = sum(
+                share(batches_per_epoch_phase(cb, net, dataset, training))
+                for dataset, training in ((dataset_train, True), (dataset_valid, False))
+            )
+        elif cb.batches_per_epoch == "count" and len(net.history) > 1:
+            records = net.history[-2, "batches"]
+            total = sum(
+                share(sum(f"{phase}_batch_size" in record for record in records))
+                for phase in ("train", "valid")
+            )
+        else:
+            continue
+        cb.pbar_.total = total
+        cb.pbar_.refresh()
+
+
+def stopped_early(callbacks):
+    """Whether an ``EarlyStopping`` in ``callbacks`` has just decided to stop."""
+    return any(
+        isinstance(cb, EarlyStopping) and getattr(cb, "misses_", None) == cb.patience
+        for _, cb in callbacks
+    )

@@ -1,11 +1,10 @@
 """Carry an Accelerator through pickle as settings, not as state.
 
-An Accelerator's state lives in per-process singletons. Pickled as is, it
-arrives with private, stale copies of them (the gradient state of the last
-dataloader, the rank of the process that pickled it) and with every object it
-ever prepared. A pickled net therefore carries the accelerator's settings, and
-unpickling builds an Accelerator from them that uses the live state of the
-process. A deep copy keeps the same Accelerator, as accelerate itself does.
+An Accelerator's state lives in per-process singletons; pickled as is, it
+would arrive with stale private copies (another rank, another dataloader's
+gradient state) and every object it prepared. A pickled net carries the
+settings, and unpickling builds an Accelerator on this process's live state.
+A deep copy keeps the same Accelerator, as accelerate itself does.
 """
 
 import warnings
@@ -43,13 +42,8 @@ def accelerator_settings(accelerator):
 
 
 def build_accelerator(settings):
-    """Build an Accelerator from ``settings`` on the live state of this process.
-
-    If this process already runs accelerate with other settings (another
-    precision, say), those cannot change: the live state is used and a
-    warning says which settings were dropped.
-
-    """
+    """An Accelerator from ``settings`` on this process's live state; where that
+    state has other settings, which cannot change, a warning names them."""
     check_not_a_child_of_a_rank()
     try:
         return Accelerator(**settings)
@@ -78,9 +72,8 @@ class PortableAccelerator:
 
 
 def settle_unpickled(net):
-    """Make an unpickled net this process's: its print sink, if 'auto' (the
-    rank that pickled resolved it for itself), and its modules on the
-    accelerator's device."""
+    """Make an unpickled net this process's: its 'auto' print sink (resolved
+    by the rank that pickled), its modules on the accelerator's device."""
     if net.callbacks__print_log__sink == "auto":
         for _, cb in getattr(net, "callbacks_", []):
             if isinstance(cb, PrintLog):

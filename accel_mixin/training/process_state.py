@@ -1,14 +1,13 @@
-"""What a net holds for this process only.
+"""What a net holds for this process only, never pickled.
 
-The objects accelerate prepared, the coordinator and stepper of the current
-accelerator, the asynchronous writer and its CPU copy, the training
-iterator of the running fit, and what a loaded training state still has to
-give the next fit. All of it belongs to one process: pickles, copies,
-``get_params`` and ``clone`` leave it out. It lives in one attribute,
-``accelerate_process_``, whose name ends with "_" so that skorch's
-``get_params`` skips it, and which ``AccelerateMixin.__getstate__`` drops.
+``ProcessState`` lives in the net's ``accelerate_process_`` attribute (skorch's
+``get_params`` skips names ending in "_"; ``__getstate__`` drops it) and holds
+what outlives a fit: prepared objects, coordinator, writer, a loaded state's
+plan. ``FitContext`` holds one ``partial_fit``'s own state; ``fit`` is the
+running (or last) fit's, where skorch's call chain, which cannot carry it, finds it.
 """
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -17,9 +16,30 @@ from accel_mixin.distributed.coordination import coordinator_for
 from accel_mixin.training.stepping import Stepper
 from accel_mixin.training.wrapping import PreparedObjects
 
-__all__ = ["ATTRIBUTE", "ProcessState", "process_state"]
+__all__ = ["ATTRIBUTE", "FitContext", "ProcessState", "process_state"]
 
 ATTRIBUTE = "accelerate_process_"
+
+
+@dataclass
+class FitContext:
+    """One fit's state, made by ``partial_fit``."""
+
+    fit_params: dict = field(default_factory=dict)
+    identity: Any = None  # the run identity, once computed (runs.py)
+    stepper: Optional[Stepper] = None
+    train_iterator: Any = None  # a weak reference to the training dataloader
+    # while training batches run: (batches done, batches with real samples)
+    position: Optional[tuple] = None
+    epoch_start_iterator: Optional[dict] = None  # the shuffling state the epoch began with
+    epoch_start_rng: Optional[dict] = None  # this rank's generators when it began
+
+    def running_train_iterator(self):
+        """The training dataloader of this fit, or None."""
+        return self.train_iterator() if self.train_iterator is not None else None
+
+    def track(self, iterator):
+        self.train_iterator = weakref.ref(iterator)
 
 
 @dataclass
@@ -27,25 +47,13 @@ class ProcessState:
     """The process-local fields of a net; see the module's docstring."""
 
     prepared: PreparedObjects = field(default_factory=PreparedObjects)
-    # the accelerator the coordinator and the stepper were made for
-    coordinator: Optional[tuple] = None
-    stepper: Any = None
+    coordinator: Optional[tuple] = None  # (accelerator, its coordinator)
     writer: Any = None
-    snapshot: Any = None  # the CPU copy that asynchronous saves reuse, for one fit
-    train_iterator: Any = None  # a weak reference to the running fit's dataloader
-    # what a loaded training state gives the next fit (resume/resuming.py)
-    plan: Any = None
-    # while a fit goes on from a loaded state: initialize() keeps it
-    keep_loaded: bool = False
-    # while an epoch's training batches run: (batches done, batches with real
-    # samples), what a training state saved there records
-    position: Optional[tuple] = None
-    epoch_start_iterator: Optional[dict] = None  # the shuffling state the epoch began with
-    epoch_start_rng: Optional[dict] = None  # this rank's generators when it began
-    # the running fit's fit parameters and, once computed, its run identity
-    # (runs.py): the checkpoint callbacks share one, hashing the data once
-    fit_params: dict = field(default_factory=dict)
-    identity: Any = None
+    snapshot: Any = None  # the CPU copy that asynchronous saves reuse
+    plan: Any = None  # what a loaded training state gives the next fit (resume/resuming.py)
+    keep_loaded: bool = False  # while a fit goes on from a loaded state
+    fit: FitContext = field(default_factory=FitContext)
+    idle_stepper: Optional[Stepper] = None  # for steps outside a fit
 
     def forget_loaded_state(self):
         self.plan = None
@@ -57,14 +65,12 @@ class ProcessState:
         return self.coordinator[1]
 
     def stepper_for(self, accelerator):
-        """The stepper of ``accelerator``; training makes a fresh one."""
-        if self.stepper is None or self.stepper.accelerator is not accelerator:
-            self.stepper = Stepper(accelerator)
-        return self.stepper
-
-    def running_train_iterator(self):
-        """The training dataloader of the running (or last) fit, or None."""
-        return self.train_iterator() if self.train_iterator is not None else None
+        """The running fit's stepper, else one kept for ``accelerator``."""
+        for stepper in (self.fit.stepper, self.idle_stepper):
+            if stepper is not None and stepper.accelerator is accelerator:
+                return stepper
+        self.idle_stepper = Stepper(accelerator)
+        return self.idle_stepper
 
     def background_writer(self):
         if self.writer is None:

@@ -1,40 +1,36 @@
-"""What accelerate adds to skorch's training step, for one fit.
+"""What accelerate adds around skorch's training step.
 
-skorch's own ``train_step``, ``train_step_single``, ``_step_optimizer`` and
-``_zero_grad_optimizer`` run (and so do a user's overrides of them); the net's
-optimizers are accelerate's ``AcceleratedOptimizer``, whose ``step`` and
-``zero_grad`` do nothing on the micro-batches of an accumulation window, and
-step and update the gradient scaler on the last. ``Stepper`` holds what the
-mixin adds around those calls:
-
-- ``accumulate``: ``accelerator.accumulate`` over the wrapped modules, so that
-  DDP syncs gradients only on the last micro-batch of a window; a no-op
-  without accumulation, where every batch syncs.
-- ``plain_backward``: whether accelerate's ``backward`` is just
-  ``loss.backward()`` (no accumulation, no scaler, no engine that runs
-  backward itself); then skorch's ``train_step_single`` runs as it is.
-- deferred zeroing: skorch zeroes the gradients before each forward pass,
-  which inside an accumulation window would discard the window's gradients
-  on its last micro-batch. With accumulation the zeroing waits until the
-  optimizers stepped (accelerate's order).
-- ``unscale``: once per optimizer step, before ``on_grad_computed``, so that
-  callbacks see (and clip) the true gradients.
-- ``one_scaler_update``: one gradient scaler update after every optimizer
-  stepped, as torch's recipe for several optimizers says (accelerate updates
-  after each, and the next optimizer's gradients are then unscaled twice).
-- ``closure``: a step closure whose loss is averaged over the processes, for
-  optimizers such as LBFGS that act on it.
+skorch's ``train_step``, ``train_step_single``, ``_step_optimizer`` and
+``_zero_grad_optimizer`` run, and a user's overrides of them. Around them:
+``accelerator.accumulate``, with the zeroing after the step rather than
+before the forward pass, which would discard a window's gradients;
+``on_grad_computed`` only where the optimizers step, on unscaled gradients;
+skorch's closure (its loss averaged over the ranks) for optimizers that act
+on its loss (LBFGS), else the gradients computed once and one scaler update
+for all optimizers (torch's recipe); and ``accelerator.backward`` where it is
+not ``loss.backward()``, with an override of ``train_step_single`` below the
+mixin then refused.
 """
 
 import contextlib
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, convert_to_fp32
+from skorch.dataset import unpack_data
+from skorch.net import NeuralNet
 
-__all__ = ["Stepper", "plain_backward", "takes_closures", "uses_closure_value"]
+from accel_mixin.distributed.process_layout import quiet_unless_main
 
-# accelerate's backward is loss.backward() there, without accumulation or scaler
+__all__ = [
+    "StepMixin",
+    "Stepper",
+    "check_overrides",
+    "clear_gradients",
+    "plain_backward",
+    "takes_closures",
+]
+
 _PLAIN_BACKWARD_TYPES = frozenset(
     {DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU}
 )
@@ -53,17 +49,12 @@ def plain_backward(accelerator):
 
 
 def takes_closures(accelerator):
-    """Whether optimizers step with skorch's closure: not with a gradient
-    scaler, which cannot step with one, nor with gradient accumulation,
-    where a closure that zeroes the gradients would discard the
-    accumulated ones."""
+    """Whether optimizers may step with a closure: not with a gradient scaler,
+    nor with accumulation, where the closure's zeroing would lose gradients."""
     return accelerator.scaler is None and accelerator.gradient_accumulation_steps == 1
 
 
-def uses_closure_value(optimizer):
-    """Whether ``optimizer.step(closure)`` may act on the loss that the
-    closure returns: LBFGS does, and so may any optimizer whose ``step`` is
-    not one of torch's own, which only compute the gradients with it."""
+def _uses_closure_value(optimizer):
     inner = getattr(optimizer, "optimizer", optimizer)
     if isinstance(inner, torch.optim.LBFGS):
         return True
@@ -71,14 +62,7 @@ def uses_closure_value(optimizer):
 
 
 class Stepper:
-    """What the mixin adds to skorch's training step, for one fit.
-
-    Parameters
-    ----------
-    accelerator : accelerate.Accelerator
-      The prepared accelerator; its configuration is read once.
-
-    """
+    """What the mixin adds to skorch's training step, read once from ``accelerator``."""
 
     def __init__(self, accelerator):
         self.accelerator = accelerator
@@ -87,10 +71,8 @@ class Stepper:
         self.plain_backward = plain_backward(accelerator)
         self.num_processes = accelerator.num_processes
         self._autocast = accelerator.autocast if accelerator.native_amp else contextlib.nullcontext
-        # while a train_step with accumulation runs, zeroing waits for its end
-        self.deferring = False
-        # within a step: whether its optimizers step with closures
-        self.closures = None
+        self.deferring = False  # zeroing waits for the end of the train_step
+        self.closures = None  # within a step: whether its optimizers step with closures
         self._unscaled = False
 
     @property
@@ -108,8 +90,7 @@ class Stepper:
 
     @contextlib.contextmanager
     def step_window(self, closures):
-        """One training step; with accumulation (and no closures), skorch's
-        zeroing before the forward pass waits until the block ends."""
+        """One training step; with accumulation and no closures, zeroing waits."""
         self._unscaled = False
         self.closures = closures
         self.deferring = self.steps > 1 and not closures
@@ -120,9 +101,7 @@ class Stepper:
             self.closures = None
 
     def unscale(self, optimizers):
-        """Divide the gradients of ``optimizers`` by the gradient scaler's
-        scale, once per step; the scaler then steps without unscaling again.
-        A no-op without a scaler."""
+        """Unscale the gradients of ``optimizers`` once per step (no-op without a scaler)."""
         scaler = self.accelerator.scaler
         if scaler is None or self._unscaled:
             return
@@ -131,28 +110,20 @@ class Stepper:
             scaler.unscale_(getattr(optimizer, "optimizer", optimizer))
 
     def closures_for(self, optimizers):
-        """Whether ``optimizers`` step with skorch's closure: where one of them
-        acts on the loss it returns, and nothing forbids closures."""
-        return self.takes_closures and any(uses_closure_value(o) for o in optimizers)
+        """Whether ``optimizers`` step with skorch's closure."""
+        return self.takes_closures and any(_uses_closure_value(o) for o in optimizers)
 
     def closure(self, step_fn):
-        """``step_fn``, returning the loss averaged over the processes: each
-        process's own loss would let LBFGS stop its iterations at different
-        points on different processes, and their gradient syncs would no
-        longer match."""
+        """``step_fn`` with its loss averaged over the processes, so that LBFGS
+        iterates alike on every rank and the gradient syncs match."""
         if self.num_processes == 1:
             return step_fn
         accelerator = self.accelerator
-
-        def averaged():
-            return accelerator.reduce(step_fn().detach(), reduction="mean")
-
-        return averaged
+        return lambda: accelerator.reduce(step_fn().detach(), reduction="mean")
 
     @contextlib.contextmanager
     def one_scaler_update(self):
-        """Within the block the gradient scaler's ``update`` is held back;
-        it runs once at the end if any optimizer asked for it."""
+        """Hold back the scaler's ``update`` within the block; run it once after."""
         scaler = self.accelerator.scaler
         if scaler is None:
             yield
@@ -165,3 +136,121 @@ class Stepper:
             del scaler.update  # the class's method again
         if asked:
             scaler.update(asked[-1])
+
+
+def check_overrides(net, mixin):
+    """Refuse a ``train_step_single`` below the mixin that accelerate's backward would skip."""
+    if plain_backward(net.accelerator):
+        return
+    mro = type(net).__mro__
+    classes = [
+        cls
+        for cls in mro[mro.index(mixin) + 1 :]
+        if "train_step_single" in vars(cls)
+        and not issubclass(NeuralNet, cls)
+        and cls.__module__.split(".")[0] not in ("accel_mixin", "skorch")
+    ]
+    if classes:
+        name = classes[0].__qualname__
+        raise ValueError(
+            f"{name}.train_step_single cannot run under AccelerateMixin with gradient "
+            "accumulation or a gradient scaler: its loss.backward() would bypass "
+            "accelerate's loss scaling. Override train_step_single on the class that "
+            "puts AccelerateMixin first (class Net(AccelerateMixin, "
+            f"{name}) ) and call self.accelerator.backward(loss) there, or move the "
+            "change into infer or get_loss, which the mixin calls."
+        )
+
+
+def clear_gradients(modules, optimizers):
+    """Drop every gradient of ``modules`` and of the tensors ``optimizers`` hold,
+    so that an interrupted fit's half-accumulated gradients do not leak."""
+    for module in modules:
+        for param in module.parameters():
+            param.grad = None
+    for optimizer in optimizers:
+        if isinstance(optimizer, torch.optim.Optimizer):
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    param.grad = None
+
+
+class StepMixin:
+    """AccelerateMixin's overrides of skorch's training and inference steps."""
+
+    @property
+    def _stepper(self):
+        return self._process.stepper_for(self.accelerator)
+
+    def _optimizers_now(self):
+        return [getattr(self, name + "_") for name in self._optimizers]
+
+    def _modules_now(self):
+        """The modules and criteria in place now: DDP wrappers while wrapped."""
+        current = [getattr(self, name + "_", None) for name in self._modules + self._criteria]
+        return [module for module in current if isinstance(module, torch.nn.Module)]
+
+    def train_step_single(self, batch, **fit_params):
+        stepper = self._stepper
+        if stepper.plain_backward:
+            with stepper.autocast():
+                return super().train_step_single(batch, **fit_params)
+        # accelerate's backward divides the loss for accumulation and scales
+        # it for the gradient scaler, which skorch's loss.backward() cannot
+        self._set_training(True)
+        Xi, yi = unpack_data(batch)
+        with stepper.autocast():
+            y_pred = self.infer(Xi, **fit_params)
+            loss = self.get_loss(y_pred, yi, X=Xi, training=True)
+        self.accelerator.backward(loss)
+        return {"loss": loss, "y_pred": y_pred}
+
+    def train_step(self, batch, **fit_params):
+        """skorch's ``train_step`` within accelerate's gradient accumulation
+        (``accel_mixin.training.stepping``)."""
+        stepper = self._stepper
+        with stepper.accumulate(self._modules_now):
+            with stepper.step_window(stepper.closures_for(self._optimizers_now())):
+                step = super().train_step(batch, **fit_params)
+            if stepper.steps > 1 and stepper.sync_gradients:
+                self._zero_grad_optimizer()  # skorch's zeroing, after the step
+        return step
+
+    def _step_optimizer(self, step_fn):
+        stepper = self._stepper
+        closures = stepper.closures
+        if closures is None:  # called outside train_step
+            closures = stepper.closures_for(self._optimizers_now())
+        if step_fn is not None and closures:
+            return super()._step_optimizer(stepper.closure(step_fn))
+        # compute the gradients once; every optimizer steps on them
+        if step_fn is not None:
+            step_fn()
+        with stepper.one_scaler_update():
+            return super()._step_optimizer(None)
+
+    def _zero_grad_optimizer(self, set_to_none=None):
+        if self._stepper.deferring:
+            return  # inside an accumulation window: after the step (train_step)
+        if set_to_none is None:
+            return super()._zero_grad_optimizer()
+        return super()._zero_grad_optimizer(set_to_none=set_to_none)
+
+    def validation_step(self, batch, **fit_params):
+        with self._stepper.autocast():
+            return super().validation_step(batch, **fit_params)
+
+    def forward_iter(self, X, training=False, device="cpu"):
+        """skorch's ``forward_iter``, after every rank arrived: inference
+        gathers from every rank, so a rank that calls ``predict`` alone gets a
+        ``DistributedError`` naming both calls instead of a hang."""
+        if self.accelerator.num_processes > 1:
+            self._coordinator.barrier("inference (predict, predict_proba, forward, score)")
+        with quiet_unless_main(self.accelerator):
+            yield from super().forward_iter(X, training=training, device=device)
+
+    def evaluation_step(self, batch, training=False):
+        # autocast here too, so that unwrapped nets predict with the same precision
+        with self._stepper.autocast():
+            y_infer = super().evaluation_step(batch, training=training)
+        return self.accelerator.gather_for_metrics(convert_to_fp32(y_infer))

@@ -1,14 +1,12 @@
 """Prepare once; afterwards unwrap and rewrap by swapping references.
 
-``accelerator.prepare`` wraps modules in DDP (which broadcasts every
-parameter), wraps optimizers and schedulers, and patches ``forward`` of the raw
-module for autocast. Doing that again after every save or load is slow, and
-since accelerate 1.14 it silently does nothing for an object it already marked
-as prepared. So each slot of the net (``module_``, ``optimizer_``, a
-callback's ``lr_scheduler_``, ...) keeps its raw object and what accelerate
-made of it; unwrapping and rewrapping only swap references, stash or restore
-the forward patch, and keep the accelerator's lists holding exactly what is
-wrapped now.
+``accelerator.prepare`` wraps modules in DDP (broadcasting every parameter),
+wraps optimizers and schedulers and patches a module's ``forward`` for
+autocast; it returns an object it already marked untouched. So each slot of
+the net (``module_``, ``optimizer_``, a callback's ``lr_scheduler_``, ...) keeps
+its raw object and what accelerate made of it; unwrapping and rewrapping swap
+references, stash or restore the forward patch, and keep the accelerator's
+lists holding exactly what is wrapped now.
 """
 
 import gc
@@ -21,51 +19,30 @@ from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import DistributedType
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
-from accel_mixin.internals import check_accelerator, check_dataloader, check_prepared_module
+from accel_mixin.internals import (
+    accelerator_list,
+    check_accelerator,
+    check_dataloader,
+    check_prepared_module,
+    drop_dataloader,
+    pop_marks,
+    put_marks,
+)
 
 __all__ = ["PreparedObjects", "Slot", "prepare_dataloader", "requires_closure"]
 
+# where ``getattr(owner, attr)`` lives an object of ``kind`` ('module',
+# 'criterion', 'optimizer', 'scheduler'); step_once: a scheduler that steps
+# once per call, whatever the number of processes
 Slot = namedtuple("Slot", ["key", "owner", "attr", "kind", "step_once"], defaults=[False])
-Slot.__doc__ = """Where a preparable object lives.
 
-key : str
-  Unique name of the slot, e.g. ``'module_'``.
-owner, attr
-  The object lives at ``getattr(owner, attr)``.
-kind : str
-  One of ``'module'``, ``'criterion'``, ``'optimizer'``, ``'scheduler'``.
-step_once : bool
-  Schedulers only: step once per call, whatever the number of processes.
-"""
-
-# accelerate's marks on a raw module: the autocast patch of ``forward`` and
-# the flag that makes ``prepare`` return the module untouched.
-_ACCELERATE_MARKS = ("forward", "_original_forward", "_is_accelerate_prepared")
-
-# where accelerate wraps a trainable module in DDP (names of older releases
-# may be missing)
+# where accelerate wraps a trainable module in DDP (older releases lack some names)
 _DDP_TYPES = frozenset(
     getattr(DistributedType, name)
-    for name in (
-        "MULTI_CPU",
-        "MULTI_GPU",
-        "MULTI_NPU",
-        "MULTI_MLU",
-        "MULTI_XPU",
-        "MULTI_MUSA",
-        "MULTI_SDAA",
-        "MULTI_HPU",
-        "MULTI_NEURON",
-    )
+    for name in ("MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_MLU", "MULTI_XPU")
+    + ("MULTI_MUSA", "MULTI_SDAA", "MULTI_HPU", "MULTI_NEURON")
     if hasattr(DistributedType, name)
 )
-
-_LIST_OF_KIND = {
-    "module": "_models",
-    "criterion": "_models",
-    "optimizer": "_optimizers",
-    "scheduler": "_schedulers",
-}
 
 _TYPE_OF_KIND = {
     "module": torch.nn.Module,
@@ -85,38 +62,13 @@ def requires_closure(optimizer):
 
 
 def prepare_dataloader(accelerator, dataloader, training):
-    """``accelerator.prepare_data_loader(dataloader)``, left off the
-    accelerator's list: skorch builds dataloaders anew for every fit and
-    predict, which would pile up in the accelerator and in every pickle of
-    it. A training dataloader's shuffling is part of a training state."""
+    """``accelerator.prepare_data_loader``, left off the accelerator's list:
+    skorch builds dataloaders for every fit and predict, which would pile up."""
     prepared = accelerator.prepare_data_loader(dataloader)
-    dataloaders = accelerator._dataloaders  # pylint: disable=protected-access
-    dataloaders[:] = [dl for dl in dataloaders if dl is not prepared]
+    drop_dataloader(accelerator, prepared)
     if training:
         check_dataloader(prepared)
     return prepared
-
-
-def _pop_marks(obj):
-    """Remove accelerate's marks from a raw module; return them for restoring.
-
-    A compiled module keeps part of them on its ``_orig_mod``.
-    """
-    targets = [obj] + [t for t in (vars(obj).get("_modules", {}).get("_orig_mod"),) if t]
-    patched = any("_original_forward" in vars(t) for t in targets)
-    # only the forward that accelerate patched is ours to remove
-    keys = _ACCELERATE_MARKS if patched else ("_is_accelerate_prepared",)
-    marks = [(t, {k: vars(t).pop(k) for k in keys if k in vars(t)}) for t in targets]
-    original = next((m["_original_forward"] for _, m in marks if "_original_forward" in m), None)
-    if original is not None and getattr(original, "__func__", None) is not type(obj).forward:
-        # the forward accelerate replaced was the instance's own (torch.compile's)
-        vars(obj)["forward"] = original
-    return marks
-
-
-def _put_marks(marks):
-    for target, attrs in marks:
-        vars(target).update(attrs)
 
 
 def _release(held):
@@ -135,11 +87,8 @@ class _Entry:
     __slots__ = ("marks", "prepared", "raw", "registered", "slot", "trainable")
 
     def __init__(self, slot, raw, prepared, registered, trainable=None):
-        self.slot = slot
-        self.raw = raw
-        self.prepared = prepared
-        # what accelerate put in its list: the raw module for DDP, the
-        # wrapper for optimizers and schedulers
+        self.slot, self.raw, self.prepared = slot, raw, prepared
+        # what accelerate listed: the raw module for DDP, the wrapper otherwise
         self.registered = registered
         self.marks = []
         self.trainable = trainable
@@ -155,17 +104,15 @@ class _Entry:
 class PreparedObjects:
     """The raw and prepared objects of a net, and which of them are in use.
 
-    ``prepare`` is the only method that calls accelerate's ``prepare``, and
-    only for objects it has not seen; ``wrap`` and ``unwrap`` just swap.
-    The accelerator's lists hold exactly the objects wrapped now, and lose
-    them when this registry is garbage collected with its net.
-
+    Only ``prepare`` calls accelerate, for objects it has not seen; ``wrap``
+    and ``unwrap`` swap. The accelerator's lists hold exactly the objects
+    wrapped now, and lose them when this registry is collected with its net.
     """
 
     def __init__(self):
         self._entries = {}
-        # key -> (accelerator list, object); also read by the finalizer,
-        # which must not reference the entries: they reference the net.
+        # key -> (accelerator list, object); the finalizer's, so no entries
+        # (they reference the net)
         self._held = {}
         weakref.finalize(self, _release, self._held)
         self.wrapped = False
@@ -186,8 +133,7 @@ class PreparedObjects:
         return [key for key, entry in self._entries.items() if entry.trainable is not None]
 
     def trainability_changed(self):
-        """The keys of the modules whose trainable parameters changed since
-        they were prepared."""
+        """The keys of the modules whose trainable parameters changed since prepared."""
         return {
             key
             for key, entry in self._entries.items()
@@ -197,11 +143,9 @@ class PreparedObjects:
     def prepare(self, accelerator, slots, refresh=()):
         """Prepare the objects not seen before, then wrap all of them.
 
-        Slots must come in the order modules, criteria, optimizers,
-        schedulers: a scheduler is matched to an already prepared optimizer.
-        The modules whose keys are in ``refresh`` are prepared again (a new
-        DDP wrapper); every rank must pass the same keys.
-
+        Slots come in the order modules, criteria, optimizers, schedulers (a
+        scheduler is matched to a prepared optimizer). The modules in
+        ``refresh`` get a new DDP wrapper; every rank must pass the same keys.
         """
         check_accelerator(accelerator)
         slots = list(slots)
@@ -228,17 +172,11 @@ class PreparedObjects:
             self._wrap_entry(accelerator, entry)
         self.wrapped = True
         if refreshed:
-            # the old DDP wrapper's reducer holds hooks on the parameters
-            # until it is collected
-            gc.collect()
+            gc.collect()  # the old DDP reducer holds hooks on the parameters
 
     def wrap(self, accelerator):
-        """Put back what was prepared before; never prepares.
-
-        A slot that was emptied or refilled meanwhile (``trim_for_prediction``,
-        a re-initialized module) keeps its new value and loses its entry.
-
-        """
+        """Put back what was prepared before; never prepares. A slot emptied or
+        refilled meanwhile keeps its new value and loses its entry."""
         for key, entry in list(self._entries.items()):
             slot = entry.slot
             if entry.holds(slot.owner, getattr(slot.owner, slot.attr, None)):
@@ -254,17 +192,17 @@ class PreparedObjects:
             if getattr(slot.owner, slot.attr, None) is entry.prepared:
                 setattr(slot.owner, slot.attr, entry.raw)
             if slot.kind in ("module", "criterion") and not entry.marks:
-                entry.marks = _pop_marks(entry.raw)
+                entry.marks = pop_marks(entry.raw)
         _release(self._held)
         self.wrapped = False
 
     def _wrap_entry(self, accelerator, entry):
         slot = entry.slot
-        _put_marks(entry.marks)
+        put_marks(entry.marks)
         entry.marks = []
         if getattr(slot.owner, slot.attr, None) is not entry.prepared:
             setattr(slot.owner, slot.attr, entry.prepared)
-        container = _container(accelerator, slot)
+        container = accelerator_list(accelerator, slot.kind)
         if not any(item is entry.registered for item in container):
             container.append(entry.registered)
         self._held[slot.key] = (container, entry.registered)
@@ -276,57 +214,42 @@ class PreparedObjects:
             _release({key: held})
 
 
-def _container(accelerator, slot):
-    return getattr(accelerator, _LIST_OF_KIND[slot.kind])
-
-
 def _prepare_entry(accelerator, obj, slot):
-    container = _container(accelerator, slot)
+    container = accelerator_list(accelerator, slot.kind)
     before = list(container)
     trainable = trainability(obj) if slot.kind in ("module", "criterion") else None
     prepared = _prepare_one(accelerator, obj, slot)
     added = [item for item in container if not any(item is b for b in before)]
-    registered = added[0] if added else prepared
-    return _Entry(slot, obj, prepared, registered, trainable)
+    return _Entry(slot, obj, prepared, added[0] if added else prepared, trainable)
 
 
 def _prepare_one(accelerator, obj, slot):
     if slot.kind in ("module", "criterion"):
-        # Marks left by another net or a pickled copy would make accelerate
-        # skip DDP and autocast for this module.
-        _pop_marks(obj)
+        # marks left by another net or a pickled copy would make accelerate skip it
+        pop_marks(obj)
         # DDP refuses a module without trainable parameters (NLLLoss, ...);
-        # evaluation mode still places it on the device and adds autocast.
+        # evaluation mode still places it on the device and adds autocast
         trainable = any(trainability(obj))
         prepared = accelerator.prepare_model(obj, evaluation_mode=not trainable)
-        # the marks unwrapping relies on, and a DDP wrapper where one is due
-        check_prepared_module(
-            prepared,
-            obj,
-            accelerator,
-            wrapped=trainable and accelerator.distributed_type in _DDP_TYPES,
-        )
+        ddp = trainable and accelerator.distributed_type in _DDP_TYPES
+        check_prepared_module(prepared, obj, accelerator, wrapped=ddp)
         return prepared
     if slot.kind == "optimizer":
         return accelerator.prepare_optimizer(obj)
     prepared = accelerator.prepare_scheduler(obj)
-    if isinstance(obj, ReduceLROnPlateau):
+    plateau = isinstance(obj, ReduceLROnPlateau)
+    if plateau:
         prepared.__class__ = AcceleratedPlateauScheduler
-    if slot.step_once or isinstance(obj, ReduceLROnPlateau):
-        # accelerate steps a scheduler once per process per call, which
-        # suits per-batch schedules; per-epoch schedules and plateau
-        # detection count epochs, which every process shares.
+    if slot.step_once or plateau:
+        # accelerate steps once per process per call, right for per-batch
+        # schedules; epochs and plateaus are shared by every process
         prepared.split_batches = True
     return prepared
 
 
 class AcceleratedPlateauScheduler(AcceleratedScheduler, ReduceLROnPlateau):
-    """accelerate's scheduler wrapper that still passes for ReduceLROnPlateau.
-
-    skorch's ``LRScheduler`` steps a ``ReduceLROnPlateau`` with the monitored
-    score and finds it with ``isinstance``; all behaviour is
-    ``AcceleratedScheduler``'s, which passes the score on.
-    """
+    """accelerate's scheduler wrapper that still passes ``isinstance`` for
+    ReduceLROnPlateau, which skorch's ``LRScheduler`` steps with the score."""
 
     __init__ = AcceleratedScheduler.__init__
     step = AcceleratedScheduler.step
