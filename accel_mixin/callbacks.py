@@ -28,7 +28,6 @@ from accel_mixin.checkpoint.files import remove_temporaries
 from accel_mixin.distributed.preemption import NoticeBoard, can_handle, handling_signals
 from accel_mixin.distributed.process_layout import writes_files
 from accel_mixin.errors import CheckpointError, Preempted
-from accel_mixin.resume.data_order import resumable_inside_epochs
 from accel_mixin.resume.runs import (
     check_run_name,
     differs_from_newest,
@@ -38,6 +37,7 @@ from accel_mixin.resume.runs import (
     run_folders,
     write_manifest,
 )
+from accel_mixin.training.data_order import resumable_inside_epochs
 from accel_mixin.training.notifications import stopped_early
 
 __all__ = ["ResumeTraining", "TrainingCheckpoint"]

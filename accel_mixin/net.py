@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from typing import ClassVar
 
 from accel_mixin.checkpoint.background import finished_on_error
-from accel_mixin.checkpoint.checkpointing import CheckpointingMixin
+from accel_mixin.checkpointing import CheckpointingMixin
 from accel_mixin.distributed.history_sync import adopt_history
 from accel_mixin.distributed.process_layout import (
     check_process_layout,
@@ -17,11 +17,12 @@ from accel_mixin.distributed.process_layout import (
     quiet_unless_main,
     sink_for,
 )
-from accel_mixin.distributed.replicas import check_net_replicas, check_same_data
+from accel_mixin.distributed.replicas import check_same_data
 from accel_mixin.resume.resuming import begin_epoch, continue_epoch
 from accel_mixin.training.epochs import EpochBatches, end_epoch
 from accel_mixin.training.net_objects import (
     bare_modules,
+    check_net_replicas,
     check_optimizers,
     check_params,
     net_modules,

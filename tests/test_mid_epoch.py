@@ -11,7 +11,7 @@ from harness import run_plain, run_processes
 from skorch.callbacks import Callback
 
 from accel_mixin.checkpoint.checkpoint_files import agreed_checkpoint
-from accel_mixin.resume.data_order import skipping_batches
+from accel_mixin.training.data_order import skipping_batches
 
 
 class CountingDataset(torch.utils.data.Dataset):

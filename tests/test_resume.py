@@ -492,15 +492,15 @@ sys.path.insert(0, {str(Path(__file__).parent / "launched")!r})
 import torch
 from accelerate import Accelerator
 from skorch.callbacks import Callback
-import accel_mixin.checkpoint.checkpointing
+import accel_mixin.checkpointing
 from accel_mixin.callbacks import TrainingCheckpoint
 from common import AcceleratedNet, MLP, make_data
 
-write_state = accel_mixin.checkpoint.checkpointing.write_state
+write_state = accel_mixin.checkpointing.write_state
 def slow_write(state, path):
     time.sleep(1.5)
     write_state(state, path)
-accel_mixin.checkpoint.checkpointing.write_state = slow_write
+accel_mixin.checkpointing.write_state = slow_write
 
 class Boom(Callback):
     def on_epoch_begin(self, net, **kwargs):

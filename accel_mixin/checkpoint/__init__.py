@@ -1,2 +1,2 @@
-"""Files users can trust: atomic writes, safe reads, ``save_params`` and
-``load_params`` on every process."""
+"""Files users can trust: atomic writes, safe reads, clear errors; skorch's
+``save_params`` and ``load_params`` on top of them (``SafeParamsMixin``)."""

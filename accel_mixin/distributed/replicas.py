@@ -16,10 +16,8 @@ from accelerate.utils import gather
 from skorch.dataset import get_len
 
 from accel_mixin.errors import DistributedError
-from accel_mixin.training.net_objects import net_modules
 
 __all__ = [
-    "check_net_replicas",
     "check_replicas",
     "check_same_data",
     "check_same_steps",
@@ -145,9 +143,3 @@ def check_replicas(accelerator, named_params, when):
         "data that differ between ranks. Set replica_check_every=0 to train without this "
         "check."
     )
-
-
-def check_net_replicas(net, when):
-    """``check_replicas`` on every parameter of the net's modules and criteria."""
-    modules = ((name + "_", module) for name, module in net_modules(net))
-    check_replicas(net.accelerator, list(named_parameters(modules)), when)

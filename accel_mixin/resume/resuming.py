@@ -24,7 +24,6 @@ from accel_mixin.checkpoint.params import load_optimizer_state
 from accel_mixin.checkpoint.state_dict import load_module_state, read_state, strip_wrapper_prefixes
 from accel_mixin.checkpoint.state_values import restore_rng, rng_state
 from accel_mixin.errors import CheckpointError
-from accel_mixin.resume.data_order import restore_generator_states
 from accel_mixin.resume.training_state import (
     BEST_IS_CURRENT,
     BEST_WEIGHTS,
@@ -33,6 +32,7 @@ from accel_mixin.resume.training_state import (
     restore_callback_state,
     train_iterator_state,
 )
+from accel_mixin.training.data_order import restore_generator_states
 from accel_mixin.training.net_objects import net_modules, raw
 from accel_mixin.training.process_state import process_state
 

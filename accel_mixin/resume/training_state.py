@@ -39,7 +39,7 @@ from accel_mixin.checkpoint.state_values import (
     plain_or_not,
     rng_state,
 )
-from accel_mixin.resume.data_order import generator_states
+from accel_mixin.training.data_order import generator_states
 from accel_mixin.training.net_objects import net_modules, raw, raw_scheduler
 from accel_mixin.training.process_state import process_state
 

@@ -21,9 +21,10 @@ from accel_mixin.distributed.history_sync import (
     merge_epoch,
     real_samples,
 )
-from accel_mixin.distributed.replicas import check_net_replicas, check_same_steps
+from accel_mixin.distributed.replicas import check_same_steps
 from accel_mixin.errors import DistributedError
-from accel_mixin.resume.data_order import skipping_batches, start_workers_without_draws
+from accel_mixin.training.data_order import skipping_batches, start_workers_without_draws
+from accel_mixin.training.net_objects import check_net_replicas
 from accel_mixin.training.notifications import hook, main_process_pickles, stopped_early
 
 __all__ = ["EpochBatches", "end_epoch"]

@@ -14,12 +14,14 @@ from accelerate.utils import DistributedType
 from skorch.callbacks import LRScheduler
 
 from accel_mixin.distributed.history_sync import adopt_history
+from accel_mixin.distributed.replicas import check_replicas, named_parameters
 from accel_mixin.training.process_state import process_state
 from accel_mixin.training.stepping import takes_closures
 from accel_mixin.training.wrapping import Slot, requires_closure
 
 __all__ = [
     "bare_modules",
+    "check_net_replicas",
     "check_optimizers",
     "check_params",
     "net_modules",
@@ -141,3 +143,9 @@ def prepare_retrainable_modules(net):
     refresh = {key for key, flag in zip(keys, flags.tolist()) if flag}
     if refresh:
         prepared.prepare(accelerator, slots(net), refresh=refresh)
+
+
+def check_net_replicas(net, when):
+    """``check_replicas`` on every parameter of the net's modules and criteria."""
+    modules = ((name + "_", module) for name, module in net_modules(net))
+    check_replicas(net.accelerator, list(named_parameters(modules)), when)

@@ -30,7 +30,7 @@ from checkpoint import OursNet, Stack, n_params
 from common import alternate, barrier, write_result
 
 from accel_mixin.callbacks import TrainingCheckpoint
-from accel_mixin.resume.data_order import skipping_batches
+from accel_mixin.training.data_order import skipping_batches
 
 
 class TimedCheckpoint(TrainingCheckpoint):

@@ -106,7 +106,7 @@ def load_right_after_an_asynchronous_save():
     loads the new state."""
     import time
 
-    import accel_mixin.checkpoint.checkpointing as checkpointing
+    import accel_mixin.checkpointing as checkpointing
 
     net = make_net(max_epochs=1)
     net.fit(X, y)
