@@ -17,8 +17,6 @@ import functools
 import hashlib
 import inspect
 import json
-import os
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -76,30 +74,18 @@ class Describer:
         self.refusals = []
         self._values = 0
         self._path_ids = set()
-        self._pool = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def close(self):
-        """Stop the threads that hashed big arrays, if any."""
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
 
     def _digest(self, data):
         """SHA-256 of ``data``, of the digests of its 64 MiB chunks where
-        larger: hashed in threads (hashlib releases the GIL), one pool a fit."""
+        larger (the hash of a fit's data costs a small share of its first epoch,
+        so threads would buy next to nothing)."""
         data = memoryview(data).cast("B")
         if len(data) <= _CHUNK:
             return hashlib.sha256(data).hexdigest()
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)))
-        chunks = [data[start : start + _CHUNK] for start in range(0, len(data), _CHUNK)]
-        digests = self._pool.map(lambda chunk: hashlib.sha256(chunk).digest(), chunks)
+        digests = (
+            hashlib.sha256(data[start : start + _CHUNK]).digest()
+            for start in range(0, len(data), _CHUNK)
+        )
         return hashlib.sha256(b"chunks" + b"".join(digests)).hexdigest()
 
     def refuse(self, path, reason):
@@ -311,19 +297,14 @@ def fingerprint(data, describer=None, path="X"):
     spaced (rows read from elsewhere cannot all be read at every fit)."""
     if data is None:
         return None
-    own = describer is None
-    describer = Describer() if own else describer
+    describer = Describer() if describer is None else describer
     out = {"type": name_of(type(data))}
     try:
         out["length"] = get_len(data)
     except (TypeError, ValueError):
         pass  # an iterable
     digest = hashlib.sha256()
-    try:
-        _stream(data, digest, describer, path)
-    finally:
-        if own:
-            describer.close()
+    _stream(data, digest, describer, path)
     out["sha256"] = digest.hexdigest()
     return out
 

@@ -129,35 +129,35 @@ class RunIdentity:
 def run_identity(net, X, y=None, fit_params=None, name=None):
     """The ``RunIdentity`` of fitting ``net`` (initialized) on ``X`` and
     ``y`` with ``fit_params``, named ``name``."""
-    with Describer() as describe:
-        defaults = init_defaults(type(net))
-        hyper = {}
-        for key, value in sorted(net.get_params(deep=False).items()):
-            if _counts(key):
-                described = describe.unless_default(value, defaults, key, key)
-                if described is not describe.DEFAULT:
-                    hyper[key] = described
-        callbacks = {
-            name: {
-                "class": name_of(type(cb)),
-                "params": describe.params(cb, f"callbacks__{name}", skip=("sink",)),
-            }
-            for name, cb in net.callbacks_
-            # not those that only log or checkpoint
-            if isinstance(cb, Callback)
-            and type(cb).__module__ != skorch_logging.__name__
-            and getattr(cb, "in_run_identity", True) is not False
+    describe = Describer()
+    defaults = init_defaults(type(net))
+    hyper = {}
+    for key, value in sorted(net.get_params(deep=False).items()):
+        if _counts(key):
+            described = describe.unless_default(value, defaults, key, key)
+            if described is not describe.DEFAULT:
+                hyper[key] = described
+    callbacks = {
+        name: {
+            "class": name_of(type(cb)),
+            "params": describe.params(cb, f"callbacks__{name}", skip=("sink",)),
         }
-        data = {"X": fingerprint(X, describe, "X"), "y": fingerprint(y, describe, "y")}
-        if fit_params:
-            data["fit_params"] = {
-                key: fingerprint(value, describe, key) for key, value in sorted(fit_params.items())
-            }
-        described = {
-            "net": {"class": name_of(type(net)), "params": hyper},
-            "callbacks": callbacks,
-            "data": data,
+        for name, cb in net.callbacks_
+        # not those that only log or checkpoint
+        if isinstance(cb, Callback)
+        and type(cb).__module__ != skorch_logging.__name__
+        and getattr(cb, "in_run_identity", True) is not False
+    }
+    data = {"X": fingerprint(X, describe, "X"), "y": fingerprint(y, describe, "y")}
+    if fit_params:
+        data["fit_params"] = {
+            key: fingerprint(value, describe, key) for key, value in sorted(fit_params.items())
         }
+    described = {
+        "net": {"class": name_of(type(net)), "params": hyper},
+        "callbacks": callbacks,
+        "data": data,
+    }
     if name is not None:
         described["name"] = name
     refused = None
