@@ -188,19 +188,22 @@ def test_any_name_the_filesystem_admits_saves(tmp_path):
     assert stray_files(tmp_path) == []
 
 
-def test_temporary_names_are_short_and_fixed_per_target(tmp_path):
+def test_temporary_names_are_short_and_each_saves_own(tmp_path):
     from accel_mixin.checkpoint import files
 
     names = set()
     for _ in range(3):
         fd, tmp = files._create_temporary(tmp_path / ("x" * 200))  # pylint: disable=protected-access
         os.close(fd)
-        names.add(tmp)
+        names.add(os.path.basename(tmp))
         assert len(os.path.basename(tmp)) < 50
-    assert len(names) == 1  # created again in place of the one before
+    # one target's prefix, one name per save; each closed one is a leftover
+    # that the next save of the target removes
+    assert len(names) == 3 and len({name.rsplit("-", 1)[0] for name in names}) == 1
+    assert len(stray_files(tmp_path)) == 1
 
 
-def test_a_killed_saves_temporary_is_replaced_by_the_next_save_and_removed_by_rotation(tmp_path):
+def test_a_killed_saves_temporary_is_removed_by_the_next_save_and_by_rotation(tmp_path):
     from accel_mixin.checkpoint.files import atomic_write, remove_temporaries
 
     atomic_write(tmp_path / "params.pt", lambda f: f.write(b"whole"))
@@ -228,22 +231,37 @@ def test_a_killed_saves_temporary_is_replaced_by_the_next_save_and_removed_by_ro
     assert stray_files(tmp_path) == []
 
 
-def test_a_concurrent_save_of_the_same_file_fails_and_never_tears_it(tmp_path):
+def test_concurrent_saves_of_the_same_file_never_tear_it_nor_take_each_others_file(tmp_path):
+    from accel_mixin.checkpoint.files import atomic_files, remove_temporaries
+
+    target = tmp_path / "params.pt"
+    target.write_bytes(b"before")
+    with atomic_files([target]) as (first,):
+        with open(first, "wb") as f:
+            f.write(b"first")
+        remove_temporaries(tmp_path)  # a rotation meanwhile: the live save's file stays
+        with atomic_files([target]) as (second,):  # the first is live: not a leftover
+            assert second != first and os.path.exists(first)
+            with open(second, "wb") as f:
+                f.write(b"second")
+        assert target.read_bytes() == b"second"
+    assert target.read_bytes() == b"first"  # whole, whichever renamed last
+    assert stray_files(tmp_path) == []
+
+
+def test_a_save_whose_temporary_was_replaced_fails_and_leaves_the_target(tmp_path):
+    # where nothing locks (or in the instant before a lock), another save may
+    # still replace the file: the save notices and renames nothing
     from accel_mixin.checkpoint.files import atomic_files
 
     target = tmp_path / "params.pt"
     target.write_bytes(b"before")
-    with pytest.raises(FileExistsError, match="another save of the same file is under way"):
+    with pytest.raises(FileExistsError, match="replaced this save's temporary file"):
         with atomic_files([target]) as (first,):
+            os.unlink(first)
             with open(first, "wb") as f:
-                f.write(b"first")
-            with atomic_files([target]) as (second,):  # replaces the first's temporary
-                assert second == first
-                with open(second, "wb") as f:
-                    f.write(b"second")
-            assert target.read_bytes() == b"second"
-    assert target.read_bytes() == b"second"
-    assert stray_files(tmp_path) == []
+                f.write(b"another save's half")
+    assert target.read_bytes() == b"before"
 
 
 def test_a_failing_save_leaves_the_previous_file(tmp_path, monkeypatch):

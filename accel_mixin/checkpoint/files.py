@@ -2,9 +2,12 @@
 
 A file is written to a temporary file in its target directory, fsynced,
 renamed into place, and the directory fsynced: a crash or an error mid-write
-leaves the previous file as it was. The temporary's name is fixed per target,
-so the next save of a file replaces what a killed save of it left; a run
-folder's rotation (``remove_temporaries``) removes the rest.
+leaves the previous file as it was. Each save has a temporary file of its
+own, locked (``flock``) while the save lives: the next save of the same file
+removes what a killed save of it left (its lock went with its process), and a
+run folder's rotation (``remove_temporaries``) removes the rest; a live
+save's file is never taken for a leftover. Where the filesystem has no locks,
+leftovers stay.
 """
 
 import contextlib
@@ -16,6 +19,11 @@ import secrets
 import shutil
 import stat
 import time
+
+try:
+    import fcntl
+except ImportError:  # Windows: no locks, leftovers stay
+    fcntl = None
 
 import torch
 
@@ -32,13 +40,38 @@ def _directory(path):
     return os.path.dirname(os.path.abspath(path))
 
 
-def remove_temporaries(directory):
-    """Remove the temporary files that killed saves left in ``directory``."""
+def remove_temporaries(directory, prefix=_TMP):
+    """Remove the temporary files in ``directory`` (those of one target with
+    its ``prefix``) that no live save holds: what killed saves left."""
     with contextlib.suppress(OSError):
         for entry in os.listdir(directory):
-            if entry.startswith(".") and _TMP in entry:
+            name = os.path.join(directory, entry)
+            if entry.startswith(prefix) and _left_over(name):
                 with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(directory, entry))
+                    os.unlink(name)
+
+
+def _lock(fd):
+    """Hold ``fd``'s file for this save; True where the filesystem locks."""
+    if fcntl is None:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    return True
+
+
+def _left_over(name):
+    """Whether no live save holds the file ``name`` (a killed one's lock is gone)."""
+    try:
+        fd = os.open(name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return False
+    try:
+        return _lock(fd)
+    finally:
+        os.close(fd)
 
 
 def _resolve_target(path):
@@ -58,43 +91,42 @@ def _resolve_target(path):
 
 
 def _create_temporary(path):
-    """Create the temporary file of ``path``, replacing a leftover; return (fd, name)."""
+    """Create this save's temporary file for ``path``, locked; return (fd, name)."""
     directory = _directory(path)
-    # Fixed length, so that any name the filesystem admits saves; ".tmp" at the
-    # end, since torch.save refuses a name that is empty up to its last dot.
+    # A prefix per target of fixed length, so that any name the filesystem
+    # admits saves, and a token per save; ".tmp" at the end, since torch.save
+    # refuses a name that is empty up to its last dot.
     digest = hashlib.blake2s(os.path.basename(path).encode(), digest_size=8).hexdigest()
-    tmp = os.path.join(directory, f"{_TMP}{digest}.tmp")
+    prefix = f"{_TMP}{digest}-"
+    remove_temporaries(directory, prefix)
+    tmp = os.path.join(directory, f"{prefix}{secrets.token_hex(4)}.tmp")
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-    for _ in range(3):
-        try:
-            return os.open(tmp, flags, 0o666), tmp
-        except FileExistsError:  # a killed save's, or a concurrent save's (see _ours)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-        except (FileNotFoundError, NotADirectoryError):
-            parent = directory
-            while not os.path.lexists(parent):
-                parent = os.path.dirname(parent)
-            if not os.path.isdir(parent):
-                raise NotADirectoryError(
-                    f"Cannot save to {path}: {parent} is a file, not a directory; "
-                    "choose another path, or move that file away"
-                ) from None
-            if parent != directory:
-                raise FileNotFoundError(
-                    f"Cannot save to {path}: the directory {directory} does not exist; "
-                    "create it first"
-                ) from None
-            raise
-    raise _concurrent(path)
+    try:
+        fd = os.open(tmp, flags, 0o666)
+    except (FileNotFoundError, NotADirectoryError):
+        parent = directory
+        while not os.path.lexists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            raise NotADirectoryError(
+                f"Cannot save to {path}: {parent} is a file, not a directory; "
+                "choose another path, or move that file away"
+            ) from None
+        if parent != directory:
+            raise FileNotFoundError(
+                f"Cannot save to {path}: the directory {directory} does not exist; create it first"
+            ) from None
+        raise
+    _lock(fd)  # until the fd closes, after the rename
+    return fd, tmp
 
 
 def _concurrent(path):
     return FileExistsError(
         errno.EEXIST,
-        f"Cannot save {path}: another save of the same file is under way (it replaced this "
-        "save's temporary file); save each file from one process at a time. The file that "
-        "was there before is unchanged.",
+        f"Cannot save {path}: something replaced this save's temporary file while it "
+        "wrote (another save of the same file, on a filesystem without locks?); save each "
+        "file from one process at a time. The file that was there before is unchanged.",
     )
 
 
