@@ -10,6 +10,7 @@ from typing import ClassVar
 
 from accel_mixin.checkpoint.background import finished_on_error
 from accel_mixin.checkpointing import CheckpointingMixin
+from accel_mixin.distributed.fork_guard import guard_forks
 from accel_mixin.distributed.history_sync import adopt_history
 from accel_mixin.distributed.process_layout import (
     check_process_layout,
@@ -188,6 +189,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
         check_supported(self.accelerator)
         check_optimizers(self)
         check_overrides(self, AccelerateMixin)
+        guard_forks()
         self._process.prepared.prepare(self.accelerator, slots(self))
         return self
 
