@@ -1,5 +1,6 @@
 """The examples run as the README shows them."""
 
+import json
 import os
 import subprocess
 import sys
@@ -91,3 +92,25 @@ def test_preemption_example(tmp_path):
     assert "torchrun restarted both workers" in out.stdout
     assert "uninterrupted and the notice run identical: True" in out.stdout
     assert "uninterrupted and the elastic run identical: True" in out.stdout
+
+
+@pytest.mark.multiprocess
+def test_transformer_example_on_two_processes(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    report = tmp_path / "report"
+    report.mkdir()
+    launch = run_processes(
+        EXAMPLES / "transformer.py", "--dir", tmp_path / "out", "--report", report, timeout=300
+    )
+    assert launch.returncode == 0 and not launch.timed_out, launch.describe()
+    ranks = [json.loads((report / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
+    assert all(r["processes"] == 2 for r in ranks)
+    assert ranks[0]["digest"] == ranks[1]["digest"]  # bit for bit the same weights
+    assert ranks[0] == ranks[1]
+    assert ranks[0]["accuracy"] > 0.75  # chance: 0.5
+    assert ranks[0]["same_predictions"]  # a plain skorch net loads the saved parameters
+    (out0, _), (out1, _) = launch.rank_outputs
+    assert out1.strip() == ""  # output once, by the main process
+    lines = out0.strip().splitlines()
+    assert [line.split(":")[0].split(" ")[0] for line in lines] == ["grid", "test", "plain"], out0

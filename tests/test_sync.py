@@ -174,3 +174,12 @@ def test_a_logger_saves_alone_and_a_collective_call_from_one_fails_fast(ranks):
     )
     assert "PredictingLogger" in rank1["predicting"]["error"]
     assert max(rank0["predicting"]["seconds"], rank1["predicting"]["seconds"]) < 10
+
+
+@pytest.mark.multiprocess
+def test_outputs_of_other_lengths_on_each_rank_are_gathered():
+    pytest.importorskip("transformers")
+    launch = run_processes("sequence_outputs.py", timeout=180)
+    ranks = launch.check()
+    widths = values(ranks, "rows_of_other_lengths_are_gathered")
+    assert widths[0] == widths[1]

@@ -10,9 +10,11 @@ the net records into the plain ``History`` inside it.
 """
 
 import warnings
+from collections.abc import Mapping
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from accelerate.utils import gather_object, recursively_apply
 from skorch.callbacks import EpochScoring
 from skorch.history import DistributedHistory
@@ -28,6 +30,7 @@ __all__ = [
     "interleave",
     "leading_samples",
     "merge_epoch",
+    "pad_to_largest",
     "real_samples",
 ]
 
@@ -63,6 +66,45 @@ def real_samples(gradient_state, num_processes, process_index, batch_size):
 def leading_samples(data, n):
     """The first ``n`` samples of a batch or a model output (nested tensors)."""
     return recursively_apply(lambda tensor: tensor[:n], data)
+
+
+def _padded_ones(data, in_mapping=False):
+    """The tensors of ``data`` that ``pad_to_largest`` pads, in order."""
+    if isinstance(data, torch.Tensor):
+        return [data] if in_mapping or data.dim() >= 3 else []
+    if isinstance(data, Mapping):
+        return [t for value in data.values() for t in _padded_ones(value, True)]
+    if isinstance(data, (list, tuple)):
+        return [t for value in data for t in _padded_ones(value, in_mapping)]
+    return []
+
+
+def pad_to_largest(data):
+    """Pad the tensors of a model output past their first dimension to the
+    largest size any rank has there, with zeros at the end, so that the rows
+    of all ranks can be gathered: ranks that cut their batches to their own
+    longest sequence give outputs of other lengths. The tensors of a mapping
+    (a ``ModelOutput``) and tensors of 3 or more dimensions take part, at one
+    small collective per batch; tensors of 1 or 2 dimensions otherwise, as
+    tabular models return, are gathered as they are."""
+    padded = _padded_ones(data)
+    if not padded:
+        return data
+    largest = torch.tensor([size for t in padded for size in t.shape[1:]], device=padded[0].device)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    largest, wanted = iter(largest.tolist()), {}
+    for tensor in padded:
+        wanted[id(tensor)] = [next(largest) for _ in tensor.shape[1:]]
+
+    def pad(tensor):
+        if id(tensor) not in wanted:
+            return tensor
+        padding = []  # torch's order: from the last dimension on
+        for size, want in zip(reversed(tensor.shape[1:]), reversed(wanted[id(tensor)])):
+            padding += [0, want - size]
+        return torch.nn.functional.pad(tensor, padding) if any(padding) else tensor
+
+    return recursively_apply(pad, data)
 
 
 def _portable(tensor):

@@ -20,6 +20,7 @@ from accelerate.utils import DistributedType, convert_to_fp32
 from skorch.dataset import unpack_data
 from skorch.net import NeuralNet
 
+from accel_mixin.distributed.history_sync import pad_to_largest
 from accel_mixin.distributed.process_layout import quiet_unless_main
 
 __all__ = [
@@ -253,4 +254,7 @@ class StepMixin:
         # autocast here too, so that unwrapped nets predict with the same precision
         with self._stepper.autocast():
             y_infer = super().evaluation_step(batch, training=training)
-        return self.accelerator.gather_for_metrics(convert_to_fp32(y_infer))
+        y_infer = convert_to_fp32(y_infer)
+        if self.accelerator.num_processes > 1:
+            y_infer = pad_to_largest(y_infer)
+        return self.accelerator.gather_for_metrics(y_infer)
