@@ -47,6 +47,12 @@ def test_benchmarks_run_and_report(tmp_path):
     assert "accel_mixin, no history sync" in fit_2["results"]
     assert "accel_mixin, signals=()" in fit_2["results"]
     assert "accel_mixin, notices polled every batch" in fit_2["results"]
+    lightning = json.loads((results / "raw" / "lightning_2.json").read_text())
+    assert lightning["processes"] == 2
+    assert set(lightning["results"]) == {"with validation", "without validation"}
+    for res in lightning["results"].values():
+        assert set(res) == {"accel_mixin", "lightning", "accelerate loop"}
+        assert all(len(row["runs_s"]) == 2 for row in res.values())
     checkpoint = json.loads((results / "raw" / "checkpoint_2.json").read_text())
     assert set(checkpoint["save"]) == {
         "torch.save",
@@ -80,6 +86,8 @@ def test_benchmarks_run_and_report(tmp_path):
     assert "TrainingCheckpoint(signals=()) that never saves" in table
     assert "TrainingCheckpoint (default signals) that never saves: at most 1.01" in table
     assert "history sync: at most 1.05" in table
+    assert "**beside Lightning**" in table
+    assert "fit, 2 processes, without validation: at most 1.0 x lightning" in table
     assert "asynchronous checkpoint: stall" in table
     assert "replica check: at most 1% of an epoch" in table
     assert "save_params, small model" in table

@@ -55,6 +55,24 @@ def fit_table(result, title):
     return lines
 
 
+def lightning_table(result):
+    """accel_mixin's fit time over Lightning's and a hand loop's, per setup."""
+    first = next(iter(result["results"].values()))
+    lines = [
+        f"**beside Lightning** ({result['processes']} processes, {result['setup']}; "
+        f"Lightning {result['versions']['lightning']}; median of "
+        f"{len(first['accel_mixin']['runs_s'])} rounds in rotating order, after a warm-up)",
+        "",
+        "| setup | variant | median fit (s) | accel_mixin over it, paired rounds |",
+        "|---|---|---:|---:|",
+    ]
+    for setup, res in result["results"].items():
+        for name, row in res.items():
+            ours = 1 / row["paired_ratio"]
+            lines.append(f"| {setup} | {name} | {row['median_s']:.3f} | {ours:.3f} |")
+    return lines
+
+
 def checkpoint_tables(result):
     lines = [
         f"**save_params / load_params** ({result['processes']} processes, "
@@ -190,11 +208,28 @@ def _durable_ratio(checkpoint):
 
 
 def targets(
-    fit1, fit2, checkpoint, stall=None, replicas=None, checkpoint_small=None, midepoch=None
+    fit1,
+    fit2,
+    checkpoint,
+    stall=None,
+    replicas=None,
+    checkpoint_small=None,
+    midepoch=None,
+    lightning=None,
 ):
     """Fit targets use paired rounds: the machine drifts more between rounds
     than the differences measured."""
     rows = []
+    for setup, res in (lightning or {}).get("results", {}).items():
+        for name, bound in (("lightning", 1.0), ("accelerate loop", 1.05)):
+            ratio = 1 / res[name]["paired_ratio"]
+            rows.append(
+                (
+                    f"fit, 2 processes, {setup}: at most {bound} x {name}",
+                    f"{ratio:.3f}",
+                    ratio <= bound,
+                )
+            )
     if fit1:
         res = fit1["results"]
         ratio = paired(res, "accel_mixin", "skorch")
@@ -382,7 +417,7 @@ def main():
     parser.add_argument("--command", default="scripts/bench")
     args = parser.parse_args()
 
-    fit1, fit2, checkpoint, checkpoint_small, stall, replicas, midepoch = (
+    fit1, fit2, checkpoint, checkpoint_small, stall, replicas, midepoch, lightning = (
         load(args.raw, n)
         for n in (
             "fit_1",
@@ -392,12 +427,15 @@ def main():
             "stall_2",
             "replicas_2",
             "midepoch_2",
+            "lightning_2",
         )
     )
     lines = [f"Reproduce with `{args.command}`. Bars are medians, dots single runs.", ""]
     for result, title in ((fit1, "fit, 1 process"), (fit2, "fit, 2 processes")):
         if result:
             lines += fit_table(result, title) + [""]
+    if lightning:
+        lines += lightning_table(lightning) + [""]
     if checkpoint:
         lines += checkpoint_tables(checkpoint) + [""]
     if checkpoint_small:
@@ -408,7 +446,7 @@ def main():
         lines += midepoch_table(midepoch) + [""]
     if replicas:
         lines += replicas_table(replicas) + [""]
-    goals = targets(fit1, fit2, checkpoint, stall, replicas, checkpoint_small, midepoch)
+    goals = targets(fit1, fit2, checkpoint, stall, replicas, checkpoint_small, midepoch, lightning)
     lines += goals
     text = "\n".join(lines) + "\n"
 
