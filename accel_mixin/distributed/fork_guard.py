@@ -7,8 +7,7 @@ it forever. torch's communication threads take it without the GIL: a gloo
 (or NCCL) work that holds Python objects, its tensors or the context that
 ``backward`` stashes, makes a thread state to release them when it is
 destroyed on that thread. A DataLoader worker forked in that instant never
-starts, and its rank waits for its batches until the others time out (1
-launch in 3 of ``tests/launched/resume_loaders.py`` on a loaded machine).
+starts, and its rank waits for its batches until the others time out.
 
 ``guard_forks`` registers, once, a hook that runs before every fork of the
 process while the forking thread holds the GIL. While a process group
