@@ -166,6 +166,16 @@ def test_data_of_other_lengths_raise_on_every_rank_at_once(divergence):
 
 
 @pytest.mark.multiprocess
+def test_data_of_other_values_raise_on_every_rank(divergence):
+    for value in values(divergence, "data_of_other_values"):
+        assert value["error"].startswith(
+            "DistributedError: The ranks fit on different data: the same rows of X or y "
+            "hold other values on rank(s) 1 than on rank 0"
+        ), value
+        assert value["seconds"] < 25
+
+
+@pytest.mark.multiprocess
 def test_replica_check_raises_on_every_rank_naming_the_parameter_and_epoch(divergence):
     for value in values(divergence, "replica_check_catches_a_divergence"):
         assert value["error"].startswith(

@@ -108,7 +108,7 @@ def test_transformer_example_on_two_processes(tmp_path):
     assert all(r["processes"] == 2 for r in ranks)
     assert ranks[0]["digest"] == ranks[1]["digest"]  # bit for bit the same weights
     assert ranks[0] == ranks[1]
-    assert ranks[0]["accuracy"] > 0.75  # chance: 0.5
+    assert ranks[0]["accuracy"] > 0.8  # chance: 0.5
     assert ranks[0]["same_predictions"]  # a plain skorch net loads the saved parameters
     (out0, _), (out1, _) = launch.rank_outputs
     assert out1.strip() == ""  # output once, by the main process

@@ -5,15 +5,21 @@ DDP keeps the ranks' parameters identical only while every rank runs the
 same steps on its shard of the same data; other data on one rank, a callback
 that changes one rank's weights or a ``train_step`` that bypasses the
 accelerator break that silently. Small collectives turn it into the same
-error on every rank: the length of the data when training begins, the
-number of batches without even batches (DDP would hang), and after an epoch
-a fingerprint of every parameter (the sum of its bit patterns modulo 2**32:
-exact, order-free, changed by any element; buffers are DDP's, from rank 0).
+error on every rank: the length of the data and the values of 64 of its
+rows when training begins, the number of batches without even batches (DDP
+would hang), and after an epoch a fingerprint of every parameter (the sum
+of its bit patterns modulo 2**32: exact, order-free, changed by any
+element; buffers are DDP's, from rank 0).
 """
 
+import hashlib
+from collections.abc import Mapping
+
+import numpy as np
 import torch
 from accelerate.utils import gather
 from skorch.dataset import get_len
+from skorch.utils import multi_indexing
 
 from accel_mixin.errors import DistributedError
 
@@ -37,6 +43,43 @@ def _length(data):
         return -1
 
 
+# the rows whose contents the ranks compare, evenly spread
+_SAMPLED_ROWS = 64
+
+
+def _feed(digest, data):
+    """Hash ``data`` (arrays, tensors, mappings and sequences of them); False
+    where it holds something else, whose bytes could differ between ranks."""
+    if isinstance(data, torch.Tensor):
+        data = data.detach().cpu().numpy()
+    if isinstance(data, np.ndarray):
+        if data.dtype == object:
+            return False
+        digest.update(np.ascontiguousarray(data).tobytes())
+        return True
+    if isinstance(data, Mapping):
+        return all(_feed(digest, data[key]) for key in sorted(data, key=str))
+    if isinstance(data, (list, tuple)):
+        return all(_feed(digest, item) for item in data)
+    return data is None
+
+
+def _sample_digest(X, y, n):
+    """A 63-bit digest of the same rows of ``X`` and ``y`` on every rank, or
+    -1 where they cannot be hashed alike."""
+    if n <= 0:
+        return -1
+    rows = np.unique(np.linspace(0, n - 1, min(n, _SAMPLED_ROWS)).astype(np.int64))
+    digest = hashlib.blake2b(digest_size=8)
+    try:
+        sampled = [None if data is None else multi_indexing(data, rows) for data in (X, y)]
+    except Exception:  # pylint: disable=broad-except
+        return -1  # a dataset type skorch does not index: only lengths are compared
+    if not all(_feed(digest, data) for data in sampled):
+        return -1
+    return int.from_bytes(digest.digest(), "little") >> 1
+
+
 def _everyone(accelerator, values):
     """Every rank's ``values`` (integers), by rank."""
     mine = torch.tensor([values], dtype=torch.int64, device=accelerator.device)
@@ -45,19 +88,30 @@ def _everyone(accelerator, values):
 
 def check_same_data(accelerator, X, y=None):
     """Raise ``DistributedError`` on every rank, naming each rank's number of
-    samples, unless all ranks fit on data of the same length."""
-    everyone = _everyone(accelerator, [_length(X), _length(y)])
-    if all(lengths == everyone[0] for lengths in everyone):
-        return
-    described = ", ".join(
-        f"rank {rank}: {x} samples" + (f" and {n} targets" if n != x and n >= 0 else "")
-        for rank, (x, n) in enumerate(everyone)
-    )
-    raise DistributedError(
-        f"The ranks fit on data of different lengths ({described}). Every process must "
-        "pass the whole data set to fit, the same on every rank: accelerate shards it "
-        "between the processes. Load the same X and y on every rank."
-    )
+    samples, unless all ranks fit on data of the same length, and unless the
+    same 64 rows hold the same values on every rank."""
+    n = _length(X)
+    everyone = _everyone(accelerator, [n, _length(y), _sample_digest(X, y, n)])
+    if any(lengths[:2] != everyone[0][:2] for lengths in everyone):
+        described = ", ".join(
+            f"rank {rank}: {x} samples" + (f" and {m} targets" if m != x and m >= 0 else "")
+            for rank, (x, m, _) in enumerate(everyone)
+        )
+        raise DistributedError(
+            f"The ranks fit on data of different lengths ({described}). Every process must "
+            "pass the whole data set to fit, the same on every rank: accelerate shards it "
+            "between the processes. Load the same X and y on every rank."
+        )
+    digests = [digest for _, _, digest in everyone]
+    if -1 not in digests and len(set(digests)) > 1:
+        differ = ", ".join(str(rank) for rank, d in enumerate(digests) if d != digests[0])
+        raise DistributedError(
+            f"The ranks fit on different data: the same rows of X or y hold other values on "
+            f"rank(s) {differ} than on rank 0. Every process must pass the same X and y: "
+            "accelerate shards them between the processes. Preprocessing fitted on each rank "
+            "can differ between ranks (a Hugging Face tokenizer's training is not "
+            "deterministic): fit it once and load the same fitted one on every rank."
+        )
 
 
 def check_same_steps(accelerator, iterator):

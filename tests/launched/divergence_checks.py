@@ -6,6 +6,7 @@ Usage: torchrun --nproc_per_node 2 divergence_checks.py
 
 import hashlib
 
+import numpy as np
 import torch
 from common import (
     MLP,
@@ -119,6 +120,13 @@ def requires_grad_between_fits():
 def data_of_other_lengths():
     n = 200 if rank == 0 else 150  # a script that loads a rank's own shard
     return error_and_seconds(lambda: make_net().fit(X[:n], y[:n]))
+
+
+@checks
+def data_of_other_values():
+    # as a tokenizer fitted on each rank encodes the same text otherwise
+    X_rank = X[:200] + np.float32(rank)
+    return error_and_seconds(lambda: make_net().fit(X_rank, y[:200]))
 
 
 class NudgeOneRank(Callback):
