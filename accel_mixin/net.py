@@ -8,6 +8,8 @@ development section maps them).
 from contextlib import contextmanager
 from typing import ClassVar
 
+from torch.nn.modules.loss import _Loss
+
 from accel_mixin.checkpoint.background import finished_on_error
 from accel_mixin.checkpointing import CheckpointingMixin
 from accel_mixin.distributed.fork_guard import guard_forks
@@ -41,6 +43,7 @@ from accel_mixin.training.notifications import (
 from accel_mixin.training.portable import PortableAccelerator, settle_unpickled
 from accel_mixin.training.process_state import ATTRIBUTE as PROCESS_STATE
 from accel_mixin.training.process_state import FitContext
+from accel_mixin.training.rows import tensor_rows
 from accel_mixin.training.stepping import StepMixin, Stepper, check_overrides, clear_gradients
 from accel_mixin.training.wrapping import prepare_dataloader
 
@@ -208,6 +211,15 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
             if was_wrapped:
                 self._process.prepared.wrap(self.accelerator)
 
+    def torch_compile(self, module, name):
+        # skorch compiles criteria too, and a compiled NLLLoss no longer looks
+        # like one to NeuralNetClassifier.get_loss, which then skips the log:
+        # the net trains on -p (skorch 1.4.0). torch's losses are a kernel or
+        # two each, so leaving them as they are costs nothing
+        if name in self._criteria and isinstance(module, _Loss):
+            return module
+        return super().torch_compile(module, name)
+
     def get_all_learnable_params(self):
         # skorch's (or an override's) on the raw modules: no DDP prefix in the
         # names; taken whole, as the swap must not outlast the call
@@ -367,6 +379,9 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
         # asynchronous saves reuse the CPU copy within one fit; a write in
         # flight holds its own reference
         self._process.snapshot = None
+
+    def get_dataset(self, X, y=None):
+        return tensor_rows(super().get_dataset(X, y))
 
     def get_iterator(self, dataset, training=False):
         iterator = prepare_dataloader(

@@ -53,6 +53,27 @@ def test_benchmarks_run_and_report(tmp_path):
     for res in lightning["results"].values():
         assert set(res) == {"accel_mixin", "lightning", "accelerate loop"}
         assert all(len(row["runs_s"]) == 2 for row in res.values())
+    resume = json.loads((results / "raw" / "lightning_resume_2.json").read_text())
+    assert set(resume["stall_s"]) == {
+        "accel_mixin",
+        "lightning",
+        "accel_mixin async",
+        "lightning async",
+    }
+    assert all(len(runs) == 2 and min(runs) > 0 for runs in resume["stall_s"].values())
+    points = {
+        f"{who} | {point}"
+        for who in ("accel_mixin", "lightning")
+        for point in ("epoch end", "mid-epoch")
+    }
+    assert set(resume["restart_s"]) == points and set(resume["exact"]) == points
+    # measured, not assumed: both frameworks repeat a run resumed at an epoch's end
+    assert resume["exact"]["accel_mixin | epoch end"]["largest_difference"] == 0
+    assert resume["exact"]["lightning | epoch end"]["largest_difference"] == 0
+    assert resume["exact"]["accel_mixin | mid-epoch"]["largest_difference"] == 0
+    assert "-batch-" in resume["exact"]["accel_mixin | mid-epoch"]["from"]
+    other = json.loads((results / "raw" / "lightning_resume_1.json").read_text())
+    assert other["processes"] == 1 and other["saved_by"] == 2 and set(other["exact"]) == points
     checkpoint = json.loads((results / "raw" / "checkpoint_2.json").read_text())
     assert set(checkpoint["save"]) == {
         "torch.save",
@@ -94,6 +115,7 @@ def test_benchmarks_run_and_report(tmp_path):
     assert "restart to the first batch: flat" in table and "**Inside an epoch**" in table
     assert (results / "bench.png").read_bytes()[:4] == b"\x89PNG"
     text = readme.read_text()
+    assert "**Checkpoints beside Lightning**" in text and "**What each resumes exactly**" in text
     # the README gets the targets (the end of bench.md) and the chart, not every table
     goals = table[table.index("| target |") :]
     assert "old" not in text and goals in text and "![benchmarks](results/bench.png)" in text

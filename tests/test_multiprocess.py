@@ -265,3 +265,20 @@ def test_a_search_agrees_on_every_rank_and_with_one_process_with_twice_the_batch
         )
     assert result["best_params"] == one["best_params"]
     np.testing.assert_allclose(result["refit_proba"], one["refit_proba"], rtol=0, atol=PROBA_ATOL)
+
+
+# --- torch.compile ------------------------------------------------------------
+
+
+def test_compile_with_inductor_trains_as_eager_on_every_rank(tmp_path):
+    ranks = run_processes("compiled.py", str(tmp_path), timeout=300).check()
+    assert (
+        values(ranks, "the_module_trains_in_ddp_compiled")
+        == [["DistributedDataParallel", "OptimizedModule", "MLP"]] * 2
+    )
+    values(ranks, "training_follows_the_eager_net")
+    digests = values(ranks, "weights_digest")
+    assert digests[0] == digests[1]
+    # the file holds the bare module's keys, without torch.compile's prefix
+    keys = values(ranks, "saved_params_load_into_a_plain_net")[0]
+    assert keys and not any("_orig_mod" in key for key in keys)

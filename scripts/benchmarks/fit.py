@@ -96,47 +96,58 @@ def skorch_fit(net_cls, X, y, args, **kwargs):
     return net.history[-1, "valid_acc"]
 
 
-def loop_fit(accelerator, X, y, args):
-    """What a user writes by hand with accelerate for the same work."""
-    X_train, X_valid, y_train, y_valid = train_test_split(
-        X, y, test_size=0.2, stratify=y, random_state=0
-    )
-    loaders = [
-        torch.utils.data.DataLoader(
-            torch.utils.data.TensorDataset(torch.as_tensor(Xs), torch.as_tensor(ys)),
-            batch_size=args.batch_size,
-        )
-        for Xs, ys in ((X_train, y_train), (X_valid, y_valid))
-    ]
+def loaders(X, y, args, validation=True):
+    """Shuffled training batches, as skorch's, and with ``validation`` the
+    20% stratified split."""
+    if validation:
+        X, X_valid, y, y_valid = train_test_split(X, y, test_size=0.2, stratify=y, random_state=0)
+
+    def loader(Xs, ys, shuffle):
+        data = torch.utils.data.TensorDataset(torch.as_tensor(Xs), torch.as_tensor(ys))
+        return torch.utils.data.DataLoader(data, batch_size=args.batch_size, shuffle=shuffle)
+
+    return loader(X, y, True), loader(X_valid, y_valid, False) if validation else None
+
+
+def nll(proba, target):
+    return torch.nn.functional.nll_loss(torch.log(proba + 1e-7), target)
+
+
+def loop_fit(accelerator, X, y, args, validation=True):
+    """What a user writes by hand with accelerate for the same work; the
+    last epoch's validation accuracy."""
     model = MLP()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
-    model, optimizer, train_loader, valid_loader = accelerator.prepare(model, optimizer, *loaders)
-    criterion = torch.nn.NLLLoss()
-    history = []
+    train, valid = loaders(X, y, args, validation)
+    model, optimizer, train = accelerator.prepare(model, optimizer, train)
+    valid = accelerator.prepare(valid) if validation else None
+    accuracy = None
     for _ in range(args.epochs):
         model.train()
         train_losses = []
-        for xb, yb in train_loader:
+        for xb, yb in train:
             with accelerator.accumulate(model):
-                loss = criterion(torch.log(model(xb) + 1e-7), yb)
+                loss = nll(model(xb), yb)
                 accelerator.backward(loss)
                 optimizer.step()
                 optimizer.zero_grad()
             train_losses.append(loss.item())
+        if valid is None:
+            continue
         model.eval()
         valid_losses, correct, seen = [], 0, 0
         with torch.no_grad():
-            for xb, yb in valid_loader:
+            for xb, yb in valid:
                 proba = model(xb)
-                valid_losses.append(criterion(torch.log(proba + 1e-7), yb).item())
+                valid_losses.append(nll(proba, yb).item())
                 preds, targets = accelerator.gather_for_metrics((proba.argmax(-1), yb))
                 correct += (preds == targets).sum().item()
                 seen += len(targets)
-        history.append((np.mean(train_losses), np.mean(valid_losses), correct / seen))
+        accuracy = correct / seen
     # without this the loop's objects would pile up over the repeats
     for name in ("_models", "_optimizers", "_schedulers", "_dataloaders"):
         getattr(accelerator, name).clear()
-    return history[-1][2]
+    return accuracy
 
 
 def polling_every_batch(fit):

@@ -73,6 +73,59 @@ def lightning_table(result):
     return lines
 
 
+def _exactly(row):
+    difference = row["largest_difference"]
+    said = "bit for bit" if difference == 0 else f"differs by {difference:.1e}"
+    return f"{said} (from {row['from']})"
+
+
+def lightning_resume_tables(result, other_count=None):
+    """Checkpoint stalls and restarts beside Lightning, and what each resumes
+    exactly: in the same layout and, with ``other_count``, in another."""
+    stall, restart = result["stall_s"], result["restart_s"]
+    lines = [
+        f"**Checkpoints beside Lightning** ({result['processes']} processes, the job above "
+        "without validation; medians on rank 0 in rotating order)",
+        "",
+        "| | accel_mixin (s) | Lightning (s) | accel_mixin over Lightning, paired rounds |",
+        "|---|---:|---:|---:|",
+    ]
+    for label, ours, theirs in (
+        ("epoch-end checkpoint stall, synchronous", "accel_mixin", "lightning"),
+        ("epoch-end checkpoint stall, asynchronous", "accel_mixin async", "lightning async"),
+    ):
+        lines.append(
+            f"| {label} | {statistics.median(stall[ours]):.4f} | "
+            f"{statistics.median(stall[theirs]):.4f} | {_paired(stall[ours], stall[theirs]):.2f} |"
+        )
+    for point in ("epoch end", "mid-epoch"):
+        ours, theirs = restart[f"accel_mixin | {point}"], restart[f"lightning | {point}"]
+        lines.append(
+            f"| restart to the first trained batch, from a state at the {point} | "
+            f"{statistics.median(ours):.4f} | {statistics.median(theirs):.4f} | "
+            f"{_paired(ours, theirs):.2f} |"
+        )
+    lines += [
+        "",
+        "**What each resumes exactly**: the resumed run's final weights against the "
+        "uninterrupted run's, largest absolute difference",
+        "",
+        "| state | resumed on | accel_mixin | Lightning |",
+        "|---|---|---|---|",
+    ]
+    layouts = [(result, f"{result['processes']} processes, as saved")]
+    if other_count:
+        layouts.append((other_count, f"{other_count['processes']} process(es)"))
+    for res, layout in layouts:
+        for point in ("epoch end", "mid-epoch"):
+            ours, theirs = (
+                res["exact"][f"accel_mixin | {point}"],
+                res["exact"][f"lightning | {point}"],
+            )
+            lines.append(f"| {point} | {layout} | {_exactly(ours)} | {_exactly(theirs)} |")
+    return lines
+
+
 def checkpoint_tables(result):
     lines = [
         f"**save_params / load_params** ({result['processes']} processes, "
@@ -114,9 +167,11 @@ def checkpoint_tables(result):
 
 def paired(results, variant, baseline):
     """Median over rounds of variant / baseline: rounds ran side by side."""
-    return statistics.median(
-        v / b for v, b in zip(results[variant]["runs_s"], results[baseline]["runs_s"])
-    )
+    return _paired(results[variant]["runs_s"], results[baseline]["runs_s"])
+
+
+def _paired(values, baselines):
+    return statistics.median(v / b for v, b in zip(values, baselines))
 
 
 def stall_table(result):
@@ -417,7 +472,7 @@ def main():
     parser.add_argument("--command", default="scripts/bench")
     args = parser.parse_args()
 
-    fit1, fit2, checkpoint, checkpoint_small, stall, replicas, midepoch, lightning = (
+    fit1, fit2, checkpoint, checkpoint_small, stall, replicas, midepoch, lightning, *resume = (
         load(args.raw, n)
         for n in (
             "fit_1",
@@ -428,6 +483,8 @@ def main():
             "replicas_2",
             "midepoch_2",
             "lightning_2",
+            "lightning_resume_2",
+            "lightning_resume_1",
         )
     )
     lines = [f"Reproduce with `{args.command}`. Bars are medians, dots single runs.", ""]
@@ -447,6 +504,9 @@ def main():
     if replicas:
         lines += replicas_table(replicas) + [""]
     goals = targets(fit1, fit2, checkpoint, stall, replicas, checkpoint_small, midepoch, lightning)
+    if resume[0]:
+        # with the targets, on the front page
+        goals += [""] + lightning_resume_tables(*resume)
     lines += goals
     text = "\n".join(lines) + "\n"
 

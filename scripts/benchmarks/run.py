@@ -17,6 +17,7 @@ from jobs import kill_job  # noqa: E402  pylint: disable=wrong-import-position
 QUICK = {
     "fit": ["--samples", "600", "--epochs", "1", "--repeats", "2"],
     "lightning": ["--samples", "600", "--epochs", "1", "--repeats", "2"],
+    "lightning_resume": ["--samples", "600", "--epochs", "2", "--repeats", "2"],
     "checkpoint": ["--width", "256", "--depth", "2", "--repeats", "2"],
     "checkpoint_small": ["--width", "64", "--depth", "1", "--repeats", "2"],
     "stall": ["--width", "256", "--depth", "2", "--repeats", "2", "--train-seconds", "0.2"],
@@ -83,6 +84,12 @@ def main():
     launch("fit.py", raw / "fit_1.json", 1, extra.get("fit", []), timeout)
     launch("fit.py", raw / "fit_2.json", 2, extra.get("fit", []), timeout)
     launch("vs_lightning.py", raw / "lightning_2.json", 2, extra.get("lightning", []), timeout)
+    # states of the 2-process launch, resumed on 1 process by the second
+    states = ["--states", str(Path(args.out) / "lightning_states")]
+    resume = extra.get("lightning_resume", [])
+    launch("lightning_resume.py", raw / "lightning_resume_2.json", 2, resume + states, timeout)
+    one = [*resume, *states, "--other-count"]
+    launch("lightning_resume.py", raw / "lightning_resume_1.json", 1, one, timeout)
     launch("checkpoint.py", raw / "checkpoint_2.json", 2, extra.get("checkpoint", []), timeout)
     # a small model too (0.85M parameters, 3.4 MB), where fixed costs such as
     # barriers show most

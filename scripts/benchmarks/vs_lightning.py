@@ -24,31 +24,14 @@ import numpy as np
 import torch
 from accelerate import Accelerator
 from sklearn.datasets import make_classification
-from sklearn.model_selection import train_test_split
 from skorch import NeuralNetClassifier
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # pylint: disable=wrong-import-position
 from common import Timer, alternate, is_main, seed_everything, summarize, write_result
-from fit import MLP, OursNet
+from fit import MLP, OursNet, loaders, loop_fit, nll
 
 VARIANTS = ("accel_mixin", "lightning", "accelerate loop")
-
-
-def loaders(X, y, args, validation):
-    """Shuffled training batches and, with ``validation``, the 20% split."""
-    if validation:
-        X, X_valid, y, y_valid = train_test_split(X, y, test_size=0.2, stratify=y, random_state=0)
-
-    def loader(Xs, ys, shuffle):
-        data = torch.utils.data.TensorDataset(torch.as_tensor(Xs), torch.as_tensor(ys))
-        return torch.utils.data.DataLoader(data, batch_size=args.batch_size, shuffle=shuffle)
-
-    return loader(X, y, True), loader(X_valid, y_valid, False) if validation else None
-
-
-def nll(proba, target):
-    return torch.nn.functional.nll_loss(torch.log(proba + 1e-7), target)
 
 
 def ours(accelerator, X, y, args, validation):
@@ -99,37 +82,6 @@ def lightning(accelerator, X, y, args, validation):
     trainer.fit(LitMLP(args.lr), train, valid)
 
 
-def loop(accelerator, X, y, args, validation):
-    """What a user writes by hand with accelerate for the same work."""
-    model = MLP()
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
-    train, valid = loaders(X, y, args, validation)
-    model, optimizer, train = accelerator.prepare(model, optimizer, train)
-    valid = accelerator.prepare(valid) if validation else None
-    for _ in range(args.epochs):
-        model.train()
-        for xb, yb in train:
-            loss = nll(model(xb), yb)
-            accelerator.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-            loss.item()
-        if valid is None:
-            continue
-        model.eval()
-        losses, correct, seen = [], 0, 0
-        with torch.no_grad():
-            for xb, yb in valid:
-                proba = model(xb)
-                losses.append(nll(proba, yb).item())
-                preds, targets = accelerator.gather_for_metrics((proba.argmax(-1), yb))
-                correct += (preds == targets).sum().item()
-                seen += len(targets)
-    # without this the loop's objects would pile up over the repeats
-    for name in ("_models", "_optimizers", "_schedulers", "_dataloaders"):
-        getattr(accelerator, name).clear()
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
@@ -146,7 +98,7 @@ def main():
     accelerator = Accelerator()
     X, y = make_classification(args.samples, 100, n_informative=20, random_state=0)
     X = X.astype(np.float32)
-    fits = {"accel_mixin": ours, "lightning": lightning, "accelerate loop": loop}
+    fits = {"accel_mixin": ours, "lightning": lightning, "accelerate loop": loop_fit}
     results = {}
     for validation in (True, False):
 

@@ -1,0 +1,104 @@
+"""skorch's ``Dataset`` over arrays, with its rows indexed as tensors.
+
+skorch's ``Dataset`` indexes one sample at a time through ``multi_indexing``
+and hands NumPy rows to the DataLoader's collation, which converts each row to
+a tensor on its own. For the small models skorch users train, those
+per-sample conversions were the largest part of the gap to a hand-written
+accelerate loop (``scripts/benchmarks/vs_lightning.py``). Viewing the arrays
+as tensors once, without a copy, gives the same batches: the same values,
+dtypes and shapes, in the same order.
+"""
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from skorch.dataset import Dataset
+
+__all__ = ["TensorRows", "tensor_rows"]
+
+
+def _as_tensor(data):
+    """``data`` viewed as a tensor, or None where skorch's rows would differ."""
+    if isinstance(data, torch.Tensor):
+        return data
+    # a read-only array would warn where skorch's collation warns later, or
+    # not at all; other byte orders, negative strides and object arrays
+    # cannot be viewed
+    if not isinstance(data, np.ndarray) or not data.flags.writeable:
+        return None
+    try:
+        return torch.from_numpy(data)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
+def _as_tensors(data):
+    """``data`` (an array, a tensor or a mapping of them) as tensors, or None."""
+    if isinstance(data, Mapping):
+        tensors = {key: _as_tensor(value) for key, value in data.items()}
+        return None if any(value is None for value in tensors.values()) else tensors
+    return _as_tensor(data)
+
+
+def _row(tensors, i):
+    if isinstance(tensors, dict):
+        return {key: value[i] for key, value in tensors.items()}
+    return tensors[i]
+
+
+class TensorRows(Dataset):
+    """skorch's ``Dataset``, whose rows are indexed from tensor views.
+
+    Built by :func:`tensor_rows` only where every row equals skorch's own.
+    The views are rebuilt after unpickling (DataLoader workers started by
+    ``spawn``), so they never travel through shared memory.
+    """
+
+    def __init__(self, X, y=None, length=None):
+        super().__init__(X, y=y, length=length)
+        self._view()
+
+    def _view(self):
+        self._X_rows = _as_tensors(self.X)
+        self._y_rows = None if self.y is None else _as_tensors(self.y)
+
+    def __getitem__(self, i):
+        # skorch's placeholder for a missing ``y``
+        yi = torch.Tensor([0]) if self.y is None else _row(self._y_rows, i)
+        return _row(self._X_rows, i), yi
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        del state["_X_rows"], state["_y_rows"]
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._view()
+
+
+def tensor_rows(dataset):
+    """``dataset``, or a :class:`TensorRows` over the same data that gives the
+    same batches.
+
+    Only a dataset of skorch's own ``Dataset`` class (not a subclass, which may
+    override ``transform``) over tensors, writable NumPy arrays or mappings of
+    them is replaced.
+
+    Parameters
+    ----------
+    dataset : torch.utils.data.Dataset
+      What ``get_dataset`` returned.
+
+    Returns
+    -------
+    dataset : torch.utils.data.Dataset
+      ``dataset`` itself, or the replacement.
+    """
+    if type(dataset) is not Dataset:  # pylint: disable=unidiomatic-typecheck
+        return dataset
+    rows = TensorRows(dataset.X, dataset.y, length=len(dataset))
+    # pylint: disable-next=protected-access
+    viewed = rows._X_rows is not None and (rows.y is None or rows._y_rows is not None)
+    return rows if viewed else dataset
