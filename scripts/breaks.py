@@ -1003,6 +1003,52 @@ BREAKS = [
         "        if False:  # pylint: disable=using-constant-test\n",
         ("tests/test_mixin.py",),
     ),
+    # --- shares / epoch_order ----------------------------------------------
+    launched(
+        "shares-padding-trains",
+        "epochs",
+        "the padding of the last global batch trains, as before",
+        "accel_mixin/training/epochs.py",
+        "            elif criterion_is_mean(self.net.criterion_):\n",
+        "            elif False:  # pylint: disable=using-constant-test\n",
+        ("tests/test_shares.py",),
+    ),
+    launched(
+        "shares-unweighted",
+        "stepping",
+        "each rank trains on its real samples, without its share as the weight",
+        "accel_mixin/training/stepping.py",
+        "        return scale_gradient(loss, self._stepper.loss_weight) if training else loss\n",
+        "        return loss\n",
+        ("tests/test_shares.py",),
+    ),
+    launched(
+        "epoch_order-seeded-once",
+        "wrapping",
+        "accelerate's sampler generator keeps the seed it drew at prepare",
+        "accel_mixin/training/wrapping.py",
+        "            draw_orders_as_one_process(prepared)\n",
+        "            pass\n",
+        ("tests/test_shares.py",),
+    ),
+    launched(
+        "epoch_order-prepare-draws",
+        "wrapping",
+        "the seed accelerate draws at prepare stays drawn from the global generator",
+        "accel_mixin/training/wrapping.py",
+        "    with keeping_global_draws(own_generator):\n",
+        "    with keeping_global_draws(False):\n",
+        ("tests/test_shares.py",),
+    ),
+    Break(
+        "shares-weight-of-whole-batches",
+        "shares",
+        "the weight counts the padding as real",
+        "accel_mixin/training/shares.py",
+        "    return real * num_processes / remainder\n",
+        "    return 1.0\n",
+        ("tests/test_share_weights.py",),
+    ),
 ]
 
 

@@ -1,9 +1,11 @@
 """One epoch on every rank: its batches, and its end.
 
 With even batches accelerate pads an epoch's last batches so that every rank
-takes the same number of steps. The padding trains but is not counted: the
-history and the callbacks see the real samples of each batch (an empty batch,
-size 0 and loss 0, where it is all padding). skorch's ``run_single_epoch``
+takes the same number of steps. Each rank trains on its real samples, with
+its share of the step's real samples as the weight of its loss
+(``shares.py``), so that N processes train as one with N times the batch;
+the history and the callbacks see the real samples of each batch (an empty
+batch, size 0 and loss 0, where it is all padding). skorch's ``run_single_epoch``
 runs the loop. At an epoch's end the ranks share their records, run the
 callbacks on the same row, and agree on the row, on stopping and on any
 error, before the replica check and the ``on_epoch_finished`` hooks.
@@ -26,6 +28,7 @@ from accel_mixin.errors import DistributedError
 from accel_mixin.training.data_order import skipping_batches, start_workers_without_draws
 from accel_mixin.training.net_objects import check_net_replicas
 from accel_mixin.training.notifications import hook, main_process_pickles, stopped_early
+from accel_mixin.training.shares import criterion_is_mean, loss_weight, warn_padding_trains
 
 __all__ = ["EpochBatches", "end_epoch"]
 
@@ -49,6 +52,7 @@ class EpochBatches:
         self.padded = self.processes > 1 and accelerator.even_batches
         self.resume, self.done, self.batch_count, self.finished = None, 0, 0, []
         self._batch = self._real = None
+        self._weight = 1.0
         if training:
             self.resume = plan.resume_point() if plan is not None else None
             if self.resume is not None:
@@ -87,6 +91,8 @@ class EpochBatches:
                         else size
                     )
                     self._batch, self._real = batch, real
+                    if self.padded:
+                        self._weight = loss_weight(accelerator.gradient_state, self.processes, real)
                     yield batch if real == size else leading_samples(batch, real)
                     for finish in self.finished:  # after skorch's on_batch_end
                         finish(net, training=True, batches=self.done)
@@ -102,13 +108,23 @@ class EpochBatches:
         """``step_fn`` on the whole batch; the step of its real samples."""
 
         def real_step(view, **fit_params):
-            batch, real = self._batch, self._real
-            step = step_fn(batch, **fit_params)
+            batch, real, weight = self._batch, self._real, self._weight
+            trained = batch
+            if not self.training or weight == 1:
+                step = step_fn(batch, **fit_params)
+            elif criterion_is_mean(self.net.criterion_):
+                # padding alone still runs, for DDP, with weight 0
+                trained = view if real else batch
+                with self.net._stepper.weighting(weight):  # pylint: disable=protected-access
+                    step = step_fn(trained, **fit_params)
+            else:
+                warn_padding_trains(self.net, self.net.criterion_)
+                step = step_fn(batch, **fit_params)
             self.batch_count += bool(real)  # padding alone is no batch of the data
             if self.training:
                 self.done += 1
                 self.fit.position = (self.done, self.batch_count)
-            if view is batch:
+            if view is trained:
                 return step
             return _real_step(self.net, step, view, real, self.training, self.autocast)
 

@@ -22,6 +22,7 @@ from skorch.net import NeuralNet
 
 from accel_mixin.distributed.history_sync import pad_to_largest
 from accel_mixin.distributed.process_layout import quiet_unless_main
+from accel_mixin.training.shares import scale_gradient
 
 __all__ = [
     "StepMixin",
@@ -74,6 +75,7 @@ class Stepper:
         self._autocast = accelerator.autocast if accelerator.native_amp else contextlib.nullcontext
         self.deferring = False  # zeroing waits for the end of the train_step
         self.closures = None  # within a step: whether its optimizers step with closures
+        self.loss_weight = 1.0  # this rank's share of the step's real samples (shares.py)
         self._unscaled = False
 
     @property
@@ -101,6 +103,15 @@ class Stepper:
             self.deferring = False
             self.closures = None
 
+    @contextlib.contextmanager
+    def weighting(self, weight):
+        """Within the block the training loss's gradient is ``weight`` times its own."""
+        self.loss_weight = weight
+        try:
+            yield
+        finally:
+            self.loss_weight = 1.0
+
     def unscale(self, optimizers):
         """Unscale the gradients of ``optimizers`` once per step (no-op without a scaler)."""
         scaler = self.accelerator.scaler
@@ -120,7 +131,7 @@ class Stepper:
         if self.num_processes == 1:
             return step_fn
         accelerator = self.accelerator
-        return lambda: accelerator.reduce(step_fn().detach(), reduction="mean")
+        return lambda: accelerator.reduce(step_fn().detach() * self.loss_weight, reduction="mean")
 
     @contextlib.contextmanager
     def one_scaler_update(self):
@@ -205,6 +216,11 @@ class StepMixin:
             loss = self.get_loss(y_pred, yi, X=Xi, training=True)
         self.accelerator.backward(loss)
         return {"loss": loss, "y_pred": y_pred}
+
+    def get_loss(self, y_pred, y_true, X=None, training=False):
+        loss = super().get_loss(y_pred, y_true, X=X, training=training)
+        # in an epoch's last, partial global batch: this rank's share (shares.py)
+        return scale_gradient(loss, self._stepper.loss_weight) if training else loss
 
     def train_step(self, batch, **fit_params):
         """skorch's ``train_step`` within accelerate's gradient accumulation

@@ -28,6 +28,11 @@ from accel_mixin.internals import (
     pop_marks,
     put_marks,
 )
+from accel_mixin.training.epoch_order import (
+    draw_orders_as_one_process,
+    keeping_global_draws,
+    shuffles_without_generator,
+)
 
 __all__ = ["PreparedObjects", "Slot", "prepare_dataloader", "requires_closure"]
 
@@ -64,10 +69,14 @@ def requires_closure(optimizer):
 def prepare_dataloader(accelerator, dataloader, training):
     """``accelerator.prepare_data_loader``, left off the accelerator's list:
     skorch builds dataloaders for every fit and predict, which would pile up."""
-    prepared = accelerator.prepare_data_loader(dataloader)
+    own_generator = shuffles_without_generator(dataloader) and accelerator.num_processes > 1
+    with keeping_global_draws(own_generator):
+        prepared = accelerator.prepare_data_loader(dataloader)
     drop_dataloader(accelerator, prepared)
     if training:
         check_dataloader(prepared)
+        if own_generator:
+            draw_orders_as_one_process(prepared)
     return prepared
 
 

@@ -1,0 +1,78 @@
+"""Each rank's share of the last global batch, so that N processes train as one.
+
+With even batches accelerate pads an epoch's last global batch with samples
+from the epoch's start, so that every rank takes the step. One process with
+N times the batch trains that step on the mean loss over the real samples
+only. Each rank therefore trains on its real samples alone, with the
+gradient of its mean loss weighted by its share of them: ``real * N /
+remainder``. DDP averages the gradients over the N ranks, which gives the
+gradient of the mean over all real samples. A rank holding padding alone
+still runs its batch, so that DDP stays in step, with weight 0.
+
+This holds where the loss is a mean over the batch's samples, which a
+criterion says with ``reduction="mean"`` (torch's default); other losses
+train on the padded batch as before, with one warning.
+"""
+
+import warnings
+
+import torch
+
+__all__ = ["criterion_is_mean", "loss_weight", "scale_gradient", "warn_padding_trains"]
+
+_WARNED = set()
+
+
+def loss_weight(gradient_state, num_processes, real):
+    """The weight of this rank's mean loss in the current step: 1 except in an
+    epoch's last global batch when it is partial."""
+    remainder = gradient_state.remainder
+    if num_processes == 1 or not gradient_state.end_of_dataloader or not remainder or remainder < 0:
+        return 1.0
+    return real * num_processes / remainder
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """The identity, whose gradient is multiplied by ``weight``: the loss's
+    value, recorded in the history, stays the mean of its real samples."""
+
+    @staticmethod
+    def forward(ctx, loss, weight):  # pylint: disable=arguments-differ
+        ctx.weight = weight
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx, grad):  # pylint: disable=arguments-differ
+        return grad * ctx.weight, None
+
+
+def scale_gradient(loss, weight):
+    """``loss``, whose gradient is ``weight`` times its own."""
+    if weight == 1 or not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+        return loss
+    return _ScaleGradient.apply(loss, weight)
+
+
+def criterion_is_mean(criterion):
+    """Whether ``criterion`` (a DDP wrapper's module counts) averages over samples."""
+    criterion = getattr(criterion, "module", criterion)
+    return getattr(criterion, "reduction", None) == "mean"
+
+
+def warn_padding_trains(net, criterion):
+    """Once per net class and criterion, on the main process: this loss is not
+    known to be a mean, so the padded samples of the last batch train."""
+    key = (type(net), type(criterion))
+    if key in _WARNED or not net.accelerator.is_main_process:
+        return
+    _WARNED.add(key)
+    warnings.warn(
+        f"The criterion {type(criterion).__name__} has reduction="
+        f"{getattr(criterion, 'reduction', None)!r}: accel_mixin cannot weight its loss "
+        "by each rank's share of the real samples, so the samples accelerate repeats to "
+        "fill the last batch of the epoch train, and N processes do not train exactly as "
+        "one. Use a criterion with reduction='mean', or batches that divide the data "
+        "(iterator_train__drop_last=True).",
+        UserWarning,
+        stacklevel=2,
+    )
