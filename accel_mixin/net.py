@@ -8,8 +8,6 @@ development section maps them).
 from contextlib import contextmanager
 from typing import ClassVar
 
-from torch.nn.modules.loss import _Loss
-
 from accel_mixin.checkpoint.background import finished_on_error
 from accel_mixin.checkpointing import CheckpointingMixin
 from accel_mixin.distributed.fork_guard import guard_forks
@@ -211,15 +209,6 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
             if was_wrapped:
                 self._process.prepared.wrap(self.accelerator)
 
-    def torch_compile(self, module, name):
-        # skorch compiles criteria too, and a compiled NLLLoss no longer looks
-        # like one to NeuralNetClassifier.get_loss, which then skips the log:
-        # the net trains on -p (skorch 1.4.0). torch's losses are a kernel or
-        # two each, so leaving them as they are costs nothing
-        if name in self._criteria and isinstance(module, _Loss):
-            return module
-        return super().torch_compile(module, name)
-
     def get_all_learnable_params(self):
         # skorch's (or an override's) on the raw modules: no DDP prefix in the
         # names; taken whole, as the swap must not outlast the call
@@ -381,7 +370,10 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
         self._process.snapshot = None
 
     def get_dataset(self, X, y=None):
-        return tensor_rows(super().get_dataset(X, y))
+        dataset = super().get_dataset(X, y)
+        if dataset is X or dataset is self.dataset:
+            return dataset  # the user's own
+        return tensor_rows(dataset)
 
     def get_iterator(self, dataset, training=False):
         iterator = prepare_dataloader(

@@ -47,6 +47,7 @@ def test_benchmarks_run_and_report(tmp_path):
     assert "accel_mixin, no history sync" in fit_2["results"]
     assert "accel_mixin, signals=()" in fit_2["results"]
     assert "accel_mixin, notices polled every batch" in fit_2["results"]
+    assert "accel_mixin, padding trains" in fit_2["results"]
     lightning = json.loads((results / "raw" / "lightning_2.json").read_text())
     assert lightning["processes"] == 2
     assert set(lightning["results"]) == {"with validation", "without validation"}

@@ -12,7 +12,9 @@ Invariants
 2. After fit, every parameter is bitwise identical on both ranks.
 3. In fp32, 2 processes with batch b equal 1 process with batch 2 b (to
    rounding) in every parameter and every epoch's train loss, except where an
-   LR schedule steps per batch (see ``matrix.PER_BATCH_SCHEDULES``).
+   LR schedule steps per batch (see ``matrix.PER_BATCH_SCHEDULES``); so do 2
+   and 3 processes where the data does not split into whole global batches
+   (``UNEVEN`` samples: the last one is partial).
 4. fp16 as emulated here (a GradScaler on an fp32 accelerator) equals fp32:
    the scale is a power of two, so scaling the loss and unscaling the
    gradients are exact, and whatever the scaler changes beyond that (a
@@ -30,9 +32,25 @@ BATCH_SIZE = 8
 # Each launch takes about 30 s here; the margin is for a machine shared with
 # other work and for a case that hangs in a collective (30 s timeout each).
 LAUNCH_TIMEOUT = 300
-# launch name -> (precision, processes, batch size per process)
-LAUNCHES = {precision: (precision, 2, BATCH_SIZE) for precision in PRECISIONS}
-LAUNCHES["reference"] = ("fp32", 1, 2 * BATCH_SIZE)
+# 86 samples: ValidSplit(5) keeps 68 for training, which leaves a partial
+# last global batch for 2 and 3 processes, with accumulation 1 and 2
+UNEVEN = 86
+# launch name -> (precision, processes, batch size per process, samples)
+LAUNCHES = {precision: (precision, 2, BATCH_SIZE, 80) for precision in PRECISIONS}
+LAUNCHES["reference"] = ("fp32", 1, 2 * BATCH_SIZE, 80)
+for processes in (2, 3):
+    LAUNCHES[f"fp32, {processes} processes, uneven"] = ("fp32", processes, BATCH_SIZE, UNEVEN)
+    LAUNCHES[f"reference, {processes} x batch, uneven"] = (
+        "fp32",
+        1,
+        processes * BATCH_SIZE,
+        UNEVEN,
+    )
+# the launches of N processes and of one with N times the batch
+EQUAL = [
+    ("fp32", "reference"),
+    *((f"fp32, {n} processes, uneven", f"reference, {n} x batch, uneven") for n in (2, 3)),
+]
 
 
 def matrix(precisions=PRECISIONS, cases=CASES):
@@ -51,11 +69,10 @@ def launched(tmp_path_factory):
 
     def get(name):
         if name not in done:
-            precision, nproc, batch_size = LAUNCHES[name]
-            dirname = tmp_path_factory.mktemp(f"matrix_{name}")
-            done[name] = run_processes(
-                "matrix.py", precision, batch_size, dirname, nproc=nproc, timeout=LAUNCH_TIMEOUT
-            )
+            precision, nproc, batch_size, samples = LAUNCHES[name]
+            dirname = tmp_path_factory.mktemp("matrix")
+            args = precision, batch_size, dirname, samples
+            done[name] = run_processes("matrix.py", *args, nproc=nproc, timeout=LAUNCH_TIMEOUT)
         return done[name]
 
     return get
@@ -125,16 +142,20 @@ def test_parameters_are_identical_on_every_rank(results, precision, accumulation
 EQUIVALENT = [case for case in CASES if case not in PER_BATCH_SCHEDULES]
 
 
-@pytest.mark.parametrize("precision, accumulation, case", matrix(["fp32"], EQUIVALENT))
-def test_two_processes_equal_one_process_with_twice_the_batch(
-    results, precision, accumulation, case
+@pytest.mark.parametrize("launch, reference", EQUAL)
+@pytest.mark.parametrize("accumulation", ACCUMULATION)
+@pytest.mark.parametrize("case", EQUIVALENT)
+def test_n_processes_equal_one_process_with_n_times_the_batch(
+    results, launch, reference, accumulation, case
 ):
-    two = fitted(results(precision, accumulation, case), "parameters")[0]
-    (one,) = fitted(results("reference", accumulation, case), "reference parameters")
-    assert two["epochs"] == one["epochs"]
-    assert_close(two["train_loss"], one["train_loss"], "train_loss per epoch")
-    assert list(two["params"]) == list(one["params"])
-    for name, values in two["params"].items():
+    ranks = fitted(results(launch, accumulation, case), "parameters")
+    assert all(rank["digest"] == ranks[0]["digest"] for rank in ranks[1:])
+    many = ranks[0]
+    (one,) = fitted(results(reference, accumulation, case), "reference parameters")
+    assert many["epochs"] == one["epochs"]
+    assert_close(many["train_loss"], one["train_loss"], "train_loss per epoch")
+    assert list(many["params"]) == list(one["params"])
+    for name, values in many["params"].items():
         assert_close(values, one["params"][name], name)
 
 
@@ -151,7 +172,8 @@ def test_emulated_fp16_equals_fp32(results, precision, accumulation, case):
 
 
 def test_each_launch_trains_as_configured(launched):
-    for name, (precision, nproc, batch_size) in LAUNCHES.items():
+    for name, (precision, nproc, batch_size, samples) in LAUNCHES.items():
         for rank in launched(name).check():
             assert (rank["num_processes"], rank["batch_size"]) == (nproc, batch_size)
+            assert rank["n_samples"] == samples
             assert rank["mixed_precision"] == ("bf16" if precision == "bf16" else "no")

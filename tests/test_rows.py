@@ -103,5 +103,9 @@ def test_the_net_indexes_tensor_rows_unless_given_a_dataset(mlp):
     X, y = DATA["float32 and labels"]
     net = AcceleratedNet(mlp, accelerator=Accelerator(cpu=True))
     assert isinstance(net.get_dataset(X, y), TensorRows)
+    own = Dataset(X, y)  # the user's, passed as X or as dataset=: kept as it is
+    assert net.get_dataset(own) is own
+    assert net.set_params(dataset=own).get_dataset(X, y) is own
+    net.set_params(dataset=Dataset)
     net.set_params(dataset=Transformed)
     assert type(net.get_dataset(X, y)) is Transformed  # pylint: disable=unidiomatic-typecheck

@@ -22,6 +22,7 @@ from skorch.net import NeuralNet
 
 from accel_mixin.distributed.history_sync import pad_to_largest
 from accel_mixin.distributed.process_layout import quiet_unless_main
+from accel_mixin.internals import compiled_inner
 from accel_mixin.training.shares import scale_gradient
 
 __all__ = [
@@ -150,6 +151,29 @@ class Stepper:
             scaler.update(asked[-1])
 
 
+@contextlib.contextmanager
+def recognisable_criterion(net):
+    """Within the block a compiled ``NLLLoss`` criterion is the loss itself.
+
+    skorch compiles criteria too (``compile=True``), and
+    ``NeuralNetClassifier.get_loss`` no longer recognises a compiled
+    ``NLLLoss``: it skips the log and trains on ``-p`` (skorch 1.4.0, plain
+    or with its ``AccelerateMixin``). The criterion stays compiled, as
+    skorch's own tests require; a loss is a kernel or two, and gains nothing
+    from it.
+    """
+    criterion = vars(net).get("criterion_")
+    inner = compiled_inner(criterion) if criterion is not None else None
+    if not isinstance(inner, torch.nn.NLLLoss):
+        yield
+        return
+    vars(net)["criterion_"] = inner
+    try:
+        yield
+    finally:
+        vars(net)["criterion_"] = criterion
+
+
 def check_overrides(net, mixin):
     """Refuse a ``train_step_single`` below the mixin that accelerate's backward would skip."""
     if plain_backward(net.accelerator):
@@ -218,7 +242,8 @@ class StepMixin:
         return {"loss": loss, "y_pred": y_pred}
 
     def get_loss(self, y_pred, y_true, X=None, training=False):
-        loss = super().get_loss(y_pred, y_true, X=X, training=training)
+        with recognisable_criterion(self):
+            loss = super().get_loss(y_pred, y_true, X=X, training=training)
         # in an epoch's last, partial global batch: this rank's share (shares.py)
         return scale_gradient(loss, self._stepper.loss_weight) if training else loss
 

@@ -3,7 +3,9 @@ accelerate loop doing the same work (training, then per-epoch validation loss
 and accuracy on a 20% stratified split). Three variants of accel_mixin add a
 TrainingCheckpoint that never saves: what polling for preemption notices
 costs (and what polling after every batch cost), and what it costs with
-signals=().
+signals=(). With several processes, 'accel_mixin, padding trains' is the fit
+as before N processes trained as one (the samples that fill the last global
+batch train): what the shares of the last batch cost.
 
     python scripts/benchmarks/fit.py --out results/raw/fit_1.json
     ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2 scripts/benchmarks/fit.py --out ...
@@ -17,6 +19,7 @@ import argparse
 import shutil
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -31,11 +34,12 @@ from skorch.hf import AccelerateMixin as IncumbentMixin
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # pylint: disable=wrong-import-position
 from common import Timer, alternate, seed_everything, summarize, write_result
-from report import EVERY_BATCH, POLLING, QUIET
+from report import EVERY_BATCH, PADDED, POLLING, QUIET
 
 from accel_mixin import AccelerateMixin
 from accel_mixin.callbacks import TrainingCheckpoint
 from accel_mixin.distributed.preemption import NoticeBoard
+from accel_mixin.training import epochs, wrapping
 
 
 class OursNet(AccelerateMixin, NeuralNetClassifier):
@@ -160,6 +164,20 @@ def polling_every_batch(fit):
         NoticeBoard.max_interval = interval
 
 
+def padding_trains(fit):
+    """The fit as before N processes trained as one: the padding of the last
+    global batch trains, and accelerate's generator keeps its first seed."""
+    mean, draw = epochs.criterion_is_mean, wrapping.draw_orders_as_one_process
+    epochs.criterion_is_mean = lambda criterion: False
+    wrapping.draw_orders_as_one_process = lambda prepared: None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return fit()
+    finally:
+        epochs.criterion_is_mean, wrapping.draw_orders_as_one_process = mean, draw
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
@@ -211,6 +229,7 @@ def main():
     else:
         variants[NO_SYNC] = lambda: skorch_fit(NoSyncNet, X, y, args, accelerator=accelerator)
         variants[EVERY_BATCH] = lambda: polling_every_batch(variants[POLLING])
+        variants[PADDED] = lambda: padding_trains(variants["accel_mixin"])
     if args.only:
         variants = {name: fit for name, fit in variants.items() if name in args.only}
     baseline = next(iter(variants))

@@ -15,6 +15,7 @@ from pathlib import Path
 POLLING = "accel_mixin, notices polled"
 EVERY_BATCH = "accel_mixin, notices polled every batch"
 QUIET = "accel_mixin, signals=()"
+PADDED = "accel_mixin, padding trains"
 
 README_START = "<!-- bench:start -->"
 README_END = "<!-- bench:end -->"
@@ -302,6 +303,7 @@ def targets(
             ("accel_mixin", "accel_mixin, no history sync", "history sync", 1.05),
             (POLLING, "accel_mixin", "TrainingCheckpoint (default signals) that never saves", 1.01),
             (QUIET, "accel_mixin", "TrainingCheckpoint(signals=()) that never saves", 1.05),
+            ("accel_mixin", PADDED, "N processes train as one (shares of the last batch)", 1.01),
         )
         for variant, baseline, words, bound in optional:
             if variant in res and baseline in res:

@@ -1,7 +1,7 @@
 """The invariant matrix: every training feature under every precision and
 gradient accumulation, in several processes.
 
-Usage: torchrun --nproc_per_node N matrix.py PRECISION BATCH_SIZE DIRNAME
+Usage: torchrun --nproc_per_node N matrix.py PRECISION BATCH_SIZE DIRNAME [N_SAMPLES]
 
 PRECISION
   ``fp32``; ``bf16`` (``Accelerator(mixed_precision='bf16')``, autocast on
@@ -13,6 +13,8 @@ BATCH_SIZE
   ``2 b``: the same samples per step.
 DIRNAME
   A directory both ranks see, for the cases that write checkpoints.
+N_SAMPLES
+  The data's size (80 by default, which splits into whole global batches).
 
 Every case in ``CASES`` is fitted with gradient accumulation 1 and 2, each
 from the same seed, and reports per rank: whether it fitted, a digest of
@@ -312,7 +314,9 @@ def outcome(net, with_params):
     return out
 
 
-def main(precision, batch_size, dirname):
+def main(precision, batch_size, dirname, n_samples=N_SAMPLES):
+    global DATA  # pylint: disable=global-statement
+    DATA = make_data(n_samples)
     kwargs = {"mixed_precision": "bf16"} if precision == "bf16" else {}
     accelerator = make_accelerator(**kwargs)
     checks = Checks()
@@ -339,10 +343,11 @@ def main(precision, batch_size, dirname):
             "precision": precision,
             "mixed_precision": accelerator.mixed_precision,
             "batch_size": batch_size,
+            "n_samples": n_samples,
             "cases": checks.results,
         }
     )
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], *map(int, sys.argv[4:]))
