@@ -19,6 +19,7 @@ from accel_mixin.distributed.process_layout import (
     sink_for,
 )
 from accel_mixin.distributed.replicas import check_same_data
+from accel_mixin.internals import cache_lomo_check
 from accel_mixin.resume.resuming import begin_epoch, continue_epoch
 from accel_mixin.training.epochs import EpochBatches, end_epoch
 from accel_mixin.training.net_objects import (
@@ -191,6 +192,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
         check_optimizers(self)
         check_overrides(self, AccelerateMixin)
         guard_forks()
+        cache_lomo_check()
         self._process.prepared.prepare(self.accelerator, slots(self))
         return self
 

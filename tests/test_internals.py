@@ -4,16 +4,18 @@ cannot train with are refused before training."""
 
 import types
 
+import accelerate.optimizer
 import pytest
 import torch
 import torch.distributed.distributed_c10d as c10d
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, is_lomo_available
 from common import MLP, AcceleratedNet
 from skorch import utils as skorch_utils
 
 from accel_mixin.internals import (
     InternalsChanged,
+    cache_lomo_check,
     check_dataloader,
     check_prepared_module,
     default_store,
@@ -97,3 +99,11 @@ def test_a_renamed_progress_bar_method_is_listed(monkeypatch):
     monkeypatch.delattr(ProgressBar, "_get_batches_per_epoch_phase")
     (found,) = missing(Accelerator(cpu=True))
     assert "skorch no longer has ProgressBar._get_batches_per_epoch_phase" in found
+
+
+def test_accelerates_lomo_check_is_answered_once_with_the_same_answer():
+    cache_lomo_check()
+    cached = accelerate.optimizer.is_lomo_available
+    assert cached.cache_info() is not None and cached() == is_lomo_available()
+    cache_lomo_check()  # once is enough: not wrapped twice
+    assert accelerate.optimizer.is_lomo_available is cached
