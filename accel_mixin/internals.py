@@ -18,7 +18,9 @@ on the pinned versions.
   (``cache_lomo_check``; an optimisation: where the name is gone, nothing is
   cached and nothing else changes);
 - skorch: ``utils._check_f_arguments``, ``ProgressBar._get_batches_per_epoch_phase``,
-  ``DistributedHistory._history``.
+  ``DistributedHistory._history``, ``EpochScoring._scoring`` (scored on the
+  main process, replayed on the others) and
+  ``callbacks.scoring._cache_net_forward_iter``.
 
 skorch's own ``NeuralNet`` methods that the mixin overrides and calls through
 ``super()`` are its extension points, not listed: ``_validate_params``,
@@ -27,6 +29,7 @@ skorch's own ``NeuralNet`` methods that the mixin overrides and calls through
 ``_modules``, ``_criteria``, ``_optimizers`` registries.
 """
 
+import contextlib
 import functools
 from collections import OrderedDict
 
@@ -36,7 +39,8 @@ import skorch
 import torch
 import torch.distributed.distributed_c10d as c10d
 from skorch import utils as skorch_utils
-from skorch.callbacks import ProgressBar
+from skorch.callbacks import EpochScoring, ProgressBar
+from skorch.callbacks import scoring as skorch_scoring
 from torch.utils.data import IterableDataset
 
 from accel_mixin.errors import InternalsChanged
@@ -47,6 +51,7 @@ __all__ = [
     "batch_sampler_owner",
     "batches_per_epoch_phase",
     "cache_lomo_check",
+    "cached_forward_iter",
     "check_accelerator",
     "check_dataloader",
     "check_f_arguments",
@@ -58,6 +63,8 @@ __all__ = [
     "missing",
     "pop_marks",
     "put_marks",
+    "replayed_scores",
+    "score_of",
     "start_persistent_iterator",
     "wrapped_history",
 ]
@@ -228,6 +235,53 @@ def batches_per_epoch_phase(progress_bar, net, dataset, training):
     return count(net, dataset, training)
 
 
+_SCORES = "to score cached predictions once, on the main process"
+
+
+def cached_forward_iter(net, use_caching, y_pred):
+    """skorch's context within which ``net.forward_iter`` yields ``y_pred``."""
+    cache = getattr(skorch_scoring, "_cache_net_forward_iter", None)
+    _require(callable(cache), "skorch", "skorch.callbacks.scoring._cache_net_forward_iter", _SCORES)
+    return cache(net, use_caching, y_pred)
+
+
+def score_of(callback, net, X, y):
+    """The score an ``EpochScoring`` computes of ``X`` and ``y`` (``_scoring``)."""
+    _require(
+        callable(getattr(type(callback), "_scoring", None)),
+        "skorch",
+        "EpochScoring._scoring",
+        _SCORES,
+    )
+    return callback._scoring(net, X, y)  # pylint: disable=protected-access
+
+
+@contextlib.contextmanager
+def replayed_scores(replays):
+    """Within the block, an ``EpochScoring`` whose ``id`` is in ``replays``
+    scores by calling ``replays[id]()``; the others as they do.
+
+    The class's method is replaced, not the instance's: a callback pickled
+    meanwhile (``Checkpoint``'s ``f_pickle``) must not carry the replay.
+    """
+    original = getattr(EpochScoring, "_scoring", None)  # ScoringBase's, in skorch 1.4
+    _require(callable(original), "skorch", "EpochScoring._scoring", _SCORES)
+    own = "_scoring" in vars(EpochScoring)
+
+    def _scoring(self, net, X_test, y_test):
+        replay = replays.get(id(self))
+        return original(self, net, X_test, y_test) if replay is None else replay()
+
+    EpochScoring._scoring = _scoring  # pylint: disable=protected-access
+    try:
+        yield
+    finally:
+        if own:
+            EpochScoring._scoring = original  # pylint: disable=protected-access
+        else:
+            del EpochScoring._scoring
+
+
 def wrapped_history(history):
     """The plain ``History`` inside skorch's ``DistributedHistory``."""
     what = "to record into its plain History"
@@ -269,6 +323,10 @@ def _check_skorch():
         check_f_arguments("save_params")  # raises, naming it
     if not callable(getattr(ProgressBar, "_get_batches_per_epoch_phase", None)):
         batches_per_epoch_phase(ProgressBar(), None, None, True)
+    if not callable(getattr(skorch_scoring, "_cache_net_forward_iter", None)):
+        cached_forward_iter(None, False, [])
+    if not callable(getattr(EpochScoring, "_scoring", None)):
+        score_of(EpochScoring("accuracy"), None, None, None)
 
 
 def cache_lomo_check():

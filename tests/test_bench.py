@@ -103,7 +103,18 @@ def test_benchmarks_run_and_report(tmp_path):
     assert all(row["runs_s"] for row in midepoch["stall_s"].values())  # saves were made
     assert set(midepoch["first_batch_s"]) == {"indices 0", "indices 30", "loaded 0", "loaded 30"}
 
+    memory = json.loads((results / "raw" / "epoch_memory_2000_2_0.json").read_text())
+    plain = json.loads((results / "raw" / "epoch_memory_2000_1_0.json").read_text())
+    assert (memory["processes"], len(memory["ranks"]), plain["processes"]) == (2, 2, 1)
+    for rank in memory["ranks"] + plain["ranks"]:
+        assert rank["peak_growth_mb"] > 0 and rank["epoch_end_s"] > 0
+    merge = json.loads((results / "raw" / "batch_merge_2000_2.json").read_text())
+    assert merge["records"] == 2000 and all(r["merge_cpu_s"] > 0 for r in merge["ranks"])
+    assert (results / "bench_memory.png").read_bytes()[:4] == b"\x89PNG"
+
     table = (results / "bench.md").read_text()
+    assert "2,000 x 100, 2 processes: main at most 1.2 x plain skorch" in table
+    assert "| batch records | processes |" in table
     assert "unwrap + rewrap" in table and "| target |" in table
     assert "TrainingCheckpoint(signals=()) that never saves" in table
     assert "TrainingCheckpoint (default signals) that never saves: at most 1.01" in table

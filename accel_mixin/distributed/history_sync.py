@@ -3,20 +3,19 @@
 With even batches, accelerate pads an epoch's last batches with samples from
 its start; the net records each batch's loss and number of real samples and
 shows callbacks only the real ones. At an epoch's end the ranks exchange
-their batch records and the scoring callbacks' cached predictions, once, in
-dataset order: epoch scores are those of one process on the whole data, and
-rank 0's row is every rank's. A skorch ``DistributedHistory`` is not needed:
+their batch records, once, in dataset order (the scoring callbacks'
+predictions go to the main process alone: ``epoch_scores``): epoch scores
+are those of one process on the whole data, and rank 0's row is every
+rank's. A skorch ``DistributedHistory`` is not needed:
 the net records into the plain ``History`` inside it.
 """
 
 import warnings
 from collections.abc import Mapping
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from accelerate.utils import gather_object, recursively_apply
-from skorch.callbacks import EpochScoring
 from skorch.history import DistributedHistory
 
 from accel_mixin.distributed.coordination import failure_message
@@ -64,8 +63,9 @@ def real_samples(gradient_state, num_processes, process_index, batch_size):
 
 
 def leading_samples(data, n):
-    """The first ``n`` samples of a batch or a model output (nested tensors)."""
-    return recursively_apply(lambda tensor: tensor[:n], data)
+    """The first ``n`` samples of a batch or a model output (nested tensors);
+    a 0-d tensor (a scalar a module returns besides) stays as it is."""
+    return recursively_apply(lambda tensor: tensor[:n] if tensor.dim() else tensor, data)
 
 
 def _padded_ones(data, in_mapping=False):
@@ -107,16 +107,6 @@ def pad_to_largest(data):
     return recursively_apply(pad, data)
 
 
-def _portable(tensor):
-    # numpy arrays pickle several times faster than tensors; numpy has no bfloat16
-    tensor = tensor.detach().cpu()
-    return tensor if tensor.dtype in (torch.float16, torch.bfloat16) else tensor.numpy()
-
-
-def _to_tensor(data):
-    return recursively_apply(torch.from_numpy, data, test_type=lambda x: isinstance(x, np.ndarray))
-
-
 def interleave(per_rank):
     """Merge per-rank lists step by step (rank ``r`` takes batches ``r, r + N,
     ...``), restoring dataset order; lists may be one item short."""
@@ -124,35 +114,21 @@ def interleave(per_rank):
     return [items[i] for i in range(longest) for items in per_rank if i < len(items)]
 
 
-def _local_caches(net, batches):
-    """The predictions of the caching ``EpochScoring`` callbacks, without those
-    of batches that held padding only."""
-    caches = {}
-    for name, cb in net.callbacks_:
-        if not isinstance(cb, EpochScoring) or not cb.use_caching or not net.use_caching:
-            continue
-        key = ("train" if cb.on_train else "valid") + "_batch_size"
-        keep = [i for i, batch in enumerate(b for b in batches if key in b) if batch[key] > 0]
-        caches[name] = tuple(
-            [recursively_apply(_portable, cached[i]) for i in keep if i < len(cached)]
-            for cached in (cb.y_preds_, cb.y_trues_)
-        )
-    return caches
-
-
 def _padding_only(batch):
-    return any(key.endswith("_batch_size") and size == 0 for key, size in batch.items())
+    # the scan for a 0 runs in C: an epoch may have hundreds of thousands of batches
+    return 0 in batch.values() and any(
+        key.endswith("_batch_size") and size == 0 for key, size in batch.items()
+    )
 
 
 def merge_epoch(net):
-    """Give every rank the batch records and scoring caches of all ranks, in
-    dataset order, in one collective; batches of padding only are dropped."""
+    """Give every rank the batch records of all ranks, in dataset order, in
+    one collective; batches of padding only are dropped."""
     row = net.history[-1]
     batches = row.get("batches", [])
     payload = {
         "batches": batches,
         "counts": {k: v for k, v in row.items() if k.endswith("_batch_count")},
-        "caches": _local_caches(net, batches),
     }
     payloads = gather_object([payload])
     # padding-only batches are the last of their rank: dropped after
@@ -162,11 +138,6 @@ def merge_epoch(net):
     ]
     for key in payload["counts"]:
         row[key] = sum(p["counts"][key] for p in payloads)
-    callbacks = dict(net.callbacks_)
-    for name in payload["caches"]:
-        for attr, index in (("y_preds_", 0), ("y_trues_", 1)):
-            merged = interleave([p["caches"][name][index] for p in payloads])
-            setattr(callbacks[name], attr, [_to_tensor(item) for item in merged])
 
 
 def agree_on_row(net, stop, error=None):

@@ -17,6 +17,7 @@ import torch
 from skorch.dataset import get_len, unpack_data
 
 from accel_mixin.checkpoint.state_values import restore_rng
+from accel_mixin.distributed.epoch_scores import score_on_main, scored_on_main, share_predictions
 from accel_mixin.distributed.history_sync import (
     agree_on_row,
     leading_samples,
@@ -155,12 +156,18 @@ def end_epoch(net, coordinator, notify_callbacks, **cb_kwargs):
     saying whether ``EarlyStopping`` ends training (a Ctrl-C does not count).
     """
     distributed = net.accelerator.num_processes > 1
+    scores = {}
     if distributed:
         coordinator.barrier("history sync")
+        on_main = share_predictions(net)  # reads this rank's own batch records
         merge_epoch(net)
+        scores = score_on_main(net, on_main, **cb_kwargs)
     stop, error = False, None
     try:
-        with main_process_pickles(net.callbacks_, net.accelerator.is_main_process):
+        with (
+            main_process_pickles(net.callbacks_, net.accelerator.is_main_process),
+            scored_on_main(net, scores),
+        ):
             notify_callbacks("on_epoch_end", **cb_kwargs)
     except KeyboardInterrupt:
         stop = True

@@ -8,6 +8,8 @@ import re
 import statistics
 from pathlib import Path
 
+from memory_report import load_memory, memory_chart, memory_tables, memory_targets
+
 # variants of fit.py with a TrainingCheckpoint that never saves: it polls
 # for preemption notices (a small non-blocking all-reduce on several
 # processes) about every half second of training, or after every batch as
@@ -272,6 +274,7 @@ def targets(
     checkpoint_small=None,
     midepoch=None,
     lightning=None,
+    more=(),
 ):
     """Fit targets use paired rounds: the machine drifts more between rounds
     than the differences measured."""
@@ -371,6 +374,7 @@ def targets(
     if replicas:
         share = replicas["check_over_epoch"]
         rows.append(("replica check: at most 1% of an epoch", f"{100 * share:.3f}%", share <= 0.01))
+    rows += more
     lines = ["| target | measured | |", "|---|---:|---|"]
     lines += [f"| {name} | {value} | {verdict(ok)} |" for name, value, ok in rows]
     save = checkpoint and checkpoint["save"]
@@ -448,6 +452,8 @@ def chart(fit1, fit2, checkpoint, path):
         )
         if p[1]
     ]
+    if not panels:
+        return False
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.5), squeeze=False)
     for ax, (title, res) in zip(axes[0], panels):
         names = list(res)
@@ -505,7 +511,20 @@ def main():
         lines += midepoch_table(midepoch) + [""]
     if replicas:
         lines += replicas_table(replicas) + [""]
-    goals = targets(fit1, fit2, checkpoint, stall, replicas, checkpoint_small, midepoch, lightning)
+    fits, merges = load_memory(args.raw)
+    if fits:
+        lines += memory_tables(fits, merges) + [""]
+    goals = targets(
+        fit1,
+        fit2,
+        checkpoint,
+        stall,
+        replicas,
+        checkpoint_small,
+        midepoch,
+        lightning,
+        more=memory_targets(fits, merges),
+    )
     if resume[0]:
         # with the targets, on the front page
         goals += [""] + lightning_resume_tables(*resume)
@@ -516,6 +535,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.md").write_text(text)
     has_chart = chart(fit1, fit2, checkpoint, out / "bench.png")
+    has_memory_chart = memory_chart(fits, out / "bench_memory.png")
     print(text)
 
     if args.readme:
@@ -524,6 +544,7 @@ def main():
         # is in bench.md, which docs/guide/benchmarks.md includes
         block = "\n".join(goals) + "\n"
         block += "\n![benchmarks](results/bench.png)\n" if has_chart else ""
+        block += "\n![epoch end memory](results/bench_memory.png)\n" if has_memory_chart else ""
         pattern = re.compile(re.escape(README_START) + ".*?" + re.escape(README_END), re.S)
         new = pattern.sub(lambda _: f"{README_START}\n{block}{README_END}", readme.read_text())
         readme.write_text(new)

@@ -40,6 +40,12 @@ QUICK = {
 }
 
 
+# epoch_memory.py: validation sizes, process counts (plain skorch runs on
+# one), rounds, and the batch records whose merge is timed
+MEMORY = {"sizes": [100_000, 400_000], "processes": [2, 3, 4], "rounds": 3}
+MEMORY_QUICK = {"sizes": [2000], "processes": [2], "rounds": 1}
+
+
 def free_port():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -103,6 +109,16 @@ def main():
     launch("stall.py", raw / "stall_2.json", 2, extra.get("stall", []), timeout)
     launch("replicas.py", raw / "replicas_2.json", 2, extra.get("replicas", []), timeout)
     launch("midepoch.py", raw / "midepoch_2.json", 2, extra.get("midepoch", []), timeout)
+    memory = MEMORY_QUICK if args.quick else MEMORY
+    for round_ in range(memory["rounds"]):
+        for valid in memory["sizes"]:
+            for n in [1, *memory["processes"]]:
+                out = raw / f"epoch_memory_{valid}_{n}_{round_}.json"
+                launch("epoch_memory.py", out, n, ["--valid", str(valid)], timeout)
+    for records in memory["sizes"]:
+        for n in memory["processes"]:
+            out = raw / f"batch_merge_{records}_{n}.json"
+            launch("epoch_memory.py", out, n, ["--records", str(records)], timeout)
     report = [sys.executable, str(HERE / "report.py"), "--raw", str(raw), "--out", args.out]
     if args.readme:
         report += ["--readme", args.readme]

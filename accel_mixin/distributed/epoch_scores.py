@@ -1,0 +1,308 @@
+"""Epoch scores from cached predictions, computed once, on the main process.
+
+A caching ``EpochScoring`` keeps the predictions of the batches its rank
+ran. At an epoch's end the ranks send them to the main process alone, as
+the bytes of their tensors in one gather, not as pickles of lists; the main
+process scores them in dataset order, as one process would on the whole
+data, and sends the scores (or a scorer's error) to the others, which record
+them. So the main process holds one gathered copy and its own part, the
+others their own part only.
+
+A callback that needs the whole predictions on every rank says so with
+``predictions_on_every_rank = True``: every rank then receives a gathered
+copy (and pays its memory) and scores itself, at the callback's turn. An
+``EpochScoring`` subclass that overrides ``on_epoch_end`` or ``_scoring`` is
+treated so, since it may read the predictions its own way.
+"""
+
+import pickle
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from accelerate.utils import recursively_apply
+from skorch.callbacks import EpochScoring
+
+from accel_mixin.distributed.coordination import failure_message
+from accel_mixin.distributed.history_sync import interleave
+from accel_mixin.errors import DistributedError
+from accel_mixin.internals import cached_forward_iter, replayed_scores, score_of
+
+__all__ = ["everywhere", "score_on_main", "scored_on_main", "share_predictions"]
+
+_ALIGN = 16  # every tensor starts at an offset that any dtype can view
+_HEADER = 8  # the pickled layout's length, in the first bytes of a message
+_CHUNK = 1 << 20  # bytes a rank stages at a time to send
+
+
+def _caching(net, cb):
+    """Whether ``cb`` is an ``EpochScoring`` that scores cached predictions."""
+    if not isinstance(cb, EpochScoring):
+        return False
+    return cb.use_caching if net.use_caching == "auto" else bool(net.use_caching)
+
+
+def everywhere(cb):
+    """Whether ``cb`` gets the whole predictions on every rank and scores there."""
+    explicit = getattr(cb, "predictions_on_every_rank", None)
+    if explicit is not None:
+        return bool(explicit)
+    return any(
+        getattr(type(cb), m) is not getattr(EpochScoring, m) for m in ("on_epoch_end", "_scoring")
+    )
+
+
+class _Slot:
+    """A tensor's place in a message: its dtype, shape and first byte."""
+
+    __slots__ = ("dtype", "shape", "start")
+
+    def __init__(self, dtype, shape, start):
+        self.dtype, self.shape, self.start = dtype, shape, start
+
+    def __reduce__(self):
+        return _Slot, (self.dtype, self.shape, self.start)
+
+    @property
+    def nbytes(self):
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+def _aligned(n):
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _layout(items):
+    """``items`` with their tensors replaced by slots, the tensors in the
+    order of the slots, and the bytes they take together."""
+    tensors, end = [], 0
+
+    def slot(tensor):
+        nonlocal end
+        tensors.append(tensor.detach())
+        placed = _Slot(tensor.dtype, tuple(tensor.shape), end)
+        end += _aligned(tensor.numel() * tensor.element_size())
+        return placed
+
+    return recursively_apply(slot, items), tensors, end
+
+
+def _bytes(tensor):
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _filled(layout, data):
+    """The items of ``layout``, their tensors viewing the bytes of ``data``."""
+
+    def view(placed):
+        return (
+            data[placed.start : placed.start + placed.nbytes].view(placed.dtype).view(placed.shape)
+        )
+
+    return recursively_apply(view, layout, test_type=_is_slot)
+
+
+def _is_slot(x):
+    return isinstance(x, _Slot)
+
+
+def _sizes(layout):
+    """The bytes of the tensors of ``layout``, in order."""
+    sizes = []
+    recursively_apply(lambda placed: sizes.append(placed.nbytes), layout, test_type=_is_slot)
+    return sizes
+
+
+def _runs(sizes):
+    """The byte ranges sent as one message each: neighbouring tensors up to
+    ``_CHUNK`` bytes together, a larger one alone; ``(first, stop, indices)``."""
+    runs, start = [], 0
+    for index, n in enumerate(sizes):
+        if runs and start + n - runs[-1][0] <= _CHUNK:
+            runs[-1][1], runs[-1][2] = start + n, runs[-1][2] + [index]
+        else:
+            runs.append([start, start + n, [index]])
+        start += _aligned(n)
+    return runs
+
+
+def _send(items, device):
+    """Stream ``items`` to the main process: the layout's size, the layout,
+    then the tensors' bytes, staged ``_CHUNK`` bytes at a time, so that the
+    rank never holds a second copy of its predictions."""
+    layout, tensors, end = _layout(items)
+    pickled = pickle.dumps(layout, protocol=pickle.HIGHEST_PROTOCOL)
+    dist.send(torch.tensor([len(pickled), end], dtype=torch.int64, device=device), dst=0)
+    dist.send(torch.frombuffer(bytearray(pickled), dtype=torch.uint8).to(device), dst=0)
+    staging = None
+    for first, stop, indices in _runs(_sizes(layout)):
+        if len(indices) == 1:
+            dist.send(_bytes(tensors[indices[0]]).to(device), dst=0)
+            continue
+        if staging is None:
+            staging = torch.empty(_CHUNK, dtype=torch.uint8, device=device)
+        at = first
+        for index in indices:
+            flat = _bytes(tensors[index])
+            staging[at - first : at - first + flat.numel()].copy_(flat)
+            at += _aligned(flat.numel())
+        dist.send(staging[: stop - first], dst=0)
+
+
+def _receive(rank, device):
+    """What ``_send`` streamed from ``rank``, viewing one buffer of its bytes."""
+    sizes = torch.empty(2, dtype=torch.int64, device=device)
+    dist.recv(sizes, src=rank)
+    pickled = torch.empty(int(sizes[0]), dtype=torch.uint8, device=device)
+    dist.recv(pickled, src=rank)
+    layout = pickle.loads(pickled.cpu().numpy().tobytes())
+    data = torch.empty(int(sizes[1]), dtype=torch.uint8, device=device)
+    for first, stop, _ in _runs(_sizes(layout)):
+        dist.recv(data[first:stop], src=rank)
+    return _filled(layout, data)
+
+
+def _message(items, device):
+    """One uint8 tensor: the layout's size, the layout, the tensors' bytes."""
+    layout, tensors, end = _layout(items)
+    pickled = pickle.dumps(layout, protocol=pickle.HIGHEST_PROTOCOL)
+    base = _aligned(_HEADER + len(pickled))
+    message = torch.empty(base + end, dtype=torch.uint8, device=device)
+    head = len(pickled).to_bytes(_HEADER, "little") + pickled
+    message[: len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+    start = base
+    for tensor in tensors:
+        flat = _bytes(tensor)
+        message[start : start + flat.numel()].copy_(flat)
+        start += _aligned(flat.numel())
+    return message
+
+
+def _items_of(message):
+    """What ``_message`` packed, its tensors viewing the bytes of ``message``."""
+    size = int.from_bytes(message[:_HEADER].cpu().numpy().tobytes(), "little")
+    layout = pickle.loads(message[_HEADER : _HEADER + size].cpu().numpy().tobytes())
+    return _filled(layout, message[_aligned(_HEADER + size) :])
+
+
+def _wire(accelerator):
+    """Where messages travel from: the GPU under NCCL, else the CPU."""
+    return accelerator.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _to_main(items, accelerator):
+    """Every rank's ``items``, in rank order, on the main process (its own as
+    they are); None on the others."""
+    device = _wire(accelerator)
+    if not accelerator.is_main_process:
+        _send(items, device)
+        return None
+    return [items] + [_receive(rank, device) for rank in range(1, accelerator.num_processes)]
+
+
+def _to_all(items, accelerator):
+    """Every rank's ``items``, in rank order, on every rank."""
+    message = _message(items, _wire(accelerator))
+    world = accelerator.num_processes
+    length = torch.tensor([message.numel()], dtype=torch.int64, device=message.device)
+    lengths = [torch.empty_like(length) for _ in range(world)]
+    dist.all_gather(lengths, length)
+    longest = max(int(n) for n in lengths)
+    if message.numel() < longest:  # all_gather wants equal sizes
+        message = torch.cat([message, message.new_zeros(longest - message.numel())])
+    rows = message.new_empty((world, longest))
+    dist.all_gather(list(rows), message)
+    del message
+    return [_items_of(row[: int(n)]) for row, n in zip(rows, lengths)]
+
+
+def _kept(cb, batches):
+    """The cached predictions and targets of ``cb``, without those of the
+    batches that held padding only (the last of a rank)."""
+    key = ("train" if cb.on_train else "valid") + "_batch_size"
+    real = [batch[key] > 0 for batch in batches if key in batch]
+    return tuple(
+        [item for item, keep in zip(cached, real) if keep] for cached in (cb.y_preds_, cb.y_trues_)
+    )
+
+
+def share_predictions(net):
+    """Send the caching scorers' predictions where they are scored; return
+    the names of those the main process scores for every rank.
+
+    Call it with the rank's own batch records, before they are merged.
+    """
+    accelerator = net.accelerator
+    batches = net.history[-1].get("batches", [])
+    scorers = [(name, cb) for name, cb in net.callbacks_ if _caching(net, cb)]
+    on_main = [name for name, cb in scorers if not everywhere(cb)]
+    for to_all in (False, True):
+        group = [(name, cb) for name, cb in scorers if (name not in on_main) == to_all]
+        if not group:
+            continue
+        kept = [_kept(cb, batches) for _, cb in group]
+        everyone = (_to_all if to_all else _to_main)(kept, accelerator)
+        if everyone is None:  # a rank that sent to the main process keeps its own
+            continue
+        for index, (_, cb) in enumerate(group):
+            cb.y_preds_ = interleave([rank[index][0] for rank in everyone])
+            cb.y_trues_ = interleave([rank[index][1] for rank in everyone])
+    return on_main
+
+
+_UNSCORED = object()  # no data to score: EpochScoring records nothing
+
+
+def _score(net, cb, dataset_train, dataset_valid):
+    """What ``EpochScoring.on_epoch_end`` computes before recording it."""
+    use_caching = _caching(net, cb)
+    X_test, y_test, y_pred = cb.get_test_data(dataset_train, dataset_valid, use_caching=use_caching)
+    if X_test is None:
+        return _UNSCORED
+    with cached_forward_iter(net, cb.use_caching, y_pred) as cached_net:
+        return score_of(cb, cached_net, X_test, y_test)
+
+
+def score_on_main(net, names, dataset_train=None, dataset_valid=None, **_):
+    """The scores of the callbacks ``names``, computed on the main process and
+    sent to all: per name, ``(score, None)`` or ``(None, error)``; the error is
+    the exception on the main process and its message on the others."""
+    accelerator = net.accelerator
+    outcomes = {}
+    if accelerator.is_main_process:
+        callbacks = dict(net.callbacks_)
+        for name in names:
+            try:
+                outcomes[name] = (_score(net, callbacks[name], dataset_train, dataset_valid), None)
+            except Exception as exc:  # pylint: disable=broad-except
+                outcomes[name] = (None, exc)
+    sent = [
+        {
+            name: (score, failure_message("on_epoch_end", 0, error) if error else None)
+            for name, (score, error) in outcomes.items()
+        }
+    ]
+    dist.broadcast_object_list(sent, src=0)
+    if accelerator.is_main_process:
+        return outcomes
+    return {
+        name: (score, error and DistributedError(error)) for name, (score, error) in sent[0].items()
+    }
+
+
+def scored_on_main(net, outcomes):
+    """A context within which the callbacks of ``outcomes`` record their
+    score from the main process at their turn (or raise its error)."""
+    callbacks = dict(net.callbacks_)
+
+    def replay(score, error):
+        def score_or_raise():
+            if error is not None:
+                raise error
+            return score
+
+        return score_or_raise
+
+    return replayed_scores(
+        {id(callbacks[name]): replay(*outcome) for name, outcome in outcomes.items()}
+    )

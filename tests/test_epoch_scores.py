@@ -1,0 +1,169 @@
+"""Epoch scores from cached predictions, on the main process: the message
+format on its own, then three real processes (launched/epoch_scores_checks.py)."""
+
+import pickle
+
+import pytest
+import torch
+from harness import check_values as values
+from harness import run_processes
+from skorch.callbacks import EpochScoring
+from skorch.callbacks.scoring import ScoringBase
+
+from accel_mixin.distributed import epoch_scores
+from accel_mixin.distributed.epoch_scores import everywhere
+from accel_mixin.internals import replayed_scores
+
+
+def nested():
+    """Batch items as models return them: nested, of several dtypes, with a
+    0-d tensor, a view that is not contiguous and values that are no tensors."""
+    wide = torch.arange(24.0).reshape(4, 6)
+    return [
+        (
+            torch.randn(5, 3),
+            {"half": torch.ones(5, 2, dtype=torch.bfloat16), "flag": torch.rand(5) > 0.5},
+        ),
+        (
+            wide[:, ::2],
+            {"half": torch.zeros(0, 2, dtype=torch.bfloat16), "flag": torch.tensor(True)},
+        ),
+        ["a string", 3, None, torch.tensor(7, dtype=torch.int64)],
+    ]
+
+
+def assert_same(got, expected):
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and got.dtype == expected.dtype
+        assert got.shape == expected.shape and torch.equal(got, expected)
+    elif isinstance(expected, dict):
+        assert type(got) is type(expected) and got.keys() == expected.keys()
+        for key in expected:
+            assert_same(got[key], expected[key])
+    elif isinstance(expected, (list, tuple)):
+        assert type(got) is type(expected) and len(got) == len(expected)
+        for a, b in zip(got, expected):
+            assert_same(a, b)
+    else:
+        assert got == expected
+
+
+def test_a_message_gives_back_what_it_packed():
+    items = nested()
+    message = epoch_scores._message(items, torch.device("cpu"))
+    assert message.dtype == torch.uint8 and message.dim() == 1
+    assert_same(epoch_scores._items_of(message), items)
+
+
+def test_a_layout_and_its_bytes_give_back_the_items():
+    items = nested()
+    layout, tensors, end = epoch_scores._layout(items)
+    layout = pickle.loads(pickle.dumps(layout))  # as it travels
+    assert epoch_scores._sizes(layout) == [t.numel() * t.element_size() for t in tensors]
+    data = torch.zeros(end, dtype=torch.uint8)
+    at = 0
+    for tensor in tensors:
+        flat = epoch_scores._bytes(tensor)
+        data[at : at + flat.numel()] = flat
+        at += epoch_scores._aligned(flat.numel())
+    assert_same(epoch_scores._filled(layout, data), items)
+
+
+def test_small_tensors_travel_together_and_large_ones_alone(monkeypatch):
+    monkeypatch.setattr(epoch_scores, "_CHUNK", 100)
+    runs = epoch_scores._runs([40, 40, 40, 250, 8, 0, 8])
+    # starts are aligned to 16 bytes: 0, 48, 96, 144, 400, 416, 416
+    assert runs == [[0, 88, [0, 1]], [96, 136, [2]], [144, 394, [3]], [400, 424, [4, 5, 6]]]
+    covered = [i for _, _, indices in runs for i in indices]
+    assert covered == list(range(7))
+
+
+class OwnEnd(EpochScoring):
+    def on_epoch_end(self, net, **kwargs):
+        super().on_epoch_end(net, **kwargs)
+
+
+def test_which_scorers_need_the_whole_predictions_on_every_rank():
+    assert not everywhere(EpochScoring("accuracy"))
+    assert everywhere(OwnEnd("accuracy"))  # it may read them its own way
+    said = EpochScoring("accuracy")
+    said.predictions_on_every_rank = True
+    assert everywhere(said)
+    denied = OwnEnd("accuracy")
+    denied.predictions_on_every_rank = False
+    assert not everywhere(denied)
+
+
+def test_replayed_scores_leave_no_trace_in_a_pickle_or_the_class():
+    cb = EpochScoring("accuracy")
+    with replayed_scores({id(cb): lambda: 0.5}):
+        assert cb._scoring(None, None, None) == 0.5
+        assert "_scoring" not in vars(pickle.loads(pickle.dumps(cb)))
+    assert EpochScoring._scoring is ScoringBase._scoring
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    launch = run_processes("epoch_scores_checks.py", nproc=3, timeout=240)
+    return [r["checks"] for r in launch.check()]
+
+
+@pytest.mark.multiprocess
+def test_cached_predictions_are_scored_once_on_the_main_process(ranks):
+    results = values(ranks, "scored_once_on_main")
+    main, others = results[0], results[1:]
+    # 333 validation samples, batches of 16 over 3 ranks: 112, 112 and 109
+    assert main["rows"] == {"on_main": 333, "everywhere": 333, "own": 333, "net_caches": 333}
+    assert [r["rows"]["on_main"] for r in others] == [112, 109]
+    assert [r["rows"]["net_caches"] for r in others] == [112, 109]
+    for result in others:
+        assert result["rows"]["everywhere"] == result["rows"]["own"] == 333
+    # two epochs; the main process scores on_main and net_caches, every rank the others
+    assert sorted(map(tuple, main["calls"])) == sorted(
+        [(name, 333) for name in ("on_main", "net_caches", "everywhere", "own")] * 2
+    )
+    for result in others:
+        assert sorted(map(tuple, result["calls"])) == sorted(
+            [("everywhere", 333), ("own", 333)] * 2
+        )
+    assert main["cached_is_predict_proba"] and main["cached_targets_in_order"]
+
+
+@pytest.mark.multiprocess
+def test_every_rank_records_one_process_s_scores(ranks):
+    results = values(ranks, "scored_once_on_main")
+    for result in results:
+        assert set(result["scores"].values()) == {result["accuracy"]}
+        assert result["best"] == results[0]["best"]
+    assert len({r["accuracy"] for r in results}) == 1
+
+
+@pytest.mark.multiprocess
+def test_nested_outputs_of_any_dtype_reach_the_main_process(ranks):
+    results = values(ranks, "nested_outputs")
+    for result in results:
+        assert result["kinds"] == ["tuple", "torch.bfloat16", "torch.bool"]
+        assert result["score"] == result["accuracy"]
+        assert result["halves_match"]
+    assert len(results[0]["sizes"]) == 21 and len(results[1]["sizes"]) == 7
+
+
+@pytest.mark.multiprocess
+def test_batches_larger_than_a_chunk_arrive_in_order(ranks):
+    results = values(ranks, "wide_outputs")
+    assert results[0]["batch_bytes"] > epoch_scores._CHUNK
+    assert all(r["inputs_in_order"] for r in results)
+    assert len({r["score"] for r in results}) == 1
+
+
+@pytest.mark.multiprocess
+def test_a_scorer_s_error_on_the_main_process_reaches_every_rank_at_once(ranks):
+    results = values(ranks, "scorer_error_reaches_every_rank")
+    assert results[0]["error"] == "ValueError: bad scorer"
+    for result in results[1:]:
+        assert (
+            result["error"]
+            == "DistributedError: on_epoch_end failed on rank 0: ValueError: bad scorer"
+        )
+    # the process group gives up after 30 s
+    assert max(r["seconds"] for r in results) < 20
