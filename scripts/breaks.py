@@ -68,6 +68,7 @@ def launched(*args, **kwargs):
 MP = "tests/test_multiprocess.py::"
 SYNC = "tests/test_sync.py::"
 DIV = "tests/test_divergence.py::"
+SCORES = "tests/test_epoch_scores.py::"
 
 BREAKS = [
     # --- files -------------------------------------------------------------
@@ -378,6 +379,15 @@ BREAKS = [
         ("tests/test_distributed_history.py", "-m", "not multiprocess"),
     ),
     Break(
+        "history_sync-cut-scalars",
+        "history_sync",
+        "cut 0-d tensors of a model output too",
+        "accel_mixin/distributed/history_sync.py",
+        "tensor[:n] if tensor.dim() else tensor",
+        "tensor[:n]",
+        ("tests/test_history_sync.py",),
+    ),
+    Break(
         "history_sync-notice-on-every-rank",
         "history_sync",
         "say that the DistributedHistory is not needed on every rank",
@@ -394,6 +404,73 @@ BREAKS = [
         "if not _padding_only(batch)\n",
         "if True\n",
         (SYNC + "test_padding_only_batches_are_neither_kept_nor_counted",),
+    ),
+    # --- epoch_scores --------------------------------------------------------
+    launched(
+        "epoch_scores-each-rank-scores-its-share",
+        "epoch_scores",
+        "score cached predictions on every rank, each on its own share",
+        "accel_mixin/distributed/epoch_scores.py",
+        "    on_main = [name for name, cb in scorers if not everywhere(cb)]\n",
+        "    on_main, scorers = [], []\n",
+        (SCORES + "test_every_rank_records_one_process_s_scores",),
+    ),
+    launched(
+        "epoch_scores-rank-order",
+        "epoch_scores",
+        "put the ranks' predictions rank after rank, not in dataset order",
+        "accel_mixin/distributed/epoch_scores.py",
+        "            cb.y_preds_ = interleave([rank[index][0] for rank in everyone])\n",
+        "            cb.y_preds_ = [p for rank in everyone for p in rank[index][0]]\n",
+        (SCORES + "test_cached_predictions_are_scored_once_on_the_main_process",),
+    ),
+    launched(
+        "epoch_scores-padding-scored",
+        "epoch_scores",
+        "send the predictions of batches of padding alone too",
+        "accel_mixin/distributed/epoch_scores.py",
+        "        [item for item, keep in zip(cached, real) if keep]",
+        "        list(cached)",
+        (SCORES + "test_cached_predictions_are_scored_once_on_the_main_process",),
+    ),
+    launched(
+        "epoch_scores-error-not-sent",
+        "epoch_scores",
+        "keep a scorer's error on the main process: the others record nothing",
+        "accel_mixin/distributed/epoch_scores.py",
+        "        name: (score, error and DistributedError(error)) for name, (score, error) in sent",
+        "        name: (score, None) for name, (score, error) in sent",
+        (SCORES + "test_a_scorer_s_error_on_the_main_process_reaches_every_rank_at_once",),
+    ),
+    Break(
+        "epoch_scores-unaligned",
+        "epoch_scores",
+        "pack tensors back to back, without aligning their starts",
+        "accel_mixin/distributed/epoch_scores.py",
+        "    return -(-n // _ALIGN) * _ALIGN",
+        "    return n",
+        (
+            SCORES + "test_a_message_gives_back_what_it_packed",
+            SCORES + "test_small_tensors_travel_together_and_large_ones_alone",
+        ),
+    ),
+    Break(
+        "epoch_scores-overrides-scored-on-main",
+        "epoch_scores",
+        "score a subclass that overrides on_epoch_end on the main process too",
+        "accel_mixin/distributed/epoch_scores.py",
+        "        getattr(type(cb), m) is not getattr(EpochScoring, m) for m in",
+        "        False for m in",
+        (SCORES + "test_which_scorers_need_the_whole_predictions_on_every_rank",),
+    ),
+    Break(
+        "internals-replay-stays",
+        "internals",
+        "leave the replaying _scoring on EpochScoring after the epoch's end",
+        "accel_mixin/internals.py",
+        "        if own:\n            EpochScoring._scoring = original",
+        "        if True:\n            pass",
+        (SCORES + "test_replayed_scores_leave_no_trace_in_a_pickle_or_the_class",),
     ),
     launched(
         "epochs-loss-of-padding",

@@ -44,6 +44,11 @@ def test_first_cuts_nested_outputs():
     assert cut["pair"][0].shape == (3, 2) and cut["pair"][1].shape == (3,)
 
 
+def test_first_leaves_a_scalar_beside_the_outputs_as_it_is():
+    cut = leading_samples((torch.ones(5, 2), torch.tensor(3.0)), 2)
+    assert cut[0].shape == (2, 2) and cut[1].item() == 3.0
+
+
 def test_interleave_restores_dataset_order():
     # rank 0 took batches 0, 2, 4; rank 1 took 1, 3
     assert interleave([[0, 2, 4], [1, 3]]) == [0, 1, 2, 3, 4]
