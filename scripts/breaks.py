@@ -431,7 +431,7 @@ BREAKS = [
         "accel_mixin/distributed/epoch_scores.py",
         "        [item for item, keep in zip(cached, real) if keep]",
         "        list(cached)",
-        (SCORES + "test_cached_predictions_are_scored_once_on_the_main_process",),
+        (SCORES + "test_nested_outputs_of_any_dtype_reach_the_main_process",),
     ),
     launched(
         "epoch_scores-error-not-sent",

@@ -1,12 +1,13 @@
 """Epoch scores from cached predictions, computed once, on the main process.
 
 A caching ``EpochScoring`` keeps the predictions of the batches its rank
-ran. At an epoch's end the ranks send them to the main process alone, as
-the bytes of their tensors in one gather, not as pickles of lists; the main
-process scores them in dataset order, as one process would on the whole
-data, and sends the scores (or a scorer's error) to the others, which record
-them. So the main process holds one gathered copy and its own part, the
-others their own part only.
+ran. At an epoch's end the other ranks stream them to the main process
+alone, as the bytes of their tensors (point to point, a megabyte at a
+time), not as pickles of lists; the main process scores them in dataset
+order, as one process would on the whole data, and sends the scores (or a
+scorer's error) to the others, which record them at the callback's turn.
+So the main process holds one copy of the predictions, the others their
+own part only.
 
 A callback that needs the whole predictions on every rank says so with
 ``predictions_on_every_rank = True``: every rank then receives a gathered
@@ -73,56 +74,55 @@ def _aligned(n):
 
 
 def _layout(items):
-    """``items`` with their tensors replaced by slots, the tensors in the
-    order of the slots, and the bytes they take together."""
-    tensors, end = [], 0
+    """``items`` with their tensors replaced by slots, the ``(tensor, slot)``
+    pairs in order, and the bytes the tensors take together."""
+    pairs, end = [], 0
 
     def slot(tensor):
         nonlocal end
-        tensors.append(tensor.detach())
         placed = _Slot(tensor.dtype, tuple(tensor.shape), end)
-        end += _aligned(tensor.numel() * tensor.element_size())
+        pairs.append((tensor.detach(), placed))
+        end += _aligned(placed.nbytes)
         return placed
 
-    return recursively_apply(slot, items), tensors, end
+    return recursively_apply(slot, items), pairs, end
 
 
 def _bytes(tensor):
     return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
-def _filled(layout, data):
-    """The items of ``layout``, their tensors viewing the bytes of ``data``."""
-
-    def view(placed):
-        return (
-            data[placed.start : placed.start + placed.nbytes].view(placed.dtype).view(placed.shape)
-        )
-
-    return recursively_apply(view, layout, test_type=_is_slot)
-
-
 def _is_slot(x):
     return isinstance(x, _Slot)
 
 
-def _sizes(layout):
-    """The bytes of the tensors of ``layout``, in order."""
-    sizes = []
-    recursively_apply(lambda placed: sizes.append(placed.nbytes), layout, test_type=_is_slot)
-    return sizes
+def _filled(layout, data):
+    """The items of ``layout``, their tensors viewing the bytes of ``data``."""
+
+    def view(placed):
+        data_of = data[placed.start : placed.start + placed.nbytes]
+        return data_of.view(placed.dtype).view(placed.shape)
+
+    return recursively_apply(view, layout, test_type=_is_slot)
 
 
-def _runs(sizes):
-    """The byte ranges sent as one message each: neighbouring tensors up to
-    ``_CHUNK`` bytes together, a larger one alone; ``(first, stop, indices)``."""
-    runs, start = [], 0
-    for index, n in enumerate(sizes):
-        if runs and start + n - runs[-1][0] <= _CHUNK:
-            runs[-1][1], runs[-1][2] = start + n, runs[-1][2] + [index]
+def _slots(layout):
+    """The slots of ``layout``, in order."""
+    slots = []
+    recursively_apply(slots.append, layout, test_type=_is_slot)
+    return slots
+
+
+def _runs(slots):
+    """What travels as one message: neighbouring slots up to ``_CHUNK``
+    bytes together, a larger one alone; ``(first byte, stop, indices)``."""
+    runs = []
+    for index, placed in enumerate(slots):
+        stop = placed.start + placed.nbytes
+        if runs and stop - runs[-1][0] <= _CHUNK:
+            runs[-1][1], runs[-1][2] = stop, runs[-1][2] + [index]
         else:
-            runs.append([start, start + n, [index]])
-        start += _aligned(n)
+            runs.append([placed.start, stop, [index]])
     return runs
 
 
@@ -130,22 +130,21 @@ def _send(items, device):
     """Stream ``items`` to the main process: the layout's size, the layout,
     then the tensors' bytes, staged ``_CHUNK`` bytes at a time, so that the
     rank never holds a second copy of its predictions."""
-    layout, tensors, end = _layout(items)
+    layout, pairs, end = _layout(items)
     pickled = pickle.dumps(layout, protocol=pickle.HIGHEST_PROTOCOL)
     dist.send(torch.tensor([len(pickled), end], dtype=torch.int64, device=device), dst=0)
     dist.send(torch.frombuffer(bytearray(pickled), dtype=torch.uint8).to(device), dst=0)
     staging = None
-    for first, stop, indices in _runs(_sizes(layout)):
+    for first, stop, indices in _runs([placed for _, placed in pairs]):
         if len(indices) == 1:
-            dist.send(_bytes(tensors[indices[0]]).to(device), dst=0)
+            dist.send(_bytes(pairs[indices[0]][0]).to(device), dst=0)
             continue
         if staging is None:
             staging = torch.empty(_CHUNK, dtype=torch.uint8, device=device)
-        at = first
-        for index in indices:
-            flat = _bytes(tensors[index])
-            staging[at - first : at - first + flat.numel()].copy_(flat)
-            at += _aligned(flat.numel())
+        for tensor, placed in (pairs[i] for i in indices):
+            staging[placed.start - first : placed.start - first + placed.nbytes].copy_(
+                _bytes(tensor)
+            )
         dist.send(staging[: stop - first], dst=0)
 
 
@@ -157,24 +156,22 @@ def _receive(rank, device):
     dist.recv(pickled, src=rank)
     layout = pickle.loads(pickled.cpu().numpy().tobytes())
     data = torch.empty(int(sizes[1]), dtype=torch.uint8, device=device)
-    for first, stop, _ in _runs(_sizes(layout)):
+    for first, stop, _ in _runs(_slots(layout)):
         dist.recv(data[first:stop], src=rank)
     return _filled(layout, data)
 
 
 def _message(items, device):
     """One uint8 tensor: the layout's size, the layout, the tensors' bytes."""
-    layout, tensors, end = _layout(items)
+    layout, pairs, end = _layout(items)
     pickled = pickle.dumps(layout, protocol=pickle.HIGHEST_PROTOCOL)
     base = _aligned(_HEADER + len(pickled))
     message = torch.empty(base + end, dtype=torch.uint8, device=device)
     head = len(pickled).to_bytes(_HEADER, "little") + pickled
     message[: len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
-    start = base
-    for tensor in tensors:
-        flat = _bytes(tensor)
-        message[start : start + flat.numel()].copy_(flat)
-        start += _aligned(flat.numel())
+    data = message[base:]
+    for tensor, placed in pairs:
+        data[placed.start : placed.start + placed.nbytes].copy_(_bytes(tensor))
     return message
 
 
@@ -226,15 +223,21 @@ def _kept(cb, batches):
     )
 
 
-def share_predictions(net):
+def share_predictions(net, dataset_train=None, dataset_valid=None, **_):
     """Send the caching scorers' predictions where they are scored; return
     the names of those the main process scores for every rank.
 
     Call it with the rank's own batch records, before they are merged.
+    Scorers without data (``valid_acc`` without a validation set) send
+    nothing: skorch's ``EpochScoring`` records nothing then.
     """
     accelerator = net.accelerator
     batches = net.history[-1].get("batches", [])
-    scorers = [(name, cb) for name, cb in net.callbacks_ if _caching(net, cb)]
+    scorers = [
+        (name, cb)
+        for name, cb in net.callbacks_
+        if _caching(net, cb) and (dataset_train if cb.on_train else dataset_valid) is not None
+    ]
     on_main = [name for name, cb in scorers if not everywhere(cb)]
     for to_all in (False, True):
         group = [(name, cb) for name, cb in scorers if (name not in on_main) == to_all]
@@ -269,6 +272,8 @@ def score_on_main(net, names, dataset_train=None, dataset_valid=None, **_):
     the exception on the main process and its message on the others."""
     accelerator = net.accelerator
     outcomes = {}
+    if not names:
+        return outcomes
     if accelerator.is_main_process:
         callbacks = dict(net.callbacks_)
         for name in names:

@@ -159,7 +159,7 @@ def end_epoch(net, coordinator, notify_callbacks, **cb_kwargs):
     scores = {}
     if distributed:
         coordinator.barrier("history sync")
-        on_main = share_predictions(net)  # reads this rank's own batch records
+        on_main = share_predictions(net, **cb_kwargs)  # reads this rank's own batch records
         merge_epoch(net)
         scores = score_on_main(net, on_main, **cb_kwargs)
     stop, error = False, None

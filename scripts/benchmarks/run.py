@@ -1,6 +1,7 @@
 """Run every benchmark, each in its own launch, then write the report.
 
-python scripts/benchmarks/run.py [--quick] [--out results] [--readme README.md]
+python scripts/benchmarks/run.py [--quick] [--only timing|memory] [--out results]
+    [--readme README.md]
 """
 
 import argparse
@@ -82,16 +83,31 @@ def main():
     parser.add_argument("--out", default="results")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, to check that it runs")
     parser.add_argument("--readme", default=None, help="README whose benchmark section to update")
+    parser.add_argument(
+        "--only",
+        choices=("timing", "memory"),
+        help="run one part; the report also reads the results already in --out",
+    )
     args = parser.parse_args()
 
     raw = Path(args.out) / "raw"
     timeout = 300 if args.quick else 3600
-    extra = QUICK if args.quick else {}
+    if args.only != "memory":
+        timing(raw, Path(args.out), timeout, QUICK if args.quick else {})
+    if args.only != "timing":
+        epoch_memory(raw, timeout, MEMORY_QUICK if args.quick else MEMORY)
+    report = [sys.executable, str(HERE / "report.py"), "--raw", str(raw), "--out", args.out]
+    if args.readme:
+        report += ["--readme", args.readme]
+    subprocess.run(report, check=True)
+
+
+def timing(raw, out, timeout, extra):
     launch("fit.py", raw / "fit_1.json", 1, extra.get("fit", []), timeout)
     launch("fit.py", raw / "fit_2.json", 2, extra.get("fit", []), timeout)
     launch("vs_lightning.py", raw / "lightning_2.json", 2, extra.get("lightning", []), timeout)
     # states of the 2-process launch, resumed on 1 process by the second
-    states = ["--states", str(Path(args.out) / "lightning_states")]
+    states = ["--states", str(out / "lightning_states")]
     resume = extra.get("lightning_resume", [])
     launch("lightning_resume.py", raw / "lightning_resume_2.json", 2, resume + states, timeout)
     one = [*resume, *states, "--other-count"]
@@ -109,7 +125,9 @@ def main():
     launch("stall.py", raw / "stall_2.json", 2, extra.get("stall", []), timeout)
     launch("replicas.py", raw / "replicas_2.json", 2, extra.get("replicas", []), timeout)
     launch("midepoch.py", raw / "midepoch_2.json", 2, extra.get("midepoch", []), timeout)
-    memory = MEMORY_QUICK if args.quick else MEMORY
+
+
+def epoch_memory(raw, timeout, memory):
     for round_ in range(memory["rounds"]):
         for valid in memory["sizes"]:
             for n in [1, *memory["processes"]]:
@@ -119,10 +137,6 @@ def main():
         for n in memory["processes"]:
             out = raw / f"batch_merge_{records}_{n}.json"
             launch("epoch_memory.py", out, n, ["--records", str(records)], timeout)
-    report = [sys.executable, str(HERE / "report.py"), "--raw", str(raw), "--out", args.out]
-    if args.readme:
-        report += ["--readme", args.readme]
-    subprocess.run(report, check=True)
 
 
 if __name__ == "__main__":
