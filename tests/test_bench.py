@@ -108,6 +108,8 @@ def test_benchmarks_run_and_report(tmp_path):
     assert (memory["processes"], len(memory["ranks"]), plain["processes"]) == (2, 2, 1)
     for rank in memory["ranks"] + plain["ranks"]:
         assert rank["peak_growth_mb"] > 0 and rank["epoch_end_s"] > 0
+    spread = json.loads((results / "raw" / "epoch_memory_everywhere_2000_2_0.json").read_text())
+    assert spread["everywhere"] and len(spread["ranks"]) == 2
     merge = json.loads((results / "raw" / "batch_merge_2000_2.json").read_text())
     assert merge["records"] == 2000 and all(r["merge_cpu_s"] > 0 for r in merge["ranks"])
     assert (results / "bench_memory.png").read_bytes()[:4] == b"\x89PNG"

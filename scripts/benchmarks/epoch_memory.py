@@ -11,6 +11,8 @@ resident memory every 5 ms during ``fit``; the result is the peak's growth
 over the memory just before ``fit``, per rank, and how long the epoch's end
 (``notify("on_epoch_end")``, the exchange included) took on each rank.
 
+``--everywhere`` gives ``valid_acc`` the whole predictions on every rank
+(``predictions_on_every_rank = True``), the cost of that choice.
 ``--records B`` instead times the merge of ``B`` batch records, spread over
 the ranks as an epoch of ``B`` batches spreads them.
 """
@@ -26,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from skorch import NeuralNetClassifier
+from skorch.callbacks import EpochScoring
 from skorch.dataset import Dataset
 from skorch.helper import predefined_split
 
@@ -89,6 +92,13 @@ class PlainNet(TimesEpochEnd, NeuralNetClassifier):
     pass
 
 
+class EverywhereScoring(EpochScoring):
+    """The whole predictions on every rank, each scoring them (as before
+    accel_mixin scored once, on the main process)."""
+
+    predictions_on_every_rank = True
+
+
 def data(n, features, classes, seed):
     rng = np.random.default_rng(seed)
     X = rng.standard_normal((n, features), dtype=np.float32)
@@ -115,6 +125,10 @@ def fit_once(args):
         class OursNet(TimesEpochEnd, AccelerateMixin, NeuralNetClassifier):
             pass
 
+        if args.everywhere:
+            common["callbacks__valid_acc"] = EverywhereScoring(
+                "accuracy", name="valid_acc", lower_is_better=False
+            )
         net = OursNet(Linear, accelerator=Accelerator(), **common)
     else:
         net = PlainNet(Linear, **common)
@@ -163,6 +177,9 @@ def main():
     parser.add_argument("--classes", type=int, default=100)
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--records", type=int, default=0)
+    parser.add_argument(
+        "--everywhere", action="store_true", help="valid_acc with predictions_on_every_rank"
+    )
     args = parser.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     args.distributed = "WORLD_SIZE" in os.environ

@@ -5,20 +5,36 @@ import json
 import statistics
 from pathlib import Path
 
-__all__ = ["load_memory", "memory_chart", "memory_tables", "memory_targets"]
+__all__ = ["load_everywhere", "load_memory", "memory_chart", "memory_tables", "memory_targets"]
 
 
 def load_memory(raw):
     """Per ``(validation samples, processes)``: per rank, the median over the
     rounds of the peak growth (MB) and of the epoch end's seconds; and per
-    ``(batch records, processes)`` the merge's slowest rank."""
+    ``(batch records, processes)`` the merge's slowest rank. The runs with
+    ``--everywhere`` are ``load_everywhere``'s."""
     runs, merges = {}, {}
     for path in sorted(Path(raw).glob("epoch_memory_*.json")):
         result = json.loads(path.read_text())
+        if result.get("everywhere"):
+            continue
         runs.setdefault((result["valid"], result["processes"]), []).append(result["ranks"])
     for path in sorted(Path(raw).glob("batch_merge_*.json")):
         result = json.loads(path.read_text())
         merges[(result["records"], result["processes"])] = result["ranks"]
+    return _medians(runs), merges
+
+
+def load_everywhere(raw):
+    """``load_memory``'s fits, for the runs with ``--everywhere``."""
+    runs = {}
+    for path in sorted(Path(raw).glob("epoch_memory_everywhere_*.json")):
+        result = json.loads(path.read_text())
+        runs.setdefault((result["valid"], result["processes"]), []).append(result["ranks"])
+    return _medians(runs)
+
+
+def _medians(runs):
     fits = {}
     for key, rounds in runs.items():
         fits[key] = [
@@ -28,7 +44,7 @@ def load_memory(raw):
             }
             for rank in range(len(rounds[0]))
         ]
-    return fits, merges
+    return fits
 
 
 def _bounds(fits, valid, processes):
@@ -36,32 +52,45 @@ def _bounds(fits, valid, processes):
     return plain, 1.2 * plain, plain / processes + 64
 
 
-def memory_tables(fits, merges):
+def memory_tables(fits, merges, everywhere=None):
     if not fits:
         return []
+    everywhere = everywhere or {}
     lines = [
         "Epoch end, one epoch of a linear model with 100 classes, 2,000 training samples and "
         "a predefined validation set scored by `valid_acc`: peak resident memory growth "
         "during `fit` (MB, sampled every 5 ms; the median of the rounds) and the epoch end's "
-        "time on rank 0 (`notify('on_epoch_end')`, the exchange included).",
+        "time on rank 0 (`notify('on_epoch_end')`, the exchange included). The last column "
+        "is the same with `predictions_on_every_rank = True` on `valid_acc`: every rank "
+        "receives and scores the whole predictions, as every rank did before the scores "
+        "moved to the main process.",
         "",
         "| validation samples | processes | main process | bound | other ranks (largest) "
-        "| bound | epoch end, rank 0 (s) |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| bound | epoch end, rank 0 (s) | predictions on every rank: main, others, "
+        "epoch end (s) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for valid, processes in sorted(fits):
         ranks = fits[(valid, processes)]
         end = f"{ranks[0]['epoch_end_s']:.3f}"
         if processes == 1:
             lines.append(
-                f"| {valid:,} | plain skorch | {ranks[0]['peak_growth_mb']:.0f} | | | | {end} |"
+                f"| {valid:,} | plain skorch | {ranks[0]['peak_growth_mb']:.0f} | | | | {end} | |"
             )
             continue
         _, main_bound, other_bound = _bounds(fits, valid, processes)
         other = max(r["peak_growth_mb"] for r in ranks[1:])
+        spread = everywhere.get((valid, processes))
+        cost = ""
+        if spread:
+            cost = (
+                f"{spread[0]['peak_growth_mb']:.0f}, "
+                f"{max(r['peak_growth_mb'] for r in spread[1:]):.0f}, "
+                f"{spread[0]['epoch_end_s']:.3f}"
+            )
         lines.append(
             f"| {valid:,} | {processes} | {ranks[0]['peak_growth_mb']:.0f} | {main_bound:.0f} "
-            f"| {other:.0f} | {other_bound:.0f} | {end} |"
+            f"| {other:.0f} | {other_bound:.0f} | {end} | {cost} |"
         )
     if merges:
         lines += [

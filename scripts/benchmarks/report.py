@@ -8,7 +8,13 @@ import re
 import statistics
 from pathlib import Path
 
-from memory_report import load_memory, memory_chart, memory_tables, memory_targets
+from memory_report import (
+    load_everywhere,
+    load_memory,
+    memory_chart,
+    memory_tables,
+    memory_targets,
+)
 
 # variants of fit.py with a TrainingCheckpoint that never saves: it polls
 # for preemption notices (a small non-blocking all-reduce on several
@@ -513,7 +519,7 @@ def main():
         lines += replicas_table(replicas) + [""]
     fits, merges = load_memory(args.raw)
     if fits:
-        lines += memory_tables(fits, merges) + [""]
+        lines += memory_tables(fits, merges, load_everywhere(args.raw)) + [""]
     goals = targets(
         fit1,
         fit2,

@@ -133,6 +133,9 @@ def epoch_memory(raw, timeout, memory):
             for n in [1, *memory["processes"]]:
                 out = raw / f"epoch_memory_{valid}_{n}_{round_}.json"
                 launch("epoch_memory.py", out, n, ["--valid", str(valid)], timeout)
+            for n in memory["processes"]:
+                out = raw / f"epoch_memory_everywhere_{valid}_{n}_{round_}.json"
+                launch("epoch_memory.py", out, n, ["--valid", str(valid), "--everywhere"], timeout)
     for records in memory["sizes"]:
         for n in memory["processes"]:
             out = raw / f"batch_merge_{records}_{n}.json"
