@@ -238,21 +238,27 @@ def batches_per_epoch_phase(progress_bar, net, dataset, training):
 _SCORES = "to score cached predictions once, on the main process"
 
 
-def cached_forward_iter(net, use_caching, y_pred):
-    """skorch's context within which ``net.forward_iter`` yields ``y_pred``."""
+def _forward_iter_cache():
     cache = getattr(skorch_scoring, "_cache_net_forward_iter", None)
     _require(callable(cache), "skorch", "skorch.callbacks.scoring._cache_net_forward_iter", _SCORES)
-    return cache(net, use_caching, y_pred)
+    return cache
+
+
+def cached_forward_iter(net, use_caching, y_pred):
+    """skorch's context within which ``net.forward_iter`` yields ``y_pred``."""
+    return _forward_iter_cache()(net, use_caching, y_pred)
+
+
+def _epoch_scoring():
+    """``EpochScoring._scoring`` (``ScoringBase``'s, in skorch 1.4)."""
+    scoring = getattr(EpochScoring, "_scoring", None)
+    _require(callable(scoring), "skorch", "EpochScoring._scoring", _SCORES)
+    return scoring
 
 
 def score_of(callback, net, X, y):
     """The score an ``EpochScoring`` computes of ``X`` and ``y`` (``_scoring``)."""
-    _require(
-        callable(getattr(type(callback), "_scoring", None)),
-        "skorch",
-        "EpochScoring._scoring",
-        _SCORES,
-    )
+    _epoch_scoring()
     return callback._scoring(net, X, y)  # pylint: disable=protected-access
 
 
@@ -264,8 +270,7 @@ def replayed_scores(replays):
     The class's method is replaced, not the instance's: a callback pickled
     meanwhile (``Checkpoint``'s ``f_pickle``) must not carry the replay.
     """
-    original = getattr(EpochScoring, "_scoring", None)  # ScoringBase's, in skorch 1.4
-    _require(callable(original), "skorch", "EpochScoring._scoring", _SCORES)
+    original = _epoch_scoring()
     own = "_scoring" in vars(EpochScoring)
 
     def _scoring(self, net, X_test, y_test):
@@ -323,10 +328,8 @@ def _check_skorch():
         check_f_arguments("save_params")  # raises, naming it
     if not callable(getattr(ProgressBar, "_get_batches_per_epoch_phase", None)):
         batches_per_epoch_phase(ProgressBar(), None, None, True)
-    if not callable(getattr(skorch_scoring, "_cache_net_forward_iter", None)):
-        cached_forward_iter(None, False, [])
-    if not callable(getattr(EpochScoring, "_scoring", None)):
-        score_of(EpochScoring("accuracy"), None, None, None)
+    _forward_iter_cache()
+    _epoch_scoring()
 
 
 def cache_lomo_check():

@@ -411,7 +411,7 @@ BREAKS = [
         "epoch_scores",
         "score cached predictions on every rank, each on its own share",
         "accel_mixin/distributed/epoch_scores.py",
-        "    on_main = [name for name, cb in scorers if not everywhere(cb)]\n",
+        "    on_main = [(name, cb) for name, cb in scorers if not everywhere(cb)]\n",
         "    on_main, scorers = [], []\n",
         (SCORES + "test_every_rank_records_one_process_s_scores",),
     ),
@@ -450,7 +450,7 @@ BREAKS = [
         "    return -(-n // _ALIGN) * _ALIGN",
         "    return n",
         (
-            SCORES + "test_a_message_gives_back_what_it_packed",
+            SCORES + "test_a_layout_and_its_bytes_give_back_the_items",
             SCORES + "test_small_tensors_travel_together_and_large_ones_alone",
         ),
     ),

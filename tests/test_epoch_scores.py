@@ -48,13 +48,6 @@ def assert_same(got, expected):
         assert got == expected
 
 
-def test_a_message_gives_back_what_it_packed():
-    items = nested()
-    message = epoch_scores._message(items, torch.device("cpu"))
-    assert message.dtype == torch.uint8 and message.dim() == 1
-    assert_same(epoch_scores._items_of(message), items)
-
-
 def test_a_layout_and_its_bytes_give_back_the_items():
     items = nested()
     layout, pairs, end = epoch_scores._layout(items)

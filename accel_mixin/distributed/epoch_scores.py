@@ -32,7 +32,6 @@ from accel_mixin.internals import cached_forward_iter, replayed_scores, score_of
 __all__ = ["everywhere", "score_on_main", "scored_on_main", "share_predictions"]
 
 _ALIGN = 16  # every tensor starts at an offset that any dtype can view
-_HEADER = 8  # the pickled layout's length, in the first bytes of a message
 _CHUNK = 1 << 20  # bytes a rank stages at a time to send
 
 
@@ -126,26 +125,30 @@ def _runs(slots):
     return runs
 
 
-def _send(items, device):
-    """Stream ``items`` to the main process: the layout's size, the layout,
+def _send(items, device, dsts):
+    """Stream ``items`` to the ranks ``dsts``: the layout's size, the layout,
     then the tensors' bytes, staged ``_CHUNK`` bytes at a time, so that the
     rank never holds a second copy of its predictions."""
     layout, pairs, end = _layout(items)
     pickled = pickle.dumps(layout, protocol=pickle.HIGHEST_PROTOCOL)
-    dist.send(torch.tensor([len(pickled), end], dtype=torch.int64, device=device), dst=0)
-    dist.send(torch.frombuffer(bytearray(pickled), dtype=torch.uint8).to(device), dst=0)
+
+    def send(message):
+        for dst in dsts:
+            dist.send(message, dst=dst)
+
+    send(torch.tensor([len(pickled), end], dtype=torch.int64, device=device))
+    send(torch.frombuffer(bytearray(pickled), dtype=torch.uint8).to(device))
     staging = None
     for first, stop, indices in _runs([placed for _, placed in pairs]):
         if len(indices) == 1:
-            dist.send(_bytes(pairs[indices[0]][0]).to(device), dst=0)
+            send(_bytes(pairs[indices[0]][0]).to(device))
             continue
         if staging is None:
             staging = torch.empty(_CHUNK, dtype=torch.uint8, device=device)
         for tensor, placed in (pairs[i] for i in indices):
-            staging[placed.start - first : placed.start - first + placed.nbytes].copy_(
-                _bytes(tensor)
-            )
-        dist.send(staging[: stop - first], dst=0)
+            at = placed.start - first
+            staging[at : at + placed.nbytes].copy_(_bytes(tensor))
+        send(staging[: stop - first])
 
 
 def _receive(rank, device):
@@ -161,27 +164,6 @@ def _receive(rank, device):
     return _filled(layout, data)
 
 
-def _message(items, device):
-    """One uint8 tensor: the layout's size, the layout, the tensors' bytes."""
-    layout, pairs, end = _layout(items)
-    pickled = pickle.dumps(layout, protocol=pickle.HIGHEST_PROTOCOL)
-    base = _aligned(_HEADER + len(pickled))
-    message = torch.empty(base + end, dtype=torch.uint8, device=device)
-    head = len(pickled).to_bytes(_HEADER, "little") + pickled
-    message[: len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
-    data = message[base:]
-    for tensor, placed in pairs:
-        data[placed.start : placed.start + placed.nbytes].copy_(_bytes(tensor))
-    return message
-
-
-def _items_of(message):
-    """What ``_message`` packed, its tensors viewing the bytes of ``message``."""
-    size = int.from_bytes(message[:_HEADER].cpu().numpy().tobytes(), "little")
-    layout = pickle.loads(message[_HEADER : _HEADER + size].cpu().numpy().tobytes())
-    return _filled(layout, message[_aligned(_HEADER + size) :])
-
-
 def _wire(accelerator):
     """Where messages travel from: the GPU under NCCL, else the CPU."""
     return accelerator.device if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -192,25 +174,23 @@ def _to_main(items, accelerator):
     they are); None on the others."""
     device = _wire(accelerator)
     if not accelerator.is_main_process:
-        _send(items, device)
+        _send(items, device, [0])
         return None
     return [items] + [_receive(rank, device) for rank in range(1, accelerator.num_processes)]
 
 
 def _to_all(items, accelerator):
-    """Every rank's ``items``, in rank order, on every rank."""
-    message = _message(items, _wire(accelerator))
-    world = accelerator.num_processes
-    length = torch.tensor([message.numel()], dtype=torch.int64, device=message.device)
-    lengths = [torch.empty_like(length) for _ in range(world)]
-    dist.all_gather(lengths, length)
-    longest = max(int(n) for n in lengths)
-    if message.numel() < longest:  # all_gather wants equal sizes
-        message = torch.cat([message, message.new_zeros(longest - message.numel())])
-    rows = message.new_empty((world, longest))
-    dist.all_gather(list(rows), message)
-    del message
-    return [_items_of(row[: int(n)]) for row, n in zip(rows, lengths)]
+    """Every rank's ``items``, in rank order, on every rank (its own as they
+    are): each rank in turn streams its own to all the others."""
+    device, me, world = _wire(accelerator), accelerator.process_index, accelerator.num_processes
+    everyone = []
+    for rank in range(world):
+        if rank == me:
+            _send(items, device, [other for other in range(world) if other != me])
+            everyone.append(items)
+        else:
+            everyone.append(_receive(rank, device))
+    return everyone
 
 
 def _kept(cb, batches):
@@ -238,30 +218,26 @@ def share_predictions(net, dataset_train=None, dataset_valid=None, **_):
         for name, cb in net.callbacks_
         if _caching(net, cb) and (dataset_train if cb.on_train else dataset_valid) is not None
     ]
-    on_main = [name for name, cb in scorers if not everywhere(cb)]
-    for to_all in (False, True):
-        group = [(name, cb) for name, cb in scorers if (name not in on_main) == to_all]
+    on_main = [(name, cb) for name, cb in scorers if not everywhere(cb)]
+    spread = [(name, cb) for name, cb in scorers if everywhere(cb)]
+    for group, exchange in ((on_main, _to_main), (spread, _to_all)):
         if not group:
             continue
-        kept = [_kept(cb, batches) for _, cb in group]
-        everyone = (_to_all if to_all else _to_main)(kept, accelerator)
+        everyone = exchange([_kept(cb, batches) for _, cb in group], accelerator)
         if everyone is None:  # a rank that sent to the main process keeps its own
             continue
         for index, (_, cb) in enumerate(group):
             cb.y_preds_ = interleave([rank[index][0] for rank in everyone])
             cb.y_trues_ = interleave([rank[index][1] for rank in everyone])
-    return on_main
-
-
-_UNSCORED = object()  # no data to score: EpochScoring records nothing
+    return [name for name, _ in on_main]
 
 
 def _score(net, cb, dataset_train, dataset_valid):
     """What ``EpochScoring.on_epoch_end`` computes before recording it."""
     use_caching = _caching(net, cb)
     X_test, y_test, y_pred = cb.get_test_data(dataset_train, dataset_valid, use_caching=use_caching)
-    if X_test is None:
-        return _UNSCORED
+    if X_test is None:  # on every rank: its on_epoch_end records nothing
+        return None
     with cached_forward_iter(net, cb.use_caching, y_pred) as cached_net:
         return score_of(cb, cached_net, X_test, y_test)
 
