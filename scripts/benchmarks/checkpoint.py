@@ -11,7 +11,6 @@ the large model.
 """
 
 import argparse
-import gc
 import os
 import statistics
 import sys
@@ -26,7 +25,7 @@ from skorch.hf import AccelerateMixin as IncumbentMixin
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # pylint: disable=wrong-import-position
-from common import Timer, alternate, barrier, is_main, summarize, write_result
+from common import PeakRSS, Timer, alternate, barrier, is_main, summarize, write_result
 from fit import ParamNLLLoss
 
 from accel_mixin import AccelerateMixin
@@ -79,31 +78,11 @@ def raw_module(net):
 def peak_extra_rss(fn, repeats=3):
     """Median over repeats of the peak RSS above the starting RSS while ``fn``
     runs, sampled every millisecond on this rank."""
-    import threading
-
-    import psutil
-
-    process = psutil.Process()
     peaks = []
     for _ in range(repeats):
-        gc.collect()
-        start = process.memory_info().rss
-        peak = [start]
-        done = threading.Event()
-
-        def sample(done=done, peak=peak):
-            while not done.is_set():
-                peak[0] = max(peak[0], process.memory_info().rss)
-                time.sleep(0.001)
-
-        thread = threading.Thread(target=sample)
-        thread.start()
-        try:
+        with PeakRSS(every=0.001) as sampled:
             fn()
-        finally:
-            done.set()
-            thread.join()
-        peaks.append(peak[0] - start)
+        peaks.append(sampled.growth)
     return statistics.median(peaks)
 
 

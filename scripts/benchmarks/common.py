@@ -1,15 +1,17 @@
 """Timing helpers shared by the benchmarks: alternation, medians, ranks."""
 
+import gc
 import json
 import os
 import statistics
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-__all__ = ["Timer", "alternate", "barrier", "is_main", "summarize", "write_result"]
+__all__ = ["PeakRSS", "Timer", "alternate", "barrier", "is_main", "summarize", "write_result"]
 
 
 def is_main():
@@ -32,6 +34,40 @@ class Timer:
     def __exit__(self, *exc):
         barrier()
         self.seconds = time.perf_counter() - self.start
+
+
+class PeakRSS:
+    """The largest resident memory of this process while the block runs,
+    sampled every ``every`` seconds; ``growth`` is its rise over the start,
+    in bytes."""
+
+    _PAGE = os.sysconf("SC_PAGE_SIZE")
+
+    def __init__(self, every=0.005):
+        self.every = every
+
+    @classmethod
+    def now(cls):
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * cls._PAGE
+
+    def __enter__(self):
+        gc.collect()
+        self.start = self.peak = self.now()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._done.wait(self.every):
+            self.peak = max(self.peak, self.now())
+
+    def __exit__(self, *exc):
+        self._done.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.now())
+        self.growth = self.peak - self.start
 
 
 def alternate(variants, repeats, measure):

@@ -18,10 +18,8 @@ the ranks as an epoch of ``B`` batches spreads them.
 """
 
 import argparse
-import gc
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -34,36 +32,7 @@ from skorch.helper import predefined_split
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # pylint: disable=wrong-import-position
-from common import write_result
-
-_PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def rss():
-    with open("/proc/self/statm", encoding="ascii") as f:
-        return int(f.read().split()[1]) * _PAGE
-
-
-class PeakSampler:
-    """The largest resident memory seen while the block runs, every 5 ms."""
-
-    def __enter__(self):
-        gc.collect()
-        self.start = self.peak = rss()
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self):
-        while not self._done.wait(0.005):
-            self.peak = max(self.peak, rss())
-
-    def __exit__(self, *exc):
-        self._done.set()
-        self._thread.join()
-        self.peak = max(self.peak, rss())
-        self.growth = self.peak - self.start
+from common import PeakRSS, write_result
 
 
 class Linear(torch.nn.Module):
@@ -132,7 +101,7 @@ def fit_once(args):
         net = OursNet(Linear, accelerator=Accelerator(), **common)
     else:
         net = PlainNet(Linear, **common)
-    with PeakSampler() as sampled:
+    with PeakRSS() as sampled:
         net.fit(X, y)
     return {
         "peak_growth_mb": sampled.growth / 2**20,
@@ -159,7 +128,7 @@ def merge_records(args, rank, world):
     history.record("train_batch_count", len(mine))
     net = SimpleNamespace(history=history, callbacks_=[], use_caching="auto")
     torch.distributed.barrier()
-    with PeakSampler() as sampled:
+    with PeakRSS() as sampled:
         start, cpu = time.perf_counter(), time.thread_time()
         merge_epoch(net)
         seconds, cpu = time.perf_counter() - start, time.thread_time() - cpu
