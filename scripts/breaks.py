@@ -352,15 +352,6 @@ BREAKS = [
     ),
     # --- history_sync / epochs -----------------------------------------------
     Break(
-        "history_sync-padding-is-real",
-        "history_sync",
-        "count the padding of the last step as real samples",
-        "accel_mixin/distributed/history_sync.py",
-        "    return min(max(remainder - process_index * batch_size, 0), batch_size)",
-        "    return batch_size",
-        ("tests/test_history_sync.py",),
-    ),
-    Break(
         "history_sync-rank-order",
         "history_sync",
         "merge the ranks' records rank after rank, not in dataset order",
@@ -1127,11 +1118,20 @@ BREAKS = [
         ("tests/test_shares.py",),
     ),
     Break(
+        "shares-padding-is-real",
+        "shares",
+        "count the padding of the last step as real samples",
+        "accel_mixin/training/shares.py",
+        "    return min(max(remainder - process_index * batch_size, 0), batch_size)",
+        "    return batch_size",
+        ("tests/test_share_weights.py",),
+    ),
+    Break(
         "shares-weight-of-whole-batches",
         "shares",
         "the weight counts the padding as real",
         "accel_mixin/training/shares.py",
-        "    return real * num_processes / remainder\n",
+        "    return 1.0 if remainder is None else real * num_processes / remainder\n",
         "    return 1.0\n",
         ("tests/test_share_weights.py",),
     ),

@@ -1,40 +1,13 @@
 """The pieces of history sync on their own; together: test_sync.py."""
 
-from types import SimpleNamespace
-
 import numpy as np
-import pytest
 import torch
 from accelerate import Accelerator
 from common import AcceleratedNet
 from skorch import NeuralNetClassifier
 from skorch.callbacks import BatchScoring, EpochScoring
 
-from accel_mixin.distributed.history_sync import interleave, leading_samples, real_samples
-
-
-def state(end=True, remainder=13):
-    return SimpleNamespace(end_of_dataloader=end, remainder=remainder)
-
-
-@pytest.mark.parametrize("rank, expected", [(0, 13), (1, 0)])
-def test_real_samples_of_a_short_last_step(rank, expected):
-    # 333 samples, batches of 16, 2 ranks: the last step holds 13 real samples
-    assert real_samples(state(remainder=333 % 32), 2, rank, 16) == expected
-
-
-@pytest.mark.parametrize("rank, expected", [(0, 16), (1, 14)])
-def test_real_samples_when_the_last_step_is_longer_than_a_batch(rank, expected):
-    assert real_samples(state(remainder=350 % 32), 2, rank, 16) == expected
-
-
-@pytest.mark.parametrize("st", [state(end=False), state(remainder=0), state(remainder=-1)])
-def test_every_sample_is_real_before_the_end_or_without_remainder(st):
-    assert real_samples(st, 2, 1, 16) == 16
-
-
-def test_one_process_has_no_padding():
-    assert real_samples(state(remainder=5), 1, 0, 16) == 16
+from accel_mixin.distributed.history_sync import interleave, leading_samples
 
 
 def test_first_cuts_nested_outputs():

@@ -1,4 +1,4 @@
-"""The helpers behind N processes training as one: each rank's weight, the
+"""The helpers behind N processes training as one: each rank's real samples and weight, the
 gradient scaled under an unchanged loss, which criteria are means."""
 
 from types import SimpleNamespace
@@ -6,10 +6,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from accel_mixin.training.shares import criterion_is_mean, loss_weight, scale_gradient
+from accel_mixin.training.shares import criterion_is_mean, loss_weight, real_samples, scale_gradient
 
 
-def state(end, remainder):
+def state(end=True, remainder=13):
     return SimpleNamespace(end_of_dataloader=end, remainder=remainder)
 
 
@@ -52,3 +52,23 @@ def test_criteria_that_average_over_samples():
     assert not criterion_is_mean(torch.nn.NLLLoss(reduction="sum"))
     assert not criterion_is_mean(torch.nn.MSELoss(reduction="none"))
     assert not criterion_is_mean(torch.nn.Linear(2, 2))  # no reduction: not known
+
+
+@pytest.mark.parametrize("rank, expected", [(0, 13), (1, 0)])
+def test_real_samples_of_a_short_last_step(rank, expected):
+    # 333 samples, batches of 16, 2 ranks: the last step holds 13 real samples
+    assert real_samples(state(remainder=333 % 32), 2, rank, 16) == expected
+
+
+@pytest.mark.parametrize("rank, expected", [(0, 16), (1, 14)])
+def test_real_samples_when_the_last_step_is_longer_than_a_batch(rank, expected):
+    assert real_samples(state(remainder=350 % 32), 2, rank, 16) == expected
+
+
+@pytest.mark.parametrize("st", [state(end=False), state(remainder=0), state(remainder=-1)])
+def test_every_sample_is_real_before_the_end_or_without_remainder(st):
+    assert real_samples(st, 2, 1, 16) == 16
+
+
+def test_one_process_has_no_padding():
+    assert real_samples(state(remainder=5), 1, 0, 16) == 16

@@ -30,7 +30,6 @@ __all__ = [
     "leading_samples",
     "merge_epoch",
     "pad_to_largest",
-    "real_samples",
 ]
 
 NOTICE = (
@@ -49,17 +48,6 @@ def adopt_history(net):
     net.history_ = wrapped_history(history)
     if net.accelerator.is_main_process:
         warnings.warn(NOTICE, UserWarning, stacklevel=2)
-
-
-def real_samples(gradient_state, num_processes, process_index, batch_size):
-    """How many samples of the current batch are real rather than padding: the
-    gathered last batches hold ``remainder`` real samples first."""
-    if num_processes == 1 or not gradient_state.end_of_dataloader:
-        return batch_size
-    remainder = gradient_state.remainder
-    if remainder is None or remainder <= 0:
-        return batch_size
-    return min(max(remainder - process_index * batch_size, 0), batch_size)
 
 
 def leading_samples(data, n):

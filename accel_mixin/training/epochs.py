@@ -18,18 +18,18 @@ from skorch.dataset import get_len, unpack_data
 
 from accel_mixin.checkpoint.state_values import restore_rng
 from accel_mixin.distributed.epoch_scores import score_on_main, scored_on_main, share_predictions
-from accel_mixin.distributed.history_sync import (
-    agree_on_row,
-    leading_samples,
-    merge_epoch,
-    real_samples,
-)
+from accel_mixin.distributed.history_sync import agree_on_row, leading_samples, merge_epoch
 from accel_mixin.distributed.replicas import check_same_steps
 from accel_mixin.errors import DistributedError
 from accel_mixin.training.data_order import skipping_batches, start_workers_without_draws
 from accel_mixin.training.net_objects import check_net_replicas
 from accel_mixin.training.notifications import hook, main_process_pickles, stopped_early
-from accel_mixin.training.shares import criterion_is_mean, loss_weight, warn_padding_trains
+from accel_mixin.training.shares import (
+    criterion_is_mean,
+    loss_weight,
+    real_samples,
+    warn_padding_trains,
+)
 
 __all__ = ["EpochBatches", "end_epoch"]
 

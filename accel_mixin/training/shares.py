@@ -18,18 +18,41 @@ import warnings
 
 import torch
 
-__all__ = ["criterion_is_mean", "loss_weight", "scale_gradient", "warn_padding_trains"]
+__all__ = [
+    "criterion_is_mean",
+    "loss_weight",
+    "real_samples",
+    "scale_gradient",
+    "warn_padding_trains",
+]
 
 _WARNED = set()
+
+
+def _partial_remainder(gradient_state, num_processes):
+    """The real samples of an epoch's last global batch where accelerate
+    padded it, else None: ``remainder`` is -1 with ``drop_last``, 0 where the
+    data divides."""
+    remainder = gradient_state.remainder
+    if num_processes == 1 or not gradient_state.end_of_dataloader or not remainder or remainder < 0:
+        return None
+    return remainder
+
+
+def real_samples(gradient_state, num_processes, process_index, batch_size):
+    """How many samples of this rank's current batch are real rather than
+    padding: the gathered last batches hold the real samples first."""
+    remainder = _partial_remainder(gradient_state, num_processes)
+    if remainder is None:
+        return batch_size
+    return min(max(remainder - process_index * batch_size, 0), batch_size)
 
 
 def loss_weight(gradient_state, num_processes, real):
     """The weight of this rank's mean loss in the current step: 1 except in an
     epoch's last global batch when it is partial."""
-    remainder = gradient_state.remainder
-    if num_processes == 1 or not gradient_state.end_of_dataloader or not remainder or remainder < 0:
-        return 1.0
-    return real * num_processes / remainder
+    remainder = _partial_remainder(gradient_state, num_processes)
+    return 1.0 if remainder is None else real * num_processes / remainder
 
 
 class _ScaleGradient(torch.autograd.Function):
