@@ -1,5 +1,6 @@
-"""The helpers behind N processes training as one: each rank's real samples and weight, the
-gradient scaled under an unchanged loss, which criteria are means."""
+"""The helpers behind N processes training as one: each rank's real samples
+and weight, the gradient scaled under an unchanged loss, which criteria are
+means."""
 
 from types import SimpleNamespace
 
