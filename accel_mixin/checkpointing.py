@@ -139,7 +139,8 @@ class CheckpointingMixin(SafeParamsMixin):
             quiet_unless_main(self.accelerator),
             self._coordinator.session("save_state"),
         ):
-            self.wait_for_saves()
+            # a failure here (a rank gone, the previous write's error) is this call's
+            self._finish_saves("save_state")
             fit = self._process.fit
             if fit.position is None:
                 shuffling = train_iterator_state(fit.running_train_iterator())
@@ -170,9 +171,11 @@ class CheckpointingMixin(SafeParamsMixin):
 
         Raises on every rank if the write failed.
         """
-        self._coordinator.run(
-            self._process.background_writer().wait, what="asynchronous save_state"
-        )
+        self._finish_saves("asynchronous save_state")
+
+    def _finish_saves(self, what):
+        """``wait_for_saves`` within the call ``what``, which its errors name."""
+        self._coordinator.run(self._process.background_writer().wait, what=what)
 
     def _wait_for_writes_in_flight(self, what):
         """Before a load, on every rank: wait for this process's asynchronous

@@ -136,13 +136,14 @@ BREAKS = [
         ("tests/test_resume.py::test_load_state_refuses_a_file_that_would_run_code",),
     ),
     Break(
-        "files-sets-not-checked",
+        "files-record-beside-saves",
         "files",
-        "files of different saves load together without a word",
+        "every save leaves a record file beside the files it was given",
         "accel_mixin/checkpoint/files.py",
-        "        if len(set(saves.values())) > 1:\n",
-        "        if False:\n",
-        ("tests/test_params.py",),
+        "        for path, tmp, _, _ in written:\n            os.replace(tmp, path)\n",
+        "        for path, tmp, _, _ in written:\n            os.replace(tmp, path)\n"
+        '            open(os.path.join(_directory(path), ".accel_mixin-sets.json"), "a").close()\n',
+        ("tests/test_params.py::test_save_params_writes_only_the_files_it_is_given",),
     ),
     # --- state_dict --------------------------------------------------------
     Break(
@@ -172,7 +173,28 @@ BREAKS = [
         "    return module.state_dict()",
         ("tests/test_params.py", "tests/test_resume.py", "-m", "not multiprocess"),
     ),
+    Break(
+        "state_dict-plain-pickle-called-corrupt",
+        "state_dict",
+        "a plain pickle that would run code is called a corrupt file",
+        "accel_mixin/checkpoint/state_dict.py",
+        "        calls = [] if refused or not weights_only else _plain_pickle_calls(f) or []\n",
+        "        calls = []\n",
+        ("tests/test_params.py", "-k", "plain_pickle"),
+    ),
     # --- params ------------------------------------------------------------
+    Break(
+        "params-separate-saves-refused",
+        "params",
+        "load_params refuses files saved apart (their times a minute apart), unlike skorch",
+        "accel_mixin/checkpoint/params.py",
+        "            self.files = self._files()\n",
+        "            self.files = self._files()\n"
+        "            times = [os.stat(f).st_mtime for f in self.files.values() if _is_zip(f)]\n"
+        "            if times and max(times) - min(times) > 1:\n"
+        '                raise CheckpointError("These files come from different saves")\n',
+        ("tests/test_params.py::test_files_of_separate_saves_load_as_in_skorch",),
+    ),
     Break(
         "params-plain-module-load",
         "params",
@@ -272,6 +294,18 @@ BREAKS = [
         "        def finish():\n            join_all()\n",
         "        def finish():\n            return\n",
         ("tests/test_resume.py::test_loads_wait_for_asynchronous_saves_in_flight",),
+    ),
+    launched(
+        "checkpointing-synchronous-save-labelled-asynchronous",
+        "checkpointing",
+        "a synchronous save_state names its failures 'asynchronous save_state'",
+        "accel_mixin/checkpointing.py",
+        '            self._finish_saves("save_state")\n',
+        '            self._finish_saves("asynchronous save_state")\n',
+        (
+            "tests/test_mid_epoch.py::"
+            "test_a_synchronous_save_inside_an_epoch_names_itself_when_a_rank_is_gone",
+        ),
     ),
     # --- coordination / liveness --------------------------------------------
     Break(

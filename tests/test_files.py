@@ -61,6 +61,15 @@ def test_unwritable_target_raises_everywhere_and_keeps_the_file(ranks):
     assert rank0["strays"] == []
 
 
+def test_files_of_separate_saves_load_on_every_rank(ranks):
+    for value in values(ranks, "files_of_separate_saves_load_on_every_rank"):
+        assert value == {
+            "separate": None,
+            "saved_again": None,
+            "files": ["opt_e1.pt", "opt_e3.pt", "params_e1.pt", "params_e2.pt"],
+        }
+
+
 def test_ddp_prefixed_file_loads_into_a_wrapped_net(ranks):
     for value in values(ranks, "prefixed_file_loads_under_ddp"):
         assert value == {"module_type": "DistributedDataParallel", "same_predictions": True}
@@ -76,7 +85,7 @@ def test_two_machines_without_a_shared_filesystem(nodes):
         assert value == {"cwd": f"node{node}", "rank": node, "local_main": True, "num_processes": 2}
     for value in values(nodes, "save_on_each_node"):
         assert value == {
-            "files": [".accel_mixin-sets.json", "history.json", "params.pt"],
+            "files": ["history.json", "params.pt"],
             "same_predictions": True,
             "history_epochs": 2,
         }

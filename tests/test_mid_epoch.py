@@ -7,7 +7,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 from common import MLP, AcceleratedNet, make_data
-from harness import run_plain, run_processes
+from harness import run_nodes, run_plain, run_processes
 from skorch.callbacks import Callback
 
 from accel_mixin.checkpoint.checkpoint_files import agreed_checkpoint
@@ -149,3 +149,13 @@ def test_a_state_inside_an_epoch_of_other_processes_is_passed_over(tmp_path):
     assert agreed_checkpoint(str(tmp_path), Accelerator(cpu=True)).endswith(
         "training-state-000001-batch-000002-ranks-1.pt"
     )
+
+
+@pytest.mark.multiprocess
+def test_a_synchronous_save_inside_an_epoch_names_itself_when_a_rank_is_gone():
+    # it waits for any asynchronous write first; its failures are its own
+    launch = run_nodes("gone_mid_checkpoint.py", timeout=120)
+    assert not launch.timed_out, launch.describe()
+    rank0 = launch.ranks[0]
+    assert rank0 is not None, launch.describe()
+    assert rank0["error"].startswith("DistributedError: save_state: rank 1 is gone"), rank0

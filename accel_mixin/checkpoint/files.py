@@ -13,12 +13,10 @@ leftovers stay.
 import contextlib
 import errno
 import hashlib
-import json
 import os
 import secrets
 import shutil
 import stat
-import time
 
 try:
     import fcntl
@@ -30,10 +28,6 @@ import torch
 from accel_mixin.errors import CheckpointError
 
 _TMP = ".accel_mixin-tmp-"
-# In a directory, which files of the last saves belong together: save id ->
-# {name: [size, mtime_ns, inode]} of each file as that save wrote it.
-SETS = ".accel_mixin-sets.json"
-_SETS_KEPT = 8
 
 
 def _directory(path):
@@ -147,13 +141,12 @@ def _chmod(fd, mode):
 
 
 @contextlib.contextmanager
-def atomic_files(paths, *, record=False):
+def atomic_files(paths):
     """Write the files ``paths`` as one unit: all of them or none.
 
     Yields one temporary file name per path, for the block to write. Once all
     are written they are fsynced and renamed into place; an error before that
-    leaves every target as it was. ``record=True``: the directory's record
-    (``check_same_save``) learns first which files this save wrote together.
+    leaves every target as it was.
     """
     written = []  # (target, temporary, fd, mode)
     try:
@@ -172,8 +165,6 @@ def atomic_files(paths, *, record=False):
         for path, tmp, fd, _ in written:
             if not _ours(tmp, fd):
                 raise _concurrent(path)
-        if record and (len(written) > 1 or any(_read_sets(_directory(p)) for p, *_ in written)):
-            _record_set(written)
         for path, tmp, _, _ in written:
             os.replace(tmp, path)
     except BaseException as exc:
@@ -249,67 +240,3 @@ def write_error(paths, exc):
         f"Cannot save {names}: {cause.format(dir=directory)}; {fix}. The files that were "
         f"there before are unchanged. ({type(exc).__name__}: {exc})",
     )
-
-
-def _identity(st):
-    return [st.st_size, st.st_mtime_ns, st.st_ino]
-
-
-def _read_sets(directory):
-    try:
-        with open(os.path.join(directory, SETS), encoding="utf-8") as f:
-            sets = json.load(f)
-        return sets if isinstance(sets, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _record_set(written):
-    """Record in each directory the files this save writes together, as they
-    will be once renamed (a rename keeps size, time and inode); renamed into
-    place before them, so that a save cut off between its renames is told apart."""
-    by_directory = {}
-    for path, _, fd, _ in written:
-        files = by_directory.setdefault(_directory(path), {})
-        files[os.path.basename(path)] = _identity(os.fstat(fd))
-    save = f"{time.time():.6f}-{secrets.token_hex(4)}"
-    for directory, files in by_directory.items():
-        sets = dict(sorted({**_read_sets(directory), save: files}.items())[-_SETS_KEPT:])
-        # a concurrent save here records its own set; files no record knows are not checked
-        with contextlib.suppress(FileExistsError):
-            with atomic_files([os.path.join(directory, SETS)]) as (tmp,):
-                with open(tmp, "w", encoding="utf-8") as f:
-                    json.dump(sets, f)
-
-
-def check_same_save(paths):
-    """Raise a ``CheckpointError`` if files of ``paths`` that their directory's
-    record knows come from different saves; files it does not know are not checked."""
-    by_directory = {}
-    for path in paths:
-        if isinstance(path, (str, os.PathLike)):
-            by_directory.setdefault(_directory(path), []).append(path)
-    for directory, files in by_directory.items():
-        sets = _read_sets(directory) if len(files) > 1 else {}
-        saves = {}
-        for path in files if sets else ():
-            try:
-                identity = _identity(os.stat(path))
-            except OSError:
-                continue
-            name = os.path.basename(path)
-            found = [s for s, members in sets.items() if members.get(name) == identity]
-            if found:
-                saves[os.fspath(path)] = max(found)
-        if len(set(saves.values())) > 1:
-            listed = ", ".join(f"{path} (saved {_when(save)})" for path, save in saves.items())
-            raise CheckpointError(
-                f"These files come from different saves: {listed}. A save of the set failed "
-                "or was cut off part way, or the files were saved apart; load files that one "
-                "save_params call wrote together (or load them one by one, if that is what "
-                "you mean)."
-            )
-
-
-def _when(save):
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(save.split("-")[0])))

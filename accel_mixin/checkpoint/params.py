@@ -79,7 +79,7 @@ class SafeParamsMixin:
                 )
         named = {key: f for key, f in files.items() if isinstance(f, (str, os.PathLike))}
         with (
-            _files.atomic_files(named.values(), record=True) as temporaries,
+            _files.atomic_files(named.values()) as temporaries,
             ExitStack() as opened,
             self._accessing(_Saving),
         ):
@@ -190,7 +190,6 @@ class _Loading:
     def adapter(self, attr, obj):  # skorch reads the file next
         if self.files is None:
             self.files = self._files()
-            _files.check_same_save([*self.files.values(), self.f_history])
         self.reading = self.files.get(attr)
         check_readable(self.reading)
         if self.mmap:

@@ -8,9 +8,11 @@ than guessed at. Reading refuses pickles that would run code and maps torch
 files into memory.
 """
 
+import collections
 import json
 import os
 import pickle
+import pickletools
 import zipfile
 from collections.abc import Mapping
 
@@ -214,11 +216,17 @@ def read_error(f, exc, *, weights_only, use_safetensors=False):
             )
         return None
     if isinstance(exc, pickle.UnpicklingError):
-        if weights_only and any(hint in str(exc).lower() for hint in _REFUSALS):
+        # torch's unpickler stops at protocol 4's first frame, before the
+        # global of a plain pickle: those it would call are read here
+        refused = any(hint in str(exc).lower() for hint in _REFUSALS)
+        calls = [] if refused or not weights_only else _plain_pickle_calls(f) or []
+        if weights_only and (refused or calls):
+            more = f" and {len(calls) - _SHOWN} more" if len(calls) > _SHOWN else ""
+            named = f" (it calls {', '.join(calls[:_SHOWN])}{more})" if calls else ""
             return CheckpointError(
-                f"Refused to load {f}: it holds objects whose unpickling would run code, "
-                "and files are loaded with weights_only=True. If you trust the file and "
-                "its source, pass torch_load_kwargs={'weights_only': False} to the net."
+                f"Refused to load {f}: it holds objects whose unpickling would run "
+                f"code{named}, and files are loaded with weights_only=True. If you trust the "
+                "file and its source, pass torch_load_kwargs={'weights_only': False} to the net."
             )
     elif isinstance(exc, (RuntimeError, EOFError, ValueError, zipfile.BadZipFile)):
         return CheckpointError(
@@ -233,6 +241,56 @@ def read_error(f, exc, *, weights_only, use_safetensors=False):
         f"{f} is not a readable torch file (corrupt?{_safetensors_hint(f)}): "
         f"{type(exc).__name__}: {exc}"
     )
+
+
+# the opcodes that push the name of a module or of a global, for STACK_GLOBAL
+_STRINGS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE"}
+_STORE = {"MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"}
+_FETCH = {"GET", "BINGET", "LONG_BINGET"}
+
+
+def _plain_pickle_calls(f):
+    """The globals (``module.name``) that the pickle ``f``, not a torch zip
+    file, imports in order to call them, read without unpickling; None where
+    ``f`` is no whole pickle."""
+    if not _is_path(f) or zipfile.is_zipfile(f):
+        return None
+    calls, pushed, memo = [], collections.deque(maxlen=2), {}
+    try:
+        with open(f, "rb") as file:
+            size = os.fstat(file.fileno()).st_size
+            for op, arg, _ in pickletools.genops(_Bounded(file, size)):
+                if op.name in ("GLOBAL", "INST"):
+                    calls.append(arg.replace(" ", "."))
+                elif op.name == "STACK_GLOBAL":
+                    names = list(pushed)
+                    known = len(names) == 2 and all(isinstance(n, str) for n in names)
+                    calls.append(".".join(names) if known else "a global")
+                elif op.name in _STORE:
+                    memo[len(memo) if arg is None else arg] = pushed[-1] if pushed else None
+                elif op.name not in ("PROTO", "FRAME"):
+                    strings = op.name in _STRINGS
+                    pushed.append(arg if strings else memo.get(arg) if op.name in _FETCH else None)
+            whole = file.tell() == size  # garbage that parses rarely ends at its STOP
+    except (OSError, ValueError, EOFError):
+        return None
+    return list(dict.fromkeys(calls)) if whole else None
+
+
+class _Bounded:
+    """A file whose reads stop at its end: the length of an argument in
+    garbage may be any number, which ``read`` would allocate first."""
+
+    _LINE = 1 << 16  # the text opcodes' arguments are names and numbers
+
+    def __init__(self, file, size):
+        self._file, self._size = file, size
+
+    def read(self, n=-1):
+        return self._file.read(min(n, self._size) if n >= 0 else self._size)
+
+    def readline(self):
+        return self._file.readline(self._LINE)
 
 
 def _safetensors_hint(f):

@@ -54,6 +54,33 @@ def bad_input_raises_on_every_rank():
 
 
 @checks
+def files_of_separate_saves_load_on_every_rank():
+    """As in skorch, load_params loads the files it is given, whichever saves
+    wrote them, and save_params writes no file it was not given."""
+    if rank == 0:
+        Path("separate").mkdir()
+    accelerator.wait_for_everyone()
+    net.save_params(f_params="separate/params_e1.pt", f_optimizer="separate/opt_e1.pt")
+    net.save_params(f_params="separate/params_e2.pt")
+    net.save_params(f_optimizer="separate/opt_e3.pt")
+    net.save_params(f_params="separate/params_e1.pt")  # alone, after the joint save
+    fresh = AcceleratedNet(MLP, accelerator=accelerator).initialize()
+    return {
+        "separate": error_and_seconds(
+            lambda: fresh.load_params(
+                f_params="separate/params_e2.pt", f_optimizer="separate/opt_e3.pt"
+            )
+        )["error"],
+        "saved_again": error_and_seconds(
+            lambda: fresh.load_params(
+                f_params="separate/params_e1.pt", f_optimizer="separate/opt_e1.pt"
+            )
+        )["error"],
+        "files": sorted(os.listdir("separate")),
+    }
+
+
+@checks
 def unwritable_target_keeps_the_previous_file():
     before = Path("good.pt").read_bytes()
     locked = rank != 0 or subprocess.run(["chattr", "+i", "."], check=False).returncode == 0
