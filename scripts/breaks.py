@@ -344,8 +344,8 @@ BREAKS = [
         "coordination",
         "a waiting rank never looks at whether the others are still there",
         "accel_mixin/distributed/coordination.py",
-        "                if gone is not None:\n                    self._lost(what, *gone)",
-        "                if False:\n                    self._lost(what, *gone)",
+        "                if gone is not None and self.store.add(key, 0) < self.num_processes:",
+        "                if False:",
         ("tests/test_coordination.py",),
     ),
     launched(
@@ -356,6 +356,64 @@ BREAKS = [
         "        atexit.register(_stop_at_exit)\n",
         "",
         ("tests/test_exit.py::test_a_job_exits_cleanly_mid_store_call",),
+    ),
+    launched(
+        "coordination-quiet-rank-is-gone",
+        "coordination",
+        "a rank whose key stood still a few beats is taken for gone, as a missed-beat window would",
+        "accel_mixin/distributed/coordination.py",
+        "            if rank in ended or (identity and exited(identity)):",
+        "            if rank in ended or (identity and exited(identity)) or rank in [\n"
+        "                r for r, *_ in self.unresponsive()\n            ]:",
+        (
+            "tests/test_coordination.py::"
+            "test_a_paused_rank_is_waited_for_then_named_unresponsive_not_gone",
+            "tests/test_liveness.py::test_a_rank_paused_or_holding_the_gil_for_20_s_is_waited_for",
+        ),
+    ),
+    launched(
+        "coordination-transport-error-raw",
+        "coordination",
+        "an error of gloo's transport as a peer ends is raised as it is, naming no rank",
+        "accel_mixin/distributed/coordination.py",
+        "        lost = coordinator.lost_in_transport(exc, self.what)\n",
+        "        lost = None\n",
+        ("tests/test_liveness.py::test_a_rank_that_ends_in_any_phase_is_named_on_two_machines",),
+    ),
+    launched(
+        "liveness-lifeline-ignored",
+        "liveness",
+        "a proven line that the kernel closed does not count: only process ids tell",
+        "accel_mixin/distributed/liveness.py",
+        '        if line.verified:\n            return data == b""\n',
+        "        if line.verified:\n            return False\n",
+        (
+            "tests/test_coordination.py::"
+            "test_a_rank_whose_lifeline_was_reset_is_gone_whatever_its_process_id_says",
+            "tests/test_liveness.py::"
+            "test_a_peer_in_another_pid_namespace_that_ends_is_named_within_seconds",
+        ),
+    ),
+    Break(
+        "liveness-unproven-line-counts",
+        "liveness",
+        "a line that never carried the rank's token counts, and its close means an end",
+        "accel_mixin/distributed/liveness.py",
+        '        if line.verified:\n            return data == b""\n',
+        '        if line.verified or data != line.token:\n            return data == b""\n',
+        ("tests/test_coordination.py::test_a_line_to_something_else_than_the_rank_proves_nothing",),
+    ),
+    Break(
+        "liveness-pid-by-hostname",
+        "liveness",
+        "a process id is looked up whatever boot and PID namespace it is of",
+        "accel_mixin/distributed/liveness.py",
+        '    if mine is None or where != mine.rpartition("/")[0] or not pid.isdigit():',
+        "    if mine is None or not pid.isdigit():",
+        (
+            "tests/test_coordination.py::"
+            "test_a_process_id_of_another_boot_or_pid_namespace_is_never_looked_at",
+        ),
     ),
     Break(
         "liveness-dead-pid-alive",

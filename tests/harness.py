@@ -29,6 +29,7 @@ LAUNCHED = Path(__file__).resolve().parent / "launched"
 __all__ = [
     "LAUNCHED",
     "Launch",
+    "can_isolate",
     "check_values",
     "free_port",
     "run_nodes",
@@ -111,12 +112,25 @@ def run_plain(script, *args, timeout=180, env=None):
     return _launch([None], script, args, 1, timeout, False, env)
 
 
-def run_nodes(script, *args, nodes=2, timeout=180, env=None):
+ISOLATED = ["unshare", "--pid", "--fork", "--mount-proc"]
+
+
+def can_isolate():
+    """Whether ``unshare`` may give a command a PID namespace of its own here."""
+    try:
+        return subprocess.run([*ISOLATED, "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def run_nodes(script, *args, nodes=2, timeout=180, env=None, isolated=()):
     """Run ``script`` as if on ``nodes`` machines of one process each.
 
     Each node is its own ``torchrun --nnodes N --node_rank k``, started in its
     own working directory (``node0``, ``node1``, ...), as machines without a
-    shared filesystem would be.
+    shared filesystem would be. The nodes in ``isolated`` run in a PID
+    namespace of their own (``unshare``), with this hostname: a container
+    with the host's network, as Docker's ``--network host`` starts one.
     """
     port = free_port()
     per_node = [
@@ -129,10 +143,10 @@ def run_nodes(script, *args, nodes=2, timeout=180, env=None):
         ]
         for k in range(nodes)
     ]
-    return _launch(per_node, script, args, nodes, timeout, True, env)
+    return _launch(per_node, script, args, nodes, timeout, True, env, isolated)
 
 
-def _launch(launchers, script, args, world_size, timeout, cpu_env, env):
+def _launch(launchers, script, args, world_size, timeout, cpu_env, env, isolated=()):
     script = Path(script)
     if not script.is_absolute():
         script = LAUNCHED / script
@@ -167,6 +181,8 @@ def _launch(launchers, script, args, world_size, timeout, cpu_env, env):
                     "--tee=3",
                     f"--log-dir={tmp / f'logs{k}'}",
                 ]
+            if k in isolated:
+                cmd[:0] = ISOLATED
             with open(logs[-1], "wb") as log:
                 procs.append(
                     subprocess.Popen(

@@ -3,6 +3,7 @@
 The same over real processes: test_multiprocess.py and test_sync.py.
 """
 
+import socket
 import subprocess
 import sys
 import threading
@@ -221,43 +222,114 @@ def test_a_run_without_progress_fails_on_every_rank_after_its_io_timeout():
     assert "save_params failed on rank 0: Stalled: save_params of p.pt made no" in str(exc1)
 
 
-def test_a_rank_whose_process_ended_is_named_within_seconds():
-    rank0, rank1 = pair(timeout=30)
-    ended = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
+def _ended_process():
+    """The identity of a process of this machine that ended."""
+    return subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from accel_mixin.distributed import liveness; print(liveness.process_identity())",
+        ],
         capture_output=True,
         text=True,
         check=True,
     ).stdout.strip()
-    host = liveness.HOST
-    del rank1  # its presence stops; its last value names a process that ended
-    time.sleep(0.1)
-    rank0.store.set("presence/1", f"7 {host} {ended}|in predict")
+
+
+def test_a_rank_whose_process_ended_is_named_within_seconds():
+    rank0, rank1 = pair(timeout=30)
+    ended = _ended_process()
+    assert ended.count("/") == 2 and ended != liveness.process_identity()
+    rank1._presence.stopped.set()  # pylint: disable=protected-access
+    rank1._presence.join()  # pylint: disable=protected-access
+    rank0.lifelines.close()  # the process id alone tells
+    rank0.lifelines = None
+    rank0.store.set("presence/1", f"7 {ended}|in predict")
     start = time.monotonic()
-    with pytest.raises(DistributedError, match=r"rank 1 is gone .*, last seen in predict"):
+    with pytest.raises(
+        DistributedError, match=r"rank 1 is gone \(its process ended\), last seen in predict"
+    ):
         rank0.barrier("save_params")
     assert time.monotonic() - start < 5
 
 
-def test_a_rank_that_stopped_answering_is_named():
-    # another machine's process: no process id to look at, its key stands still
+def test_a_process_id_of_another_boot_or_pid_namespace_is_never_looked_at():
+    # a peer with this hostname in another container: its process id, looked
+    # up here, may be no process, or another one
+    boot, namespace, _ = _ended_process().split("/")
+    assert liveness.exited(f"{boot}/{namespace}/999999999")  # no such process here
+    assert not liveness.exited(f"{boot}/pid:[1]/999999999")  # another PID namespace
+    assert not liveness.exited(f"another-boot/{namespace}/999999999")  # another machine
+    assert not liveness.exited("-")  # a system that did not say
+
+
+def _wait_for_lines(*coordinators):
+    deadline = time.monotonic() + 10
+    while not all(
+        line.verified for c in coordinators for line in list(c.lifelines.lines.values())
+    ) or not all(c.lifelines.lines for c in coordinators):
+        assert time.monotonic() < deadline, "the lifelines never came up"
+        for c in coordinators:
+            c.lifelines.ended()
+        time.sleep(0.05)
+
+
+def test_a_rank_whose_lifeline_was_reset_is_gone_whatever_its_process_id_says():
+    # another machine, or another PID namespace: no process id to look at;
+    # the kernel closes the rank's lines when its process ends
     rank0, rank1 = pair(timeout=30)
-    rank0.dead_after = 1.0
-    del rank1
-    time.sleep(0.1)
-    rank0.store.set("presence/1", "7 otherhost 123|after fit")
+    _wait_for_lines(rank0, rank1)
+    rank1.lifelines.close()  # what the kernel does at the end of rank 1's process
+    rank0.store.set("presence/1", "7 another-boot/pid:[1]/123|after fit")
     start = time.monotonic()
-    with pytest.raises(DistributedError, match=r"rank 1 is gone .*, last seen after fit"):
+    with pytest.raises(
+        DistributedError, match=r"rank 1 is gone \(its process ended\), last seen after fit"
+    ):
         rank0.barrier("on_epoch_end")
-    assert 1.0 <= time.monotonic() - start < 5
+    assert time.monotonic() - start < 5
+
+
+def test_a_line_to_something_else_than_the_rank_proves_nothing():
+    # an address that does not reach the rank (its host's loopback, seen
+    # from another machine) may reach another listener, which then closes
+    store = dist.HashStore()
+    with socket.create_server(("127.0.0.1", 0)) as stranger:
+        port = stranger.getsockname()[1]
+        store.set("lifeline/1", f"{port} 1-abcdef 127.0.0.1")
+        lifelines = liveness.Lifelines(store, 0, 2)
+        lifelines.connect()
+        conn, _ = stranger.accept()
+        conn.sendall(b"something else\n")
+        conn.close()
+        time.sleep(0.2)
+        assert lifelines.ended() == []
+        assert 1 not in lifelines.lines
+        lifelines.close()
+
+
+def test_a_paused_rank_is_waited_for_then_named_unresponsive_not_gone():
+    # rank 1 lives (its lines stay up) but its presence thread, like a
+    # process paused or holding the GIL, no longer sets its key
+    rank0, rank1 = pair(timeout=3)
+    _wait_for_lines(rank0, rank1)
+    paused = threading.Event()
+    rank1._presence.announce = lambda coordinator: paused.wait(20)  # pylint: disable=protected-access
+    time.sleep(1.5)
+    start = time.monotonic()
+    with pytest.raises(DistributedError) as raised:
+        rank0.barrier("on_epoch_end")
+    paused.set()
+    assert time.monotonic() - start >= 2.9  # the whole timeout
+    message = str(raised.value)
+    assert "rank 1 is gone" not in message
+    assert "Rank 1 is unresponsive: its process lives, but has not answered for" in message
 
 
 def test_a_live_rank_keeps_the_others_waiting():
     rank0, rank1 = pair(timeout=30)
-    rank0.dead_after = 0.5  # beats come every second: a key unchanged for longer...
 
     def late():
-        time.sleep(1.5)  # ...would be gone, but rank 1's process is this one, alive
+        time.sleep(1.5)
         rank1.barrier("b")
 
     results = run_ranks(lambda: rank0.barrier("b"), late)

@@ -1,10 +1,14 @@
 """A rank that dies or leaves is noticed within seconds by the others, in
 the two-agent layout of two machines (each torchrun agent keeps its own
-worker alive) and in one agent's, with the process group's default timeout
-(``launched/dead_rank.py``)."""
+worker alive), with one of them in a PID namespace of its own (a container
+with the host's network), and in one agent's, with the process group's
+default timeout (``launched/dead_rank.py``); in every phase, the epoch-end
+exchange and an asynchronous save in flight among them. A rank that lives
+but does not answer, paused or holding the GIL, is waited for and the job
+finishes (``launched/liveness_run.py``)."""
 
 import pytest
-from harness import free_port, run_nodes, run_processes
+from harness import can_isolate, free_port, run_nodes, run_processes
 
 pytestmark = pytest.mark.multiprocess
 
@@ -25,6 +29,71 @@ def test_the_surviving_machine_raises_naming_the_rank_that_is_gone(mode, what, w
     assert rank0["error"].startswith(f"DistributedError: {what}"), rank0
     assert "rank 1 is gone" in rank0["error"] and f"last seen {where}" in rank0["error"]
     assert rank0["seconds"] < 30  # the process group's timeout is 30 minutes
+
+
+needs_namespaces = pytest.mark.skipif(
+    not can_isolate(), reason="unshare may not make PID namespaces here"
+)
+
+
+@needs_namespaces
+def test_a_peer_in_another_pid_namespace_with_this_hostname_is_not_taken_for_gone():
+    # its process id means nothing here: looked up, it may be no process
+    launch = run_nodes("liveness_run.py", "healthy", timeout=150, isolated=(1,))
+    for rank in launch.check():
+        assert rank["error"] is None
+
+
+@needs_namespaces
+def test_a_peer_in_another_pid_namespace_that_ends_is_named_within_seconds():
+    launch = run_nodes("dead_rank.py", "kill-before-save", timeout=120, isolated=(1,))
+    assert not launch.timed_out, launch.describe()
+    rank0 = launch.ranks[0]
+    assert rank0 is not None, launch.describe()
+    assert rank0["error"].startswith("DistributedError: save_params: rank 1 is gone"), rank0
+    assert rank0["seconds"] < 30  # the process group's timeout is 30 minutes
+
+
+def test_a_rank_paused_or_holding_the_gil_for_20_s_is_waited_for():
+    # beyond any window of missed beats: the process lives, so it is no loss
+    launch = run_processes("liveness_run.py", "busy", timeout=170)
+    rank0, rank1 = launch.check()
+    assert rank0["error"] is None and rank1["error"] is None
+    assert rank1["gil"] >= 19.5 and rank1["paused"] >= 19.5
+    assert rank0["seconds"] > 40  # it did wait for rank 1
+
+
+@pytest.mark.parametrize(
+    ("mode", "what"),
+    [("kill-in-exchange", "on_epoch_end"), ("kill-async-in-flight", "partial_fit")],
+)
+def test_a_rank_that_ends_in_any_phase_is_named_on_two_machines(mode, what):
+    # gloo's own error there was "Connection reset by peer ... GLHF!"
+    launch = run_nodes("liveness_run.py", mode, timeout=120)
+    assert not launch.timed_out, launch.describe()
+    rank0 = launch.ranks[0]
+    assert rank0 is not None, launch.describe()
+    assert rank0["error"].startswith(f"DistributedError: {what}: rank 1 is gone"), rank0
+    assert rank0["seconds"] < 30
+
+
+@pytest.mark.parametrize("mode", ["kill-in-exchange", "kill-async-in-flight"])
+def test_a_rank_that_ends_in_any_phase_is_named_on_one_machine(mode):
+    # the agent stops the survivors once it sees a worker fail: here it looks
+    # once a minute, so that rank 0 reports first, then ends the agent itself
+    launch = run_processes(
+        "liveness_run.py",
+        mode,
+        timeout=120,
+        launcher_args=["--monitor-interval=60"],
+        env={"LIVENESS_END_AGENT": "1"},
+    )
+    assert not launch.timed_out, launch.describe()
+    assert launch.returncode != 0
+    rank0 = launch.ranks[0]
+    assert rank0 is not None, launch.describe()
+    assert rank0["error"].startswith("DistributedError: "), rank0
+    assert "rank 1 is gone (its process ended)" in rank0["error"]
 
 
 @pytest.mark.parametrize("mode", ["kill-before-save", "raise-before-save"])

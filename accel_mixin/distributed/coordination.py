@@ -16,11 +16,17 @@ A barrier's outcome is the same on every rank: each adds its arrival to a
 counter and polls it (``Store.wait`` with a timeout prints a C++ warning
 each time); a rank that gives up takes its arrival back and fails the
 section, so a slower rank arriving afterwards raises too. Besides the
-timeout, a wait ends once a rank is gone (``liveness.Presence``: its process
-ended, or its key stood still for ``DEAD_AFTER_BEATS`` beats), and lasts as
+timeout, a wait ends once a rank is gone: its process ended (``liveness``:
+its lifeline was reset, or its process id on this machine is no more). A rank
+that lives but does not answer (paused, or busy in a call that holds the GIL)
+is waited for up to the timeout, then named as unresponsive. A wait lasts as
 long as a ``run`` (a save, a load) advances under ``liveness.supervised``:
 the process group's timeout, which users shorten so that errors in steps
 surface fast, never cuts a slow save short.
+
+An error of the transport (gloo's "Connection reset by peer") in a section,
+while a rank is gone, is raised as the ``DistributedError`` that names it, as
+a barrier would: every phase reports a dead peer alike.
 """
 
 import contextlib
@@ -30,7 +36,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from accel_mixin.distributed.liveness import Presence, exited, supervised
+from accel_mixin.distributed.liveness import Lifelines, Presence, exited, supervised
 from accel_mixin.errors import DistributedError, Preempted
 from accel_mixin.internals import default_store
 
@@ -46,7 +52,12 @@ COLLECTIVE = (
     "load_params, save_state, load_state, wait_for_saves, wait_for_everyone"
 )
 _BEAT_SECONDS = 1.0
-DEAD_AFTER_BEATS = 15
+# a rank whose key stood still this many beats is called unresponsive when a
+# wait times out; it is never taken for gone
+_QUIET_BEATS = 3
+# after an error of the transport, how long the lifelines get to say which
+# rank ended: its kernel resets the lines as it resets gloo's
+_TRANSPORT_GRACE = 2.0
 
 
 def failure_message(what, rank, exc):
@@ -80,9 +91,10 @@ class Coordinator:
         self._peers = {}  # the others' presence as last seen: rank -> (value, since)
         self._last_call = None
         self.beat = min(_BEAT_SECONDS, timeout / 8)
-        self.dead_after = DEAD_AFTER_BEATS * self.beat
-        self._presence = None
+        self._presence = self.lifelines = None
         if self.store is not None:
+            with contextlib.suppress(OSError):  # no socket: process ids alone tell
+                self.lifelines = Lifelines(self.store, process_index, num_processes)
             self._presence = Presence(self)
             self._presence.start()
 
@@ -164,8 +176,8 @@ class Coordinator:
                 return self.store.get(key).decode()
         return None
 
-    def gone(self):
-        """A rank that is gone, as ``(rank, its last call)``, or None."""
+    def _look(self):
+        """Read the others' presence keys: rank -> ``(value, unchanged since)``."""
         now = time.monotonic()
         for rank in range(self.num_processes):
             if rank == self.process_index:
@@ -174,10 +186,46 @@ class Coordinator:
             value = self.store.get(key).decode() if self.store.check([key]) else None
             seen = self._peers.get(rank)
             if seen is None or seen[0] != value:
-                self._peers[rank] = seen = (value, now)
-            if (value is not None and exited(value)) or now - seen[1] > self.dead_after:
-                return rank, value.split("|", 1)[-1] if value else "before any collective call"
+                self._peers[rank] = (value, now)
+        return self._peers
+
+    def gone(self):
+        """A rank whose process ended, as ``(rank, its last call)``, or None."""
+        ended = set(self.lifelines.ended()) if self.lifelines is not None else set()
+        for rank, (value, _) in self._look().items():
+            identity = value.split("|", 1)[0].partition(" ")[2] if value else ""
+            if rank in ended or (identity and exited(identity)):
+                return rank, _last_seen(value)
         return None
+
+    def unresponsive(self):
+        """The ranks whose presence key stood still for a while, as
+        ``(rank, seconds, last call)``: alive as far as anyone can tell,
+        but not answering (paused, or busy in a call that holds the GIL)."""
+        now = time.monotonic()
+        return [
+            (rank, now - since, _last_seen(value))
+            for rank, (value, since) in sorted(self._look().items())
+            if now - since > _QUIET_BEATS * self.beat
+        ]
+
+    def lost_in_transport(self, exc, what):
+        """The ``DistributedError`` naming a rank that is gone, for an error
+        of the transport ``exc`` in ``what`` (gloo's, as a peer's process
+        ended); None if ``exc`` is none, or no rank is gone."""
+        if not self.distributed or not isinstance(exc, RuntimeError):
+            return None
+        if isinstance(exc, DistributedError) or not _of_transport(exc):
+            return None
+        deadline = time.monotonic() + _TRANSPORT_GRACE
+        while True:
+            with contextlib.suppress(Exception):  # the store may be gone too
+                gone = self.gone()
+                if gone is not None:
+                    return DistributedError(self._lost_message(what, *gone))
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
 
     def barrier(self, what, patience=None):
         """Wait for every rank, or raise ``DistributedError`` as soon as one
@@ -230,8 +278,9 @@ class Coordinator:
             if now > presence:
                 presence = now + _PRESENCE_EVERY
                 gone = self.gone()
-                if gone is not None:
-                    self._lost(what, *gone)
+                # a rank that arrived and then ended (its job done) is no loss
+                if gone is not None and self.store.add(key, 0) < self.num_processes:
+                    self._raise(self._lost_message(what, *gone))
             # some rank's run in one of these sections advances: wait on
             advanced = sum(self.store.add(k + "/alive", 0) for k, *_ in self._open)
             if advanced != progress:
@@ -240,11 +289,11 @@ class Coordinator:
                 self._give_up(key, what, patience)
                 return
 
-    def _lost(self, what, rank, where):
-        self._raise(
-            f"{what}: rank {rank} is gone (its process ended, or stopped answering for "
-            f"{self.dead_after:.0f} s), last seen {where}; the other ranks cannot "
-            "go on without it. Its own output says why it ended."
+    @staticmethod
+    def _lost_message(what, rank, where):
+        return (
+            f"{what}: rank {rank} is gone (its process ended), last seen {where}; the "
+            "other ranks cannot go on without it. Its own output says why it ended."
         )
 
     def _give_up(self, key, what, patience):
@@ -252,10 +301,17 @@ class Coordinator:
         if self.store.add(key, -1) + 1 >= self.num_processes:
             self.store.add(key, 1)  # everyone had arrived after all: pass
             return
+        quiet = "".join(
+            f" Rank {rank} is unresponsive: its process lives, but has not answered "
+            f"for {seconds:.0f} s (paused, or busy in a call that holds the GIL), last "
+            f"seen {where}."
+            for rank, seconds, where in self.unresponsive()
+        )
         self._raise(
             f"{what}: rank {self.process_index} waited {patience:.0f} s for the "
-            "other ranks, which neither arrived nor reported a failure. Every rank must "
-            f"make the same collective calls ({COLLECTIVE})"
+            f"other ranks, which neither arrived nor reported a failure.{quiet} Every "
+            f"rank must make the same collective calls ({COLLECTIVE}); the process "
+            "group's timeout (InitProcessGroupKwargs) sets how long a rank is waited for"
         )
 
     def run(self, fn, *, what, here=True, io_timeout=None, files=None):
@@ -284,6 +340,24 @@ class Coordinator:
             # its error, which says what stalled, reaches them first
             self.barrier(what, max(self.timeout, io_timeout) + _report_grace(io_timeout))
         return result
+
+
+def _last_seen(value):
+    return value.split("|", 1)[-1] if value else "before any collective call"
+
+
+def _of_transport(exc):
+    """Whether ``exc`` is the process group's transport failing (a peer's
+    connection closed or reset), which a peer's end causes."""
+    if isinstance(
+        exc, (getattr(dist, "DistNetworkError", ()), getattr(dist, "DistBackendError", ()))
+    ):
+        return True
+    text = str(exc)
+    return any(sign in text for sign in _TRANSPORT_SIGNS)
+
+
+_TRANSPORT_SIGNS = ("Connection reset by peer", "Connection closed by peer", "gloo", "Broken pipe")
 
 
 def _report_grace(io_timeout):
@@ -316,6 +390,10 @@ class _Section:
         # a stop every rank takes is no failure
         if exc_type is None or issubclass(exc_type, (KeyboardInterrupt, GeneratorExit, Preempted)):
             return False
+        lost = coordinator.lost_in_transport(exc, self.what)
+        if lost is not None:
+            coordinator._publish(self.key, str(lost))
+            raise lost from exc
         # another rank's failure learned in an inner section is passed on as
         # it is, for ranks that left the inner section otherwise
         if issubclass(exc_type, DistributedError):
