@@ -78,9 +78,12 @@ class TrainingCheckpoint(_RunCallback):
     content (hyperparameters that differ from their defaults, a hash of all
     of the data; ``accel_mixin.resume.runs``), and its files go to
     ``dirname/run-<id>/`` (``run-<run_name>-<id>/``) with a ``manifest.json``
-    of the identity, the epochs saved and the run's status. A file is named
-    after its epoch (``training-state-000012.pt``) and renamed into place
-    when complete, so ``ResumeTraining`` never picks a half-written one.
+    of the identity, the epochs saved and the run's status. The folder is
+    created when the first epoch begins, once every callback's
+    ``on_train_begin`` succeeded: a fit that fails before leaves none. A
+    file is named after its epoch (``training-state-000012.pt``) and renamed
+    into place when complete, so ``ResumeTraining`` never picks a
+    half-written one.
 
     On a preemption notice (one of ``signals``, on any rank), every rank
     stops at the same batch (at the next optimizer step under gradient
@@ -128,6 +131,8 @@ class TrainingCheckpoint(_RunCallback):
       identity and folder, which ``ResumeTraining(run=...)`` accepts. It
       stands for what the identity cannot describe by content: a named fit
       with such a value resumes, an unnamed one starts afresh every time.
+      Fits that differ otherwise (other data) are runs of their own under
+      the same name, each in its own folder.
 
     Attributes
     ----------
@@ -171,6 +176,7 @@ class TrainingCheckpoint(_RunCallback):
         # process-local, never part of a training state (no trailing _)
         self._notices = None
         self._stop = False
+        self._folder_due = False  # the run folder is to be made at the next epoch's begin
         self.run_ = None
         self.run_folder_ = None
         return self
@@ -180,6 +186,16 @@ class TrainingCheckpoint(_RunCallback):
         self.run_ = _fit_identity(net, X, y)
         run_folders(self.dirname)  # a clear error where dirname is a file
         self.run_folder_ = os.path.join(self.dirname, self.run_.folder)
+        self._folder_due = True
+
+    def on_epoch_begin(self, net, **kwargs):
+        # not at train begin: a callback after this one may still fail
+        # there, and an empty run folder left by a failed fit would be one
+        # more run of its name. Once per fit: a folder removed later is an
+        # error at the next save, not a new folder
+        if not self._folder_due:
+            return
+        self._folder_due = False
         try:
             os.makedirs(self.run_folder_, exist_ok=True)
         except OSError as exc:
@@ -292,6 +308,8 @@ class TrainingCheckpoint(_RunCallback):
             net.wait_for_saves()
         if self.run_ is None or not writes_files(net.accelerator):
             return
+        if self._folder_due and not os.path.isdir(self.run_folder_):
+            return  # no epoch began and nothing resumed: no run to record
         if stopped_early(net.callbacks_):
             status = "stopped early"
         elif len(net.history) >= net.max_epochs:
@@ -328,7 +346,10 @@ class ResumeTraining(_RunCallback):
       or the name of its folder without ``run-``. While this run has no
       training state of its own, training starts from the newest state of
       that run; its checkpoints go to this run's own folder, so a rerun
-      after a crash resumes this run.
+      after a crash resumes this run. The name this fit's own
+      ``TrainingCheckpoint`` gives names this fit's own run (a fit on other
+      data under that name starts afresh, as a run of its own); a name that
+      several other runs share raises: pass the id of one of them.
 
     sink : callable (default=print)
       Where the line about a new run next to older ones goes; silent when
@@ -357,15 +378,18 @@ class ResumeTraining(_RunCallback):
         own = os.path.join(self.dirname, identity.folder)
         if identity.key in runs:
             read_manifest(own)  # a clear error where it was edited
+        source = None  # the other run this one continues, if any
         if self.run is not None:
-            wanted = find_run(runs, self.run)
+            wanted = find_run(runs, self.run, own=identity)
             if wanted is None:
                 raise CheckpointError(
                     f"ResumeTraining(run={self.run!r}): {self.dirname} holds no run {self.run} "
                     f"(it holds {sorted(runs) or 'none'}); pass the id or the name of one of "
                     "them, or the name of its folder without 'run-'."
                 )
-            read_manifest(runs[wanted])
+            if wanted != identity.key:
+                source = runs[wanted]
+                read_manifest(source)
         if identity.refused and identity.name is None and net.accelerator.is_main_process:
             # the same text for every such fit: Python shows it once
             warnings.warn(
@@ -380,8 +404,8 @@ class ResumeTraining(_RunCallback):
         # raises if a callback before this one failed on some rank
         net.wait_for_everyone("ResumeTraining")
         path = agreed_checkpoint(own, net.accelerator)
-        if path is None and self.run is not None:
-            path = agreed_checkpoint(runs[wanted], net.accelerator)
+        if path is None and source is not None:
+            path = agreed_checkpoint(source, net.accelerator)
         if path is not None:
             net.load_state(path)
             self.resumed_from_ = path

@@ -1031,6 +1031,47 @@ BREAKS = [
         ("tests/test_runs.py", "-m", "not multiprocess"),
     ),
     Break(
+        "describe-dataset-rows-read-by-chance",
+        "describe",
+        "a Dataset's rows are read with the generators as they are: an augmenting Dataset "
+        "fingerprints differently on every rank and takes draws from training",
+        "accel_mixin/resume/describe.py",
+        "            with fixed_random_state(describer.dataset_generators.values()):\n",
+        "            with contextlib.nullcontext():\n",
+        ("tests/test_runs.py", "-m", "not multiprocess"),
+    ),
+    Break(
+        "describe-dataset-generators-by-state",
+        "describe",
+        "a generator a Dataset holds is described by its state: a Dataset seeded per rank "
+        "makes the ranks fit different runs",
+        "accel_mixin/resume/describe.py",
+        "            if self._inside_datasets:\n",
+        "            if False:\n",
+        ("tests/test_runs.py", "-m", "not multiprocess"),
+    ),
+    Break(
+        "runs-own-name-not-own-run",
+        "runs",
+        "run= with the fit's own run_name means another run of that name: other data "
+        "under the name continues the old run",
+        "accel_mixin/resume/runs.py",
+        "    if own is not None and wanted in (own.key, own.id, own.name):\n",
+        "    if False:\n",
+        ("tests/test_runs.py", "-m", "not multiprocess"),
+    ),
+    Break(
+        "callbacks-run-folder-at-train-begin",
+        "callbacks",
+        "the run folder is created at train begin: a fit that fails there leaves an empty "
+        "run folder, one more run of its name",
+        "accel_mixin/callbacks.py",
+        "        self.run_folder_ = os.path.join(self.dirname, self.run_.folder)\n",
+        "        self.run_folder_ = os.path.join(self.dirname, self.run_.folder)\n"
+        "        os.makedirs(self.run_folder_, exist_ok=True)\n",
+        ("tests/test_runs.py", "-m", "not multiprocess"),
+    ),
+    Break(
         "runs-num-workers-counted",
         "runs",
         "more DataLoader workers start a new run",

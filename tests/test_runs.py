@@ -7,6 +7,7 @@ import copy
 import inspect
 import json
 import os
+import random
 import tempfile
 from pathlib import Path
 
@@ -282,6 +283,79 @@ def test_a_value_that_cannot_be_described_is_never_resumed(data, tmp_path):
     assert [trained(net) for net in named] == [3, 0]
 
 
+class Augmenting(torch.utils.data.Dataset):
+    """Rows with noise from the global generators and from generators of its
+    own, each seeded with ``seed``, as a Dataset seeded per rank is."""
+
+    def __init__(self, X, y, seed):
+        self.X, self.y = X, y
+        self.own = [
+            np.random.default_rng(seed),
+            np.random.RandomState(seed),
+            torch.Generator().manual_seed(seed),
+            random.Random(seed),
+        ]
+
+    def __len__(self):
+        return len(self.X)
+
+    def __getitem__(self, i):
+        numpy, legacy, torch_, python = self.own
+        noise = (
+            np.random.normal()
+            + random.random()
+            + numpy.normal()
+            + legacy.normal()
+            + python.random()
+            + torch.randn(1, generator=torch_).item()
+        )
+        return torch.as_tensor(self.X[i]) + float(noise + torch.randn(1).item()), self.y[i]
+
+
+def generator_states(dataset):
+    """The states of the global generators and of those ``dataset`` holds."""
+    numpy, legacy, torch_, python = dataset.own
+    return [
+        random.getstate(),
+        np.random.get_state(legacy=False),
+        torch.get_rng_state(),
+        numpy.bit_generator.state,
+        legacy.get_state(legacy=False),
+        torch_.get_state(),
+        python.getstate(),
+    ]
+
+
+def same_states(first, second):
+    def text(states):
+        return json.dumps(states, sort_keys=True, default=lambda array: array.tolist())
+
+    return text(first) == text(second)
+
+
+def test_a_dataset_that_augments_at_random_has_one_fingerprint_and_takes_no_draw(data):
+    """Whatever the seeds, of the global generators and of the Dataset's own,
+    the fingerprint is the same, and every generator is left as it was."""
+    X, y = data
+    prints = set()
+    for seed in (0, 1, 2):
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+        dataset = Augmenting(X, y, seed)
+        before = generator_states(dataset)
+        prints.add(fingerprint(dataset)["sha256"])
+        assert same_states(generator_states(dataset), before)
+        dataset[0]  # the draws go on from where they were
+        assert not same_states(generator_states(dataset), before)
+    assert len(prints) == 1
+    # still the data: other rows, another fingerprint
+    assert fingerprint(Augmenting(X + 1, y, 0))["sha256"] not in prints
+    # a generator outside a Dataset is described by its state
+    splits = [ValidSplit(0.2, random_state=np.random.default_rng(seed)) for seed in (0, 1)]
+    assert identity(data, train_split=splits[0]) != identity(data, train_split=splits[1])
+
+
 def corrected(y, count):
     """``y`` with ``count`` labels flipped, none of them where the fingerprint
     once sampled its 64 rows."""
@@ -402,6 +476,51 @@ def test_a_named_run(data, tmp_path):
             TrainingCheckpoint(tmp_path, run_name=bad).initialize()
 
 
+def named(dirname, lines=None, resume_first=False, **kwargs):
+    """A net that names its run 'baseline' and resumes it by that name."""
+    net = make_net(dirname, run="baseline", lines=lines, **kwargs)
+    net.callbacks[1].run_name = "baseline"
+    if resume_first:
+        net.callbacks[1:] = net.callbacks[:0:-1]
+    return net
+
+
+@pytest.mark.parametrize("resume_first", [False, True])
+def test_a_named_run_on_other_data_is_a_run_of_its_own(data, tmp_path, resume_first):
+    """TrainingCheckpoint(run_name='baseline') with ResumeTraining(run='baseline'):
+    the name means this fit's own run, so other data under it start afresh,
+    and every fit resumes its own run after."""
+    X, y = data
+    lines = []
+    fits = [(X, y), (X + 1, y), (X + 1, y), (X, y)]
+    counts = [trained(named(tmp_path, lines, resume_first).fit(*fit)) for fit in fits]
+    assert counts == [3, 3, 0, 0]
+    first, second = runs_in(tmp_path)
+    assert first.startswith("run-baseline-") and second.startswith("run-baseline-")
+    (line,) = lines
+    assert line.endswith("in: X (other data)") and "it differs from the newest, baseline-" in line
+
+
+def test_a_fit_that_fails_before_its_first_epoch_leaves_no_run_folder(data, tmp_path):
+    X, y = data
+    with pytest.raises(CheckpointError, match="holds no run nope"):
+        make_net(tmp_path, run="nope").fit(X, y)
+    assert runs_in(tmp_path) == []
+    named(tmp_path).fit(X, y)
+    named(tmp_path).fit(X + 1, y)
+    baselines = runs_in(tmp_path)
+    # an unnamed fit that continues 'baseline': which of the two is not a guess
+    with pytest.raises(
+        CheckpointError,
+        match=r"run='baseline'\): several runs are named 'baseline' \(baseline-\w+, "
+        r"baseline-\w+\), fits that differ under that name; pass the id",
+    ):
+        make_net(tmp_path, run="baseline", lr=0.05).fit(X, y)
+    assert runs_in(tmp_path) == baselines
+    tuned = make_net(tmp_path, run=baselines[0][-12:], lr=0.05, max_epochs=4).fit(X, y)
+    assert trained(tuned) == 1 and len(runs_in(tmp_path)) == 3
+
+
 # --- clear errors -------------------------------------------------------------
 
 
@@ -504,6 +623,15 @@ def test_errors_of_run_folders_are_clear_on_every_rank(tmp_path):
             assert value["seconds"] < 25  # not the 30 s collective timeout
     # a value without content to describe: every fit a run of its own, in
     # the same folder on both ranks, and the main process says why
+    for value in values(checks, "a_failing_fit_leaves_no_run_folder"):
+        assert "ResumeTraining(run='nope')" in value["error"] and value["folders"] == []
+    # a name is not an identity: other data under it is a run of its own
+    named, other_named = values(checks, "a_named_run_on_other_data")
+    assert named == other_named and named["resumed"] == [False, False, True, True]
+    assert [name[:13] for name in named["folders"]] == ["run-baseline-"] * 2
+    # a Dataset's own generator, seeded per rank: one run, resumed
+    for value in values(checks, "a_dataset_with_a_generator_seeded_per_rank"):
+        assert value["resumed"] == [False, True] and len(value["folders"]) == 1
     main, other = values(checks, "an_undescribable_value")
     assert main["folders"] == other["folders"] and len(set(main["folders"])) == 2
     assert len(main["on_disk"]) == 4  # both fits trained both epochs
@@ -530,3 +658,31 @@ def test_a_search_over_tensor_values_with_checkpoints_scores_as_without(tmp_path
         assert again[rank]["trained"] == [0] * 5
         assert first[rank]["best_weight"] == plain[rank]["best_weight"]
     assert len(runs_in(tmp_path)) == 5
+
+
+# --- data that augments at random ---------------------------------------------
+
+
+def launch(nproc, *args):
+    if nproc == 1:
+        return run_plain("augmented_run.py", *args, timeout=300)
+    return run_processes("augmented_run.py", *args, nproc=nproc, timeout=300)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("seeding", ["unseeded", "per_rank"])
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_dataset_that_augments_at_random_resumes_exactly(nproc, seeding, tmp_path):
+    """A Dataset that draws its noise from the global generators, unseeded
+    or seeded per rank: the ranks agree on the run, a crashed fit resumes
+    its own run, and the history and weights equal those of the same fit
+    without checkpoints, uninterrupted (augmented_run.py)."""
+    crash = launch(nproc, seeding, "crash", tmp_path)
+    assert crash.returncode != 0 and not crash.timed_out, crash.describe()
+    assert "the fit should have died" not in crash.output, crash.describe()
+    for rank in launch(nproc, seeding, "resume", tmp_path).check():
+        # resumed after epoch 2: its last 3 epochs trained
+        assert rank["resumed_from"].endswith("training-state-000002.pt")
+        assert len(rank["runs"]) == 1 and len(rank["history"]) == 5
+        assert rank["history"] == rank["reference"]["history"]
+        assert rank["params"] == rank["reference"]["params"]

@@ -10,20 +10,39 @@ attributes, within ``MAX_DEPTH`` levels and ``MAX_VALUES`` values. What
 cannot be so described is never guessed equal to another: it becomes
 ``{"undescribable": ...}`` and the ``Describer`` records why, so that
 ``runs`` refuses to resume such a fit.
+
+A description never depends on chance. Random generators are described by
+their state, except inside a ``Dataset``, where they are described by class
+only: a Dataset that augments from a generator of its own (seeded per rank,
+or not at all) is the same data on every rank and in every launch. A
+Dataset's rows are read with Python's, NumPy's and torch's global (CPU)
+generators and every generator the Dataset holds set to a fixed seed, and
+all of them put back afterwards, so that reading them neither depends on
+nor changes the random number streams of training.
 """
 
+import contextlib
 import enum
 import functools
 import hashlib
 import inspect
 import json
+import random
 
 import numpy as np
 import torch
 from skorch.dataset import get_len
 from torch.utils.data import Dataset, IterableDataset
 
-__all__ = ["MAX_DEPTH", "MAX_VALUES", "Describer", "fingerprint", "init_defaults", "name_of"]
+__all__ = [
+    "MAX_DEPTH",
+    "MAX_VALUES",
+    "Describer",
+    "fingerprint",
+    "fixed_random_state",
+    "init_defaults",
+    "name_of",
+]
 
 MAX_DEPTH = 8
 MAX_VALUES = 100_000
@@ -31,6 +50,7 @@ _SAMPLE_ROWS = 64
 _CHUNK = 64 * 2**20
 _PLAIN = (type(None), bool, int, float, str)
 _DEFAULT = object()
+_ROWS_SEED = 0  # the seed of every generator while a Dataset's rows are read
 
 
 def name_of(obj):
@@ -72,8 +92,12 @@ class Describer:
 
     def __init__(self):
         self.refusals = []
+        # the random generators met inside Datasets, by id: set to a fixed
+        # state while the Datasets' rows are read (``fingerprint``)
+        self.dataset_generators = {}
         self._values = 0
         self._path_ids = set()
+        self._inside_datasets = 0
 
     def _digest(self, data):
         """SHA-256 of ``data``, of the digests of its 64 MiB chunks where
@@ -117,9 +141,12 @@ class Describer:
         if id(value) in self._path_ids:
             return {"cycle": name_of(type(value))}  # a reference back up the path
         self._path_ids.add(id(value))
+        dataset = isinstance(value, Dataset)
+        self._inside_datasets += dataset
         try:
             return self._composite(value, path, depth + 1)
         finally:
+            self._inside_datasets -= dataset
             self._path_ids.discard(id(value))
 
     def _composite(self, value, path, depth):
@@ -251,12 +278,13 @@ class Describer:
 
     def _special(self, value, path, depth):
         """Objects whose content is not in their attributes."""
-        if isinstance(value, np.random.RandomState):
-            return {"state": self(value.get_state(legacy=False), path, depth)}
-        if isinstance(value, np.random.Generator):
-            return {"state": self(value.bit_generator.state, path, depth)}
-        if isinstance(value, torch.Generator):
-            return {"state": self(value.get_state(), path, depth)}
+        if _is_generator(value):
+            if self._inside_datasets:
+                # a Dataset's generator draws its augmentations: its state
+                # differs by rank and by launch, not what is trained
+                self.dataset_generators[id(value)] = value
+                return {}
+            return {"state": self(_generator_state(value), path, depth)}
         if hasattr(value, "tocsr") and hasattr(value, "nnz"):  # scipy.sparse
             csr = value.tocsr()
             arrays = [csr.data, csr.indices, csr.indptr]
@@ -269,6 +297,65 @@ class Describer:
             out["index"] = self(np.asarray(value.index), path, depth)
             return out
         return None
+
+
+def _is_generator(value):
+    return isinstance(value, (np.random.RandomState, np.random.Generator, torch.Generator)) or (
+        isinstance(value, random.Random) and not isinstance(value, random.SystemRandom)
+    )
+
+
+def _generator_state(generator):
+    if isinstance(generator, np.random.RandomState):
+        return generator.get_state(legacy=False)
+    if isinstance(generator, np.random.Generator):
+        return generator.bit_generator.state
+    if isinstance(generator, torch.Generator):
+        return generator.get_state()
+    return generator.getstate()
+
+
+def _set_generator_state(generator, state):
+    if isinstance(generator, np.random.RandomState):
+        generator.set_state(state)
+    elif isinstance(generator, np.random.Generator):
+        generator.bit_generator.state = state
+    elif isinstance(generator, torch.Generator):
+        generator.set_state(state)
+    else:
+        generator.setstate(state)
+
+
+def _seed_generator(generator):
+    if isinstance(generator, np.random.Generator):
+        bits = generator.bit_generator
+        bits.state = type(bits)(_ROWS_SEED).state
+    elif isinstance(generator, torch.Generator):
+        generator.manual_seed(_ROWS_SEED)
+    else:  # RandomState, random.Random
+        generator.seed(_ROWS_SEED)
+
+
+@contextlib.contextmanager
+def fixed_random_state(generators=()):
+    """Python's, NumPy's and torch's global CPU generators and ``generators``
+    seeded with a constant, all put back as they were on leaving. CUDA's
+    generators are left alone: a Dataset's rows are read on the CPU."""
+    saved = [(generator, _generator_state(generator)) for generator in generators]
+    python, numpy = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        try:
+            random.seed(_ROWS_SEED)
+            np.random.seed(_ROWS_SEED)
+            torch.default_generator.manual_seed(_ROWS_SEED)  # not CUDA's, as manual_seed would
+            for generator, _ in saved:
+                _seed_generator(generator)
+            yield
+        finally:
+            random.setstate(python)
+            np.random.set_state(numpy)
+            for generator, state in reversed(saved):  # one held twice: its first state
+                _set_generator_state(generator, state)
 
 
 def _attributes(value):
@@ -294,7 +381,9 @@ def fingerprint(data, describer=None, path="X"):
     """Type, length and a SHA-256 of training data (None for None) that
     changes when any row does: every byte of its arrays and tensors, every
     value of a list, a ``Dataset``'s attributes and 64 of its rows evenly
-    spaced (rows read from elsewhere cannot all be read at every fit)."""
+    spaced (rows read from elsewhere cannot all be read at every fit), read
+    under ``fixed_random_state``: the same on every rank and in every launch
+    for a Dataset that augments at random, and no draw taken from training."""
     if data is None:
         return None
     describer = Describer() if describer is None else describer
@@ -331,5 +420,10 @@ def _stream(data, digest, describer, path):
         if isinstance(data, Dataset) and not isinstance(data, IterableDataset):
             n = len(data)
             rows = np.unique(np.linspace(0, n - 1, min(n, _SAMPLE_ROWS)).round().astype(np.int64))
-            described = [described, [describer(data[int(i)], f"{path}[{i}]") for i in rows]]
+            with fixed_random_state(describer.dataset_generators.values()):
+                sample = [data[int(i)] for i in rows]
+            described = [
+                described,
+                [describer(row, f"{path}[{i}]") for i, row in zip(rows, sample)],
+            ]
         digest.update(json.dumps(described, sort_keys=True).encode())

@@ -20,7 +20,10 @@ run of its own, never resumed; a name stands for what cannot be described.
 
 Each run has a folder ``dirname/run-<id>/`` (``run-<name>-<id>/``) with its
 training states and a ``manifest.json`` (identity, epochs saved, status);
-rotation and numbering only ever look at the run's own folder.
+rotation and numbering only ever look at the run's own folder. A name is
+not an identity: fits that differ under one name are runs of their own,
+each in its folder, and a fit that names its own name (``find_run``) means
+its own run, whichever other runs share the name.
 """
 
 import hashlib
@@ -85,6 +88,12 @@ _HARMLESS_LOADING = frozenset(
     ]
 )
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+# the likely cause where the ranks' data differ
+_OWN_GENERATORS = (
+    " (a Dataset that draws random numbers from a generator that is neither global nor "
+    "one of its attributes gives every rank other rows: hold the generator as an attribute, "
+    "and its rows are read with it at a fixed seed)."
+)
 
 
 def _counts(key):
@@ -184,10 +193,11 @@ def fit_identity(net, X, y, name=None):
         nonce = everyone[0][2]
         for rank, (id_, described, _) in enumerate(everyone):
             if id_ != everyone[0][0]:
+                differences = describe_differences(described, everyone[0][1])
                 raise CheckpointError(
                     f"The ranks fit different runs: the run identity of rank {rank} differs "
-                    f"from rank 0's in: {describe_differences(described, everyone[0][1])}. "
-                    "Every process must run the same script on the same data."
+                    f"from rank 0's in: {differences}. Every process must run the same script "
+                    "on the same data" + (_OWN_GENERATORS if "(other data)" in differences else ".")
                 )
     if identity.refused and identity.name is None:
         identity = identity.unique(nonce)
@@ -247,8 +257,15 @@ def describe_differences(new, old, most=4):
     return ", ".join(parts) or "nothing that the identity records"
 
 
+def _name(key):
+    return key[: -_ID_LENGTH - 1] or None
+
+
 def differs_from_newest(identity, runs):
-    """What ``identity`` differs in from the newest of ``runs`` (``run_folders``)."""
+    """What ``identity`` differs in from the newest of ``runs`` (``run_folders``),
+    of those with its name where it has one and some have."""
+    named = {key: folder for key, folder in runs.items() if identity.name == _name(key)}
+    runs = named if identity.name and named else runs
     newest = max(runs, key=lambda run: os.path.getmtime(runs[run]))
     try:
         manifest = read_manifest(runs[newest])
@@ -286,15 +303,26 @@ def run_folders(dirname):
     }
 
 
-def find_run(runs, wanted):
+def find_run(runs, wanted, own=None):
     """The key in ``runs`` (``run_folders``) of the run that ``wanted``
-    names by key, id or name (a name of several runs raises); else None."""
+    names by key, id or name; else None.
+
+    A fit's own name, id or key (``own``, its ``RunIdentity``) names its own
+    run, ``own.key``, whether its folder exists yet or not, and whatever
+    other runs share the name: fits that differ under one name are runs of
+    their own. The name of several other runs raises (which of them to
+    continue from is the user's to say, not a guess).
+    """
     if wanted in runs:
         return wanted
-    found = [key for key in runs if wanted in (key[-_ID_LENGTH:], key[: -_ID_LENGTH - 1])]
+    if own is not None and wanted in (own.key, own.id, own.name):
+        return own.key
+    found = [key for key in runs if wanted in (key[-_ID_LENGTH:], _name(key))]
     if len(found) > 1:
         raise CheckpointError(
-            f"Several runs are named {wanted!r} ({', '.join(found)}); pass the id of one of them."
+            f"ResumeTraining(run={wanted!r}): several runs are named {wanted!r} "
+            f"({', '.join(found)}), fits that differ under that name; pass the id of the one "
+            "to continue from (what went into each is in its folder's manifest.json)."
         )
     return found[0] if found else None
 

@@ -7,6 +7,8 @@ import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
+import torch
 from common import (
     MLP,
     AcceleratedNet,
@@ -33,7 +35,21 @@ class Holding(Callback):
         self.thing = thing
 
 
-def fit(dirname, run=None, data=(X, y), thing=None):
+class Augmenting(torch.utils.data.Dataset):
+    """Rows with noise from a generator of its own, seeded with the rank."""
+
+    def __init__(self, X, y):
+        self.X, self.y = X, y
+        self.rng = np.random.default_rng(accelerator.process_index)
+
+    def __len__(self):
+        return len(self.X)
+
+    def __getitem__(self, i):
+        return self.X[i] + self.rng.normal(size=self.X.shape[1]).astype(np.float32), self.y[i]
+
+
+def fit(dirname, run=None, data=(X, y), thing=None, run_name=None):
     net = AcceleratedNet(
         MLP,
         accelerator=accelerator,
@@ -41,11 +57,15 @@ def fit(dirname, run=None, data=(X, y), thing=None):
         verbose=0,
         callbacks=[
             Holding(thing),
-            TrainingCheckpoint(dirname),
+            TrainingCheckpoint(dirname, run_name=run_name),
             ResumeTraining(dirname, run=run),
         ],
     )
     return net.fit(*data)
+
+
+def folders(dirname):
+    return sorted(p.name for p in dirname.glob("run-*"))
 
 
 @checks
@@ -57,6 +77,32 @@ def one_run_folder_written_once():
 @checks
 def a_run_that_does_not_exist():
     return error_and_seconds(lambda: fit(DIRNAME / "good", run="nope"))
+
+
+@checks
+def a_failing_fit_leaves_no_run_folder():
+    out = error_and_seconds(lambda: fit(DIRNAME / "failing", run="nope"))
+    return {**out, "folders": folders(DIRNAME / "failing")}
+
+
+@checks
+def a_named_run_on_other_data():
+    """Named 'baseline' and resumed by that name: other data is a run of its
+    own, and each resumes its own run after."""
+    resumed = []
+    for data in [(X, y), (X + 1, y), (X + 1, y), (X, y)]:
+        net = fit(DIRNAME / "named", run="baseline", data=data, run_name="baseline")
+        resumed.append(dict(net.callbacks_)["ResumeTraining"].resumed_from_ is not None)
+    return {"resumed": resumed, "folders": folders(DIRNAME / "named")}
+
+
+@checks
+def a_dataset_with_a_generator_seeded_per_rank():
+    resumed = []
+    for _ in range(2):
+        net = fit(DIRNAME / "augmenting", data=(Augmenting(X, y), y))
+        resumed.append(dict(net.callbacks_)["ResumeTraining"].resumed_from_ is not None)
+    return {"resumed": resumed, "folders": folders(DIRNAME / "augmenting")}
 
 
 @checks

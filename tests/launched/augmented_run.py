@@ -1,0 +1,106 @@
+"""Training on a Dataset that augments at random, resumed.
+
+Usage: augmented_run.py SEEDING MODE DIRNAME
+  SEEDING  unseeded: the augmentation draws from NumPy's global generator,
+           seeded by the OS (another state in every process and on every
+           rank), and from torch's, left at its default seed;
+           per_rank: both seeded with the rank, as scripts that want each
+           rank to augment differently do
+  MODE     crash: trains 5 epochs without checkpoints (the reference, kept in
+           DIRNAME/reference-rank<r>.json), puts the random number generators
+           back as they were before it, trains again with TrainingCheckpoint
+           and ResumeTraining and dies when epoch 3 begins;
+           resume: the same script again, which resumes there
+
+The run identity reads rows of the Dataset: it must neither tell the ranks or
+the launches apart by their random draws, nor take draws from training, so
+that the resumed history and weights equal the reference's bit for bit.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from common import AcceleratedNet, DropoutMLP, make_accelerator, make_data, report
+from skorch.callbacks import Callback
+
+from accel_mixin.callbacks import ResumeTraining, TrainingCheckpoint
+from accel_mixin.checkpoint.state_values import restore_rng, rng_state
+
+SEEDING, MODE, DIRNAME = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+RANK = int(os.environ.get("RANK", "0"))
+
+
+class Augmenting(torch.utils.data.Dataset):
+    """Rows with noise from NumPy's and torch's global generators."""
+
+    def __init__(self, X, y):
+        self.X, self.y = X, y
+
+    def __len__(self):
+        return len(self.X)
+
+    def __getitem__(self, i):
+        x = torch.as_tensor(self.X[i])
+        noise = torch.randn(x.shape) + torch.as_tensor(np.random.normal(size=x.shape))
+        return x + 0.1 * noise.float(), self.y[i]
+
+
+class Preemption(Callback):
+    """Dies when epoch 3 begins, as a preempted job would."""
+
+    in_run_identity = False
+
+    def on_epoch_begin(self, net, **kwargs):
+        if len(net.history) == 3:
+            net.wait_for_saves()
+            os._exit(3)  # pylint: disable=protected-access
+
+
+def fit(callbacks):
+    net = AcceleratedNet(
+        DropoutMLP,
+        accelerator=accelerator,
+        max_epochs=5,
+        lr=0.5,
+        batch_size=32,
+        iterator_train__shuffle=True,
+        verbose=0,
+        callbacks=callbacks,
+    )
+    return net.fit(Augmenting(X, y), y)
+
+
+def outcome(net):
+    return {
+        "history": [{k: v for k, v in row.items() if "dur" not in k} for row in net.history],
+        "params": [p.detach().numpy().tolist() for p in net.module_.parameters()],
+    }
+
+
+if SEEDING == "per_rank":
+    torch.manual_seed(RANK + 1)
+    np.random.seed(RANK + 1)
+accelerator = make_accelerator()
+X, y = make_data(300, noise=0.2, seed=3)
+checkpoints = [TrainingCheckpoint(DIRNAME / "ckpt"), ResumeTraining(DIRNAME / "ckpt")]
+if MODE == "crash":
+    before = rng_state()
+    reference = outcome(fit([]))
+    (DIRNAME / f"reference-rank{RANK}.json").write_text(json.dumps(reference))
+    restore_rng(before)
+    fit([*checkpoints, Preemption()])
+    raise AssertionError("the fit should have died when epoch 3 began")
+
+net = fit(checkpoints)
+report(
+    {
+        **outcome(net),
+        "reference": json.loads((DIRNAME / f"reference-rank{RANK}.json").read_text()),
+        "resumed_from": dict(net.callbacks_)["ResumeTraining"].resumed_from_,
+        "runs": sorted(p.name for p in (DIRNAME / "ckpt").glob("run-*")),
+    }
+)
