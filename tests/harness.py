@@ -168,6 +168,7 @@ def _launch(launchers, script, args, world_size, timeout, cpu_env, env, isolated
             run_env["ACCELERATE_USE_CPU"] = "true"
         run_env.update(env or {})
         procs, logs = [], []
+        started = time.monotonic()
         for k, launcher in enumerate(launchers):
             cwd = tmp if len(launchers) == 1 else tmp / f"node{k}"
             cwd.mkdir(exist_ok=True)
@@ -208,6 +209,8 @@ def _launch(launchers, script, args, world_size, timeout, cpu_env, env, isolated
             (f"--- node {k} ---\n" if len(logs) > 1 else "") + log.read_text(errors="replace")
             for k, log in enumerate(logs)
         )
+        plain = launchers == [None]
+        _log_launch(script, args, world_size, 0 if plain else len(launchers), started)
         ranks = []
         for rank in range(world_size):
             path = tmp / f"rank{rank}.json"
@@ -218,6 +221,26 @@ def _launch(launchers, script, args, world_size, timeout, cpu_env, env, isolated
             rank_outputs = _rank_outputs(tmp, len(launchers), world_size // len(launchers))
     returncode = next((p.returncode for p in procs if p.returncode), 0)
     return Launch(returncode, output, timed_out, ranks, rank_outputs)
+
+
+def _log_launch(script, args, processes, agents, started):
+    """Append the launch to ``$ACCEL_MIXIN_LAUNCH_LOG``, if set, one JSON line
+    each, for ``scripts/suite_profile.py`` to count launches per test file
+    (``agents`` 0: a plain ``python`` process, no torchrun)."""
+    path = os.environ.get("ACCEL_MIXIN_LAUNCH_LOG")
+    if not path:
+        return
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
+    record = {
+        "test": test,
+        "script": script.name,
+        "args": [str(a) for a in args],
+        "processes": processes,
+        "agents": agents,
+        "seconds": round(time.monotonic() - started, 3),
+    }
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 def _rank_outputs(tmp, nodes, per_node):
