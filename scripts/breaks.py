@@ -362,8 +362,8 @@ BREAKS = [
         "coordination",
         "a rank whose key stood still a few beats is taken for gone, as a missed-beat window would",
         "accel_mixin/distributed/coordination.py",
-        "            if rank in ended or (identity and exited(identity)):",
-        "            if rank in ended or (identity and exited(identity)) or rank in [\n"
+        "            if rank in ended or (identity and exited(identity, zombies)):",
+        "            if rank in ended or (identity and exited(identity, zombies)) or rank in [\n"
         "                r for r, *_ in self.unresponsive()\n            ]:",
         (
             "tests/test_coordination.py::"
@@ -423,6 +423,15 @@ BREAKS = [
         "    except ProcessLookupError:\n        return True\n",
         "    except ProcessLookupError:\n        return False\n",
         ("tests/test_coordination.py",),
+    ),
+    Break(
+        "liveness-zombie-alive",
+        "liveness",
+        "a process that ended but that its launcher has not collected counts as alive",
+        "accel_mixin/distributed/liveness.py",
+        '    return stat is not None and stat.rpartition(")")[2].split()[:1] == ["Z"]\n',
+        "    return False\n",
+        ("tests/test_coordination.py::test_a_process_that_ended_but_was_not_collected_has_ended",),
     ),
     Break(
         "liveness-stall-never-fails",

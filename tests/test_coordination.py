@@ -263,6 +263,20 @@ def test_a_process_id_of_another_boot_or_pid_namespace_is_never_looked_at():
     assert not liveness.exited("-")  # a system that did not say
 
 
+def test_a_process_that_ended_but_was_not_collected_has_ended():
+    # a zombie: its launcher looks at its workers seldom (torchrun's
+    # --monitor-interval) and has not collected it
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    boot, namespace, _ = liveness.process_identity().split("/")
+    deadline = time.monotonic() + 30
+    while not liveness.exited(f"{boot}/{namespace}/{child.pid}"):
+        assert time.monotonic() < deadline, "a zombie counts as alive"
+        time.sleep(0.05)
+    with open(f"/proc/{child.pid}/stat", encoding="ascii") as f:
+        assert f.read().rpartition(")")[2].split()[0] == "Z"  # not yet collected
+    child.wait()
+
+
 def _wait_for_lines(*coordinators):
     deadline = time.monotonic() + 10
     while not all(

@@ -192,9 +192,13 @@ class Coordinator:
     def gone(self):
         """A rank whose process ended, as ``(rank, its last call)``, or None."""
         ended = set(self.lifelines.ended()) if self.lifelines is not None else set()
-        for rank, (value, _) in self._look().items():
+        now = time.monotonic()
+        for rank, (value, since) in self._look().items():
             identity = value.split("|", 1)[0].partition(" ")[2] if value else ""
-            if rank in ended or (identity and exited(identity)):
+            # a zombie's key stands still: only then is /proc read, which
+            # would count as I/O progress of a save in this process
+            zombies = now - since > 2 * self.beat
+            if rank in ended or (identity and exited(identity, zombies)):
                 return rank, _last_seen(value)
         return None
 

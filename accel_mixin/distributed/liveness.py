@@ -141,10 +141,11 @@ def process_identity():
     return _identity(os.getpid()) or "-"
 
 
-def exited(identity):
+def exited(identity, zombies=True):
     """Whether ``identity`` (``process_identity()`` of a rank) names a process
     of this boot and PID namespace that has ended; False where it cannot tell
-    (another machine, another namespace, or no identity)."""
+    (another machine, another namespace, or no identity). ``zombies``: look
+    whether it ended but is not collected yet (a read of ``/proc``)."""
     mine = _identity(os.getpid())
     where, _, pid = identity.rpartition("/")
     if mine is None or where != mine.rpartition("/")[0] or not pid.isdigit():
@@ -155,7 +156,12 @@ def exited(identity):
         return True
     except PermissionError:
         pass
-    return False
+    if not zombies:
+        return False
+    # a zombie has ended too: its parent (a launcher that looks seldom) has
+    # not collected it yet
+    stat = _read(f"/proc/{pid}/stat")
+    return stat is not None and stat.rpartition(")")[2].split()[:1] == ["Z"]
 
 
 def _local_address(store):
@@ -175,6 +181,8 @@ def _local_address(store):
 
 _LIFELINES = weakref.WeakSet()
 _CONNECT_TIMEOUT, _CONNECT_TRIES = 2.0, 5
+# how long the presence thread looks often while lines wait for their proof
+_PROVE_FOR = 10.0
 
 
 class _Line:
@@ -264,6 +272,13 @@ class Lifelines:
         line.verified = True
         return self._closed(rank, line)
 
+    def proven(self):
+        """Whether every line that can be is up and proven."""
+        return all(
+            (rank in self.lines and self.lines[rank].verified) or self.tries[rank] >= _CONNECT_TRIES
+            for rank in self.peers
+        )
+
     def close(self):
         _LIFELINES.discard(self)
         with self.lock:
@@ -334,6 +349,7 @@ class Presence(threading.Thread):
         self.store.set(self.key, f"{next(self.count)} {self.identity}|{coordinator.where}")
 
     def run(self):
+        self.started = time.monotonic()
         lifelines = None
         try:
             while (coordinator := self.coordinator()) is not None:
@@ -347,7 +363,14 @@ class Presence(threading.Thread):
                 except Exception:  # pylint: disable=broad-except
                     return  # the store is gone: the group is being torn down
                 del coordinator
-                if self.stopped.wait(self.beat):
+                # until every line is proven, soon again: a rank that ends
+                # early is told only by a proven line on another machine
+                pending = (
+                    lifelines is not None
+                    and time.monotonic() < self.started + _PROVE_FOR
+                    and not lifelines.proven()
+                )
+                if self.stopped.wait(min(self.beat, 0.05) if pending else self.beat):
                     return
         finally:
             if lifelines is not None:

@@ -3,8 +3,9 @@ not answer, or that ends inside a phase, does to the others.
 
 Usage: torchrun ... liveness_run.py MODE, MODE one of
   healthy              fit, save_params and predict: nothing goes wrong
-  busy                 rank 1 holds the GIL for 20 s in a callback (a C call
-                       through ctypes.PyDLL), then is paused (SIGSTOP) for
+  busy                 (3 processes) at the end of epoch 1, rank 1 holds the
+                       GIL for 20 s in a callback (a C call through
+                       ctypes.PyDLL) while rank 2 is paused (SIGSTOP) for
                        20 s: the job finishes (process group timeout 60 s)
   kill-in-exchange     rank 1 ends (SIGKILL) inside the epoch-end exchange of
                        predictions, after its first message
@@ -12,8 +13,8 @@ Usage: torchrun ... liveness_run.py MODE, MODE one of
                        asynchronous TrainingCheckpoint write is in flight
 
 Every rank that lives to the end reports ``error`` (None when the calls
-succeeded) and ``seconds``; rank 1 of ``busy`` also how long it held the GIL
-and was paused. With ``LIVENESS_END_AGENT=1``, a rank that failed ends its
+succeeded) and ``seconds``; ranks 1 and 2 of ``busy`` also how long they
+held the GIL or were paused. With ``LIVENESS_END_AGENT=1``, a rank that failed ends its
 torchrun agent once it reported.
 """
 
@@ -41,14 +42,14 @@ rank = int(os.environ["RANK"])
 X, y = make_data(400)
 
 
-class OnRank1(Callback):
-    """Runs ``action(epoch)`` on rank 1 at ``when``."""
+class OnRank(Callback):
+    """Runs ``action(epoch)`` on the ranks ``ranks`` at ``when``."""
 
-    def __init__(self, when, action):
-        self.when, self.action = when, action
+    def __init__(self, when, action, ranks=(1,)):
+        self.when, self.action, self.ranks = when, action, ranks
 
     def _maybe(self, net):
-        if rank == 1:
+        if rank in self.ranks:
             self.action(len(net.history))
 
     def on_epoch_end(self, net, **kwargs):
@@ -69,11 +70,11 @@ held = {}
 
 def busy(epoch):
     start = time.monotonic()
-    if epoch == 1:
+    if epoch == 1 and rank == 1:
         # libc's sleep through PyDLL keeps the GIL: no thread of this process runs
         ctypes.PyDLL(None).sleep(20)
         held["gil"] = time.monotonic() - start
-    elif epoch == 2:
+    elif epoch == 1 and rank == 2:
         subprocess.Popen(["sh", "-c", f"sleep 20; kill -CONT {os.getpid()}"])
         os.kill(os.getpid(), signal.SIGSTOP)
         held["paused"] = time.monotonic() - start
@@ -87,7 +88,7 @@ def kill_self(epoch):
 callbacks = []
 timeout = 30
 if mode == "busy":
-    callbacks, timeout = [OnRank1("epoch_end", busy)], 60
+    callbacks, timeout = [OnRank("epoch_end", busy, ranks=(1, 2))], 60
 elif mode == "kill-in-exchange" and rank == 1:
     send = epoch_scores.dist.send
 
@@ -99,7 +100,7 @@ elif mode == "kill-in-exchange" and rank == 1:
 elif mode == "kill-async-in-flight":
     callbacks = [
         TrainingCheckpoint(tempfile.mkdtemp(prefix="liveness_"), asynchronous=True),
-        OnRank1("batch_begin", kill_self),
+        OnRank("batch_begin", kill_self),
     ]
     write = accel_mixin.checkpointing.write_state
 
