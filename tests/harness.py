@@ -56,13 +56,32 @@ class Launch:
     ranks: list = field(default_factory=list)
     rank_outputs: list = field(default_factory=list)
 
+    @property
+    def hung(self):
+        """``{rank: (check, deadline)}`` for every rank whose check outlived
+        its deadline (``launched/common.py``'s ``Checks``)."""
+        return {
+            rank: (report["hung"], report["deadline"])
+            for rank, report in enumerate(self.ranks)
+            if isinstance(report, dict) and "hung" in report
+        }
+
     def describe(self):
         state = "timed out" if self.timed_out else f"exit status {self.returncode}"
-        return f"launch {state}; output of every rank:\n{self.output}"
+        hung = "".join(
+            f"check {name!r} hung on rank {rank}: no end within {deadline} s\n"
+            for rank, (name, deadline) in self.hung.items()
+        )
+        return f"{hung}launch {state}; output of every rank:\n{self.output}"
 
     def check(self):
         """Fail the test unless every rank finished and reported."""
-        if self.timed_out or self.returncode != 0 or any(r is None for r in self.ranks):
+        if (
+            self.timed_out
+            or self.returncode != 0
+            or self.hung
+            or any(r is None for r in self.ranks)
+        ):
             pytest.fail(self.describe(), pytrace=False)
         return self.ranks
 
@@ -267,6 +286,7 @@ def check_values(ranks, check):
     it raised on any rank."""
     out = []
     for rank, checks in enumerate(ranks):
+        assert check in checks, f"{check} did not run on rank {rank}"
         result = checks[check]
         assert result["ok"], f"{check} failed on rank {rank}: {result['error']}"
         out.append(result["value"])

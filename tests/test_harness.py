@@ -5,12 +5,13 @@ import socket
 
 import psutil
 import pytest
+from common import HUNG_STATUS
 from harness import free_port, run_processes
 
 
 @pytest.mark.multiprocess
 def test_a_hang_is_killed_and_shows_every_rank():
-    launch = run_processes("hang.py", timeout=20)
+    launch = run_processes("hang.py", timeout=12)
     assert launch.timed_out
     pids = [
         int(pid)
@@ -27,6 +28,24 @@ def test_a_hang_is_killed_and_shows_every_rank():
         except psutil.NoSuchProcess:
             pass
     assert not alive, "workers outlived the launch"
+
+
+@pytest.mark.multiprocess
+def test_a_hung_check_ends_its_launch_at_its_own_deadline_naming_the_case():
+    launch = run_processes("hung_check.py", timeout=120)
+    assert not launch.timed_out, "the launch ran to the harness's timeout"
+    assert launch.returncode != 0  # torchrun's own status: 1 for any failed worker
+    assert f"exitcode  : {HUNG_STATUS}" in launch.output, "no rank ended as hung"
+    assert launch.hung == {0: ("stuck", 3), 1: ("stuck", 3)}
+    for rank, report in enumerate(launch.ranks):
+        assert report["checks"]["first"]["value"] == rank
+        assert "after" not in report["checks"]
+    assert "check 'stuck' hung on rank 1: no end within 3 s" in launch.describe()
+    stderr = launch.rank_outputs[1][1]
+    assert "hung: no end within 3 s" in stderr
+    assert "in stuck" in stderr, "no stack of the hung check"
+    with pytest.raises(pytest.fail.Exception, match="check 'stuck' hung on rank 0"):
+        launch.check()
 
 
 def test_free_port_never_returns_a_port_in_use():

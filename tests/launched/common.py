@@ -1,8 +1,10 @@
 """Shared pieces of the scripts that tests launch under several processes."""
 
+import faulthandler
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -121,12 +123,16 @@ def _rank():
     return int(os.environ.get("RANK", "0"))
 
 
-def report(payload):
-    """Write this rank's results for the test to read."""
+def _write_report(payload):
     out = Path(os.environ.get("ACCEL_RESULTS_DIR", "."))
     tmp = out / f"rank{_rank()}.json.tmp"
     tmp.write_text(json.dumps(payload, default=str))
     os.replace(tmp, out / f"rank{_rank()}.json")
+
+
+def report(payload):
+    """Write this rank's results for the test to read."""
+    _write_report(payload)
     # as a script ends with accelerator.end_training()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
@@ -142,22 +148,73 @@ def error_and_seconds(fn):
     return {"error": None, "seconds": time.monotonic() - start}
 
 
+HUNG_STATUS = 124  # as timeout(1) ends what it stopped
+
+
 class Checks:
     """Named checks run in order on every rank; each records a value or error.
 
     Every rank runs every check, so collectives stay in step as long as a
-    check fails alike on all ranks.
+    check fails alike on all ranks. Many scenarios share one launch this way,
+    so that the suite pays the start-up of a process group once, and each
+    check has a deadline of its own: a check that does not end within it
+    (a collective that waits forever, a deadlock) ends its rank with status
+    ``HUNG_STATUS``, after writing the rank's report as ``{"hung": name,
+    "deadline": seconds, "checks": <the checks before it>}`` and every
+    thread's stack to stderr. The test then fails naming the case, and the
+    rest of the suite goes on.
+
+    Parameters
+    ----------
+    deadline : float (default=120)
+      Seconds a check may take, unless it is run with a deadline of its own.
+      A hang detector, not a timing assertion: generous on a busy machine.
+
     """
 
-    def __init__(self):
+    def __init__(self, deadline=120):
         self.results = {}
+        self.deadline = deadline
 
     def __call__(self, fn):
+        """Run ``fn`` now, as the check named after it (a decorator)."""
+        self.run(fn)
+        return fn
+
+    def within(self, seconds):
+        """A decorator like the instance itself, with a deadline of ``seconds``."""
+
+        def run_now(fn):
+            self.run(fn, deadline=seconds)
+            return fn
+
+        return run_now
+
+    def run(self, fn, name=None, deadline=None):
+        """Run ``fn`` as the check ``name`` (default: its ``__name__``), for
+        scenarios built in a loop; returns its result."""
+        name = name or fn.__name__
+        deadline = self.deadline if deadline is None else deadline
         start = time.monotonic()
+        watchdog = threading.Timer(deadline, self._hung, (name, deadline))
+        watchdog.daemon = True
+        watchdog.start()
         try:
-            self.results[fn.__name__] = {"ok": True, "value": fn()}
+            self.results[name] = {"ok": True, "value": fn()}
         except Exception as exc:  # pylint: disable=broad-except
             traceback.print_exc(file=sys.stdout)
-            self.results[fn.__name__] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-        self.results[fn.__name__]["check_seconds"] = time.monotonic() - start
-        return fn
+            self.results[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            watchdog.cancel()
+        self.results[name]["check_seconds"] = time.monotonic() - start
+        return self.results[name]
+
+    def _hung(self, name, deadline):
+        print(f"check {name!r} hung: no end within {deadline} s; every thread's stack:",
+              file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        try:
+            _write_report({"hung": name, "deadline": deadline, "checks": dict(self.results)})
+        finally:
+            # the hung check's thread cannot be stopped: end the process
+            os._exit(HUNG_STATUS)  # pylint: disable=protected-access
