@@ -210,8 +210,11 @@ class Checks:
         return self.results[name]
 
     def _hung(self, name, deadline):
-        print(f"check {name!r} hung: no end within {deadline} s; every thread's stack:",
-              file=sys.stderr, flush=True)
+        print(
+            f"check {name!r} hung: no end within {deadline} s; every thread's stack:",
+            file=sys.stderr,
+            flush=True,
+        )
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         try:
             _write_report({"hung": name, "deadline": deadline, "checks": dict(self.results)})
