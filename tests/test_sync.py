@@ -101,8 +101,7 @@ def test_an_error_on_rank_1_reaches_rank_0_promptly(ranks, hook):
     assert max(rank0["seconds"], rank1["seconds"]) < 5  # the collective timeout is 30 s
 
 
-def test_uneven_batches_validate_in_step_and_refuse_uneven_training():
-    ranks = [r["checks"] for r in run_processes("uneven_check.py", timeout=180).check()]
+def test_uneven_batches_validate_in_step_and_refuse_uneven_training(ranks):
     rank0, rank1 = values(ranks, "uneven_validation")
     assert rank0["rows"] == rank1["rows"]  # one history, no hang at its sync
     assert rank0["valid_samples"] == [40, 40]  # every validation sample, once
@@ -176,10 +175,7 @@ def test_a_logger_saves_alone_and_a_collective_call_from_one_fails_fast(ranks):
     assert max(rank0["predicting"]["seconds"], rank1["predicting"]["seconds"]) < 10
 
 
-@pytest.mark.multiprocess
-def test_outputs_of_other_lengths_on_each_rank_are_gathered():
+def test_outputs_of_other_lengths_on_each_rank_are_gathered(ranks):
     pytest.importorskip("transformers")
-    launch = run_processes("sequence_outputs.py", timeout=180)
-    ranks = launch.check()
     widths = values(ranks, "rows_of_other_lengths_are_gathered")
     assert widths[0] == widths[1]

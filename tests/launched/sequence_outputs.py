@@ -4,7 +4,8 @@ other lengths), a ``ModelOutput`` with per-sequence logits and per-token
 states. Inference gathers every rank's rows; each is compared with the
 module run on that row alone.
 
-Usage: torchrun --nproc_per_node 2 sequence_outputs.py
+Run by sync_checks.py in its launch (``add_checks``), or alone:
+torchrun --nproc_per_node 2 sequence_outputs.py
 """
 
 import numpy as np
@@ -12,8 +13,6 @@ import torch
 from common import AcceleratedNet, Checks, make_accelerator, report
 from transformers.modeling_outputs import TokenClassifierOutput
 
-accelerator = make_accelerator()
-checks = Checks()
 N, LONGEST = 70, 12
 rng = np.random.default_rng(0)
 lengths = rng.integers(1, LONGEST + 1, N)
@@ -40,19 +39,16 @@ class Net(AcceleratedNet):
         return super().get_loss(y_pred.logits, y_true, *args, **kwargs)
 
 
-net = Net(
-    Tagger,
-    criterion=torch.nn.CrossEntropyLoss,
-    accelerator=accelerator,
-    max_epochs=2,
-    batch_size=8,
-    train_split=None,
-    verbose=0,
-)
-
-
-@checks
 def rows_of_other_lengths_are_gathered():
+    net = Net(
+        Tagger,
+        criterion=torch.nn.CrossEntropyLoss,
+        accelerator=make_accelerator(),
+        max_epochs=2,
+        batch_size=8,
+        train_split=None,
+        verbose=0,
+    )
     net.fit(X, y)
     outputs = list(net.forward_iter(X))
     module = net.accelerator.unwrap_model(net.module_)
@@ -74,4 +70,12 @@ def rows_of_other_lengths_are_gathered():
     return sorted(widths)
 
 
-report(checks.results)
+def add_checks(checks):
+    """Run this script's check as one of ``checks`` of the launch that imports it."""
+    checks(rows_of_other_lengths_are_gathered)
+
+
+if __name__ == "__main__":
+    checks = Checks()
+    add_checks(checks)
+    report({"checks": checks.results})

@@ -15,6 +15,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 import tqdm
+import uneven_check
 from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, gather_object
 from common import (
@@ -419,4 +420,12 @@ def error_in_a_callback_on_rank_1():
     return results
 
 
+# scripts of their own, in this launch: one process group's start-up for all
+uneven_check.add_checks(checks)
+try:
+    import sequence_outputs  # transformers: the examples extra
+except ImportError:
+    pass
+else:
+    sequence_outputs.add_checks(checks)
 report({"rank": rank, "checks": checks.results})

@@ -2,7 +2,8 @@
 different numbers of batches. Validation must go on, training that DDP cannot
 keep in step must fail fast and clearly, never hang.
 
-Usage: torchrun --nproc_per_node 2 uneven_check.py
+Run by sync_checks.py in its launch (``add_checks``), or alone:
+torchrun --nproc_per_node 2 uneven_check.py
 """
 
 from accelerate.utils import DataLoaderConfiguration
@@ -18,16 +19,15 @@ from common import (
 from skorch.dataset import Dataset
 from skorch.helper import predefined_split
 
-accelerator = make_accelerator(dataloader_config=DataLoaderConfiguration(even_batches=False))
 X, y = make_data(104)
 valid = Dataset(X[64:], y[64:])  # 40 samples: batches of 16, 16 and 8, two on rank 0
-checks = Checks()
 
 
 def make_net():
     return AcceleratedNet(
         MLP,
-        accelerator=accelerator,
+        # an accelerator of its own beside the launch's: the setting is its own
+        accelerator=make_accelerator(dataloader_config=DataLoaderConfiguration(even_batches=False)),
         max_epochs=2,
         batch_size=16,
         verbose=0,
@@ -35,7 +35,6 @@ def make_net():
     )
 
 
-@checks
 def uneven_validation():
     net = make_net().fit(X[:64], y[:64])  # 4 training batches: 2 per rank
     return {
@@ -46,9 +45,17 @@ def uneven_validation():
     }
 
 
-@checks
 def uneven_training():
     return error_and_seconds(lambda: make_net().fit(X[:48], y[:48]))  # 3 batches
 
 
-report({"checks": checks.results})
+def add_checks(checks):
+    """Run this script's checks as ``checks`` of the launch that imports it."""
+    checks(uneven_validation)
+    checks(uneven_training)
+
+
+if __name__ == "__main__":
+    checks = Checks()
+    add_checks(checks)
+    report({"checks": checks.results})
