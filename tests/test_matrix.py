@@ -1,10 +1,14 @@
 """The invariant matrix: precision x gradient accumulation x training feature,
-in two real processes (``launched/matrix.py``).
+in real processes (``launched/matrix.py``).
 
-One launch per precision fits every case of ``matrix.CASES`` with
-accumulation 1 and 2; one more launch, of one process with twice the batch,
-is the fp32 reference. The tests are parametrized over the matrix, so that
-every failure names its precision, accumulation and case.
+Every configuration of ``CONFIGS`` (a precision, a number of processes, a
+batch size per process, a data size) fits every case of ``matrix.CASES``
+with accumulation 1 and 2. One launch per number of processes fits all of
+that number's configurations in turn: 2 processes in fp32, bf16 and fp16,
+and in fp32 on data that leaves a partial global batch; 3 processes on that
+data; and 1 process with 2 and 3 times the batch, the references. The tests
+are parametrized over the matrix, so that every failure names its
+precision, accumulation and case.
 
 Invariants
 ----------
@@ -24,33 +28,45 @@ Invariants
 import numpy as np
 import pytest
 from harness import run_processes
-from matrix import ACCUMULATION, CASES, PER_BATCH_SCHEDULES, PRECISIONS
+from matrix import ACCUMULATION, CASES, EQUIVALENT, PRECISIONS
 
 pytestmark = pytest.mark.multiprocess
 
 BATCH_SIZE = 8
-# Each launch takes about 30 s here; the margin is for a machine shared with
-# other work and for a case that hangs in a collective (30 s timeout each).
-LAUNCH_TIMEOUT = 300
+# The launch of 2 processes fits 4 configurations of 42 cases, about 30 s
+# quiet; the margin is for a machine shared with other work. A case that
+# hangs ends its launch within its own deadline (``Checks``), naming it.
+LAUNCH_TIMEOUT = 900
 # 86 samples: ValidSplit(5) keeps 68 for training, which leaves a partial
 # last global batch for 2 and 3 processes, with accumulation 1 and 2
 UNEVEN = 86
-# launch name -> (precision, processes, batch size per process, samples)
-LAUNCHES = {precision: (precision, 2, BATCH_SIZE, 80) for precision in PRECISIONS}
-LAUNCHES["reference"] = ("fp32", 1, 2 * BATCH_SIZE, 80)
+# configuration -> (precision, processes, batch size per process, samples)
+CONFIGS = {precision: (precision, 2, BATCH_SIZE, 80) for precision in PRECISIONS}
+CONFIGS["reference"] = ("fp32", 1, 2 * BATCH_SIZE, 80)
 for processes in (2, 3):
-    LAUNCHES[f"fp32, {processes} processes, uneven"] = ("fp32", processes, BATCH_SIZE, UNEVEN)
-    LAUNCHES[f"reference, {processes} x batch, uneven"] = (
+    CONFIGS[f"fp32, {processes} processes, uneven"] = ("fp32", processes, BATCH_SIZE, UNEVEN)
+    CONFIGS[f"reference, {processes} x batch, uneven"] = (
         "fp32",
         1,
         processes * BATCH_SIZE,
         UNEVEN,
     )
-# the launches of N processes and of one with N times the batch
+# the configurations of N processes and of one with N times the batch
 EQUAL = [
     ("fp32", "reference"),
     *((f"fp32, {n} processes, uneven", f"reference, {n} x batch, uneven") for n in (2, 3)),
 ]
+# Only the 2-process configurations named after their precision are read
+# case by case (invariants 1, 2 and 4); the others are read by comparisons
+# across numbers of processes, which leave out the per-batch schedules.
+FITS_EVERY_CASE = PRECISIONS
+
+
+def argument(name):
+    """The configuration as ``matrix.py`` takes it."""
+    precision, _, batch_size, samples = CONFIGS[name]
+    which = "all" if name in FITS_EVERY_CASE else "equivalent"
+    return f"{precision}:{batch_size}:{samples}:{which}"
 
 
 def matrix(precisions=PRECISIONS, cases=CASES):
@@ -62,29 +78,60 @@ def matrix(precisions=PRECISIONS, cases=CASES):
     ]
 
 
+def needed(item):
+    """The configurations a collected test of this module reads."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if "launch" in params:
+        return {params["launch"], params["reference"]}
+    if "precision" in params:
+        return (
+            {params["precision"], "fp32"}
+            if params["precision"] == "fp16"
+            else {params["precision"]}
+        )
+    return set(CONFIGS)
+
+
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory):
-    """Each launch runs once per module, and only if a selected test needs it."""
+def launched(request, tmp_path_factory):
+    """``launched(name)``: every rank's report of the configuration ``name``.
+
+    One launch per number of processes fits the configurations of that
+    number which the selected tests of this module read, once per module.
+    """
+    selected = set()
+    for item in request.session.items:
+        if item.module is request.module:
+            selected |= needed(item)
     done = {}
 
     def get(name):
-        if name not in done:
-            precision, nproc, batch_size, samples = LAUNCHES[name]
-            dirname = tmp_path_factory.mktemp("matrix")
-            args = precision, batch_size, dirname, samples
-            done[name] = run_processes("matrix.py", *args, nproc=nproc, timeout=LAUNCH_TIMEOUT)
-        return done[name]
+        processes = CONFIGS[name][1]
+        if processes not in done:
+            names = [n for n in CONFIGS if CONFIGS[n][1] == processes and n in selected | {name}]
+            done[processes] = (
+                names,
+                run_processes(
+                    "matrix.py",
+                    tmp_path_factory.mktemp("matrix"),
+                    *map(argument, names),
+                    nproc=processes,
+                    timeout=LAUNCH_TIMEOUT,
+                ),
+            )
+        names, launch = done[processes]
+        assert name in names, f"{name} was not launched: not among the selected tests' needs"
+        return [rank["configs"][argument(name)] for rank in launch.check()]
 
     return get
 
 
 @pytest.fixture
 def results(launched):
-    """``results(launch, accumulation, case)``: the case's result on every rank."""
+    """``results(configuration, accumulation, case)``: the case's result on every rank."""
 
     def get(name, accumulation, case):
-        ranks = launched(name).check()
-        return [rank["cases"][f"accum{accumulation}/{case}"] for rank in ranks]
+        return [rank["cases"][f"accum{accumulation}/{case}"] for rank in launched(name)]
 
     return get
 
@@ -139,7 +186,6 @@ def test_parameters_are_identical_on_every_rank(results, precision, accumulation
 # Per-batch schedules are left out by design: accelerate steps a prepared
 # per-batch scheduler once per process per call, so on 2 processes the LR
 # advances twice per optimizer step, as for a run on the whole data's batches.
-EQUIVALENT = [case for case in CASES if case not in PER_BATCH_SCHEDULES]
 
 
 @pytest.mark.parametrize("launch, reference", EQUAL)
@@ -172,8 +218,10 @@ def test_emulated_fp16_equals_fp32(results, precision, accumulation, case):
 
 
 def test_each_launch_trains_as_configured(launched):
-    for name, (precision, nproc, batch_size, samples) in LAUNCHES.items():
-        for rank in launched(name).check():
+    for name, (precision, nproc, batch_size, samples) in CONFIGS.items():
+        ranks = launched(name)
+        assert len(ranks) == nproc
+        for rank in ranks:
             assert (rank["num_processes"], rank["batch_size"]) == (nproc, batch_size)
             assert rank["n_samples"] == samples
             assert rank["mixed_precision"] == ("bf16" if precision == "bf16" else "no")

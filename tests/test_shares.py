@@ -20,24 +20,54 @@ FP32 = 1e-6  # measured: at most 1.2e-7, in fp32 and emulated fp16
 BF16_LOSS = 5e-3
 
 
+# (processes, precision) of the tests that compare N processes with one
+COMPARED = [(2, "fp32"), (3, "fp32"), (2, "fp16")]
+
+
+def needed(item):
+    """The ``(processes, precision, alone)`` a collected test of this module reads."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if "processes" in params:
+        return {
+            (params["processes"], params["precision"], False),
+            (params["processes"], "fp32", True),
+        }
+    if "case" in params:  # bf16
+        return {(2, "bf16", False), (2, "bf16", True)}
+    return {(2, "fp32", False)}
+
+
 @pytest.fixture(scope="module")
-def launched():
+def launched(request):
     """``launched(processes, precision, alone=False)``: every rank's results
     of ``processes`` processes, or (``alone``) of one process with their
-    global batch; each launch runs once per module."""
+    global batch.
+
+    One launch of N processes fits every precision the selected tests of
+    this module read, and one plain process every global batch and precision
+    they compare with: three launches in all, once per module.
+    """
+    selected = set()
+    for item in request.session.items:
+        if item.module is request.module:
+            selected |= needed(item)
     done = {}
 
     def get(processes, precision, alone=False):
         key = processes, precision, alone
-        if key not in done:
-            args = str(BATCH * processes), precision
+        group = processes if not alone else "alone"
+        if group not in done:
+            configs = sorted(
+                f"{BATCH * n}:{p}"
+                for n, p, a in selected | {key}
+                if (n if not a else "alone") == group
+            )
             if alone:
-                done[key] = run_plain("shares_run.py", *args, timeout=300).check()
+                launch = run_plain("shares_run.py", *configs, timeout=600)
             else:
-                done[key] = run_processes(
-                    "shares_run.py", *args, nproc=processes, timeout=300
-                ).check()
-        return done[key]
+                launch = run_processes("shares_run.py", *configs, nproc=processes, timeout=600)
+            done[group] = launch
+        return [rank[f"{BATCH * processes}:{precision}"] for rank in done[group].check()]
 
     return get
 
@@ -57,7 +87,7 @@ def counted(case, processes):
     return math.ceil(samples / BATCH)
 
 
-@pytest.mark.parametrize("processes, precision", [(2, "fp32"), (3, "fp32"), (2, "fp16")])
+@pytest.mark.parametrize("processes, precision", COMPARED)
 @pytest.mark.parametrize("case", CASES)
 def test_n_processes_train_as_one_with_n_times_the_batch(launched, processes, precision, case):
     ours = outcome(launched(processes, precision), case)

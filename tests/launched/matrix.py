@@ -1,26 +1,35 @@
 """The invariant matrix: every training feature under every precision and
 gradient accumulation, in several processes.
 
-Usage: torchrun --nproc_per_node N matrix.py PRECISION BATCH_SIZE DIRNAME [N_SAMPLES]
+Usage: torchrun --nproc_per_node N matrix.py DIRNAME CONFIG [CONFIG ...]
 
-PRECISION
-  ``fp32``; ``bf16`` (``Accelerator(mixed_precision='bf16')``, autocast on
-  CPU); or ``fp16``, emulated: torch's CPU ``GradScaler`` set on an fp32
-  accelerator, which sends training through the code paths of accelerate's
-  fp16 (scaled backward, ``scaler.step``) without half-precision arithmetic.
-BATCH_SIZE
-  Per process. The tests run 2 processes with batch ``b`` and 1 process with
-  ``2 b``: the same samples per step.
 DIRNAME
-  A directory both ranks see, for the cases that write checkpoints.
-N_SAMPLES
-  The data's size (80 by default, which splits into whole global batches).
+  A directory every rank sees, for the cases that write checkpoints.
+CONFIG
+  ``PRECISION:BATCH_SIZE:N_SAMPLES:CASES``, one configuration of the matrix;
+  a launch fits every configuration it is given in turn, so that a process
+  group's start-up is paid once per number of processes.
 
-Every case in ``CASES`` is fitted with gradient accumulation 1 and 2, each
-from the same seed, and reports per rank: whether it fitted, a digest of
-every parameter, the parameters themselves (fp32 and fp16 only, to compare
-across launches) and the train loss of every epoch. An exception in a case
-is recorded and the next case runs.
+  PRECISION
+    ``fp32``; ``bf16`` (``Accelerator(mixed_precision='bf16')``, autocast
+    on CPU); or ``fp16``, emulated: torch's CPU ``GradScaler`` set on an
+    fp32 accelerator, which sends training through the code paths of
+    accelerate's fp16 (scaled backward, ``scaler.step``) without
+    half-precision arithmetic.
+  BATCH_SIZE
+    Per process. The tests run N processes with batch ``b`` and 1 process
+    with ``N b``: the same samples per step.
+  N_SAMPLES
+    The data's size (80 splits into whole global batches).
+  CASES
+    ``all``, or ``equivalent``: the cases without a per-batch LR schedule,
+    the only ones a comparison across numbers of processes reads.
+
+Every case of the configuration is fitted with gradient accumulation 1 and
+2, each from the same seed, and reports per rank: whether it fitted, a
+digest of every parameter, the parameters themselves (fp32 and fp16 only,
+to compare across launches) and the train loss of every epoch. An exception
+in a case is recorded and the next case runs.
 """
 
 import gc
@@ -30,6 +39,7 @@ import sys
 from pathlib import Path
 
 import torch
+from accelerate.state import AcceleratorState, GradientState, PartialState
 from common import AcceleratedNet, Checks, make_accelerator, make_data, report
 from skorch.callbacks import (
     Checkpoint,
@@ -45,7 +55,15 @@ from skorch.callbacks import (
 )
 from torch.optim import lr_scheduler
 
-__all__ = ["ACCUMULATION", "CASES", "PER_BATCH_SCHEDULES", "PRECISIONS"]
+__all__ = [
+    "ACCUMULATION",
+    "CASES",
+    "EQUIVALENT",
+    "PER_BATCH_SCHEDULES",
+    "PRECISIONS",
+    "accelerator_for",
+    "freeze_what_is_loaded",
+]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 ACCUMULATION = (1, 2)
@@ -149,7 +167,7 @@ class Case:
         self.accelerator = accelerator
         self.precision = precision
         self.batch_size = batch_size
-        self.dirname = str(Path(dirname) / precision / f"accum{accumulation}" / name)
+        self.dirname = str(Path(dirname) / f"accum{accumulation}" / name)
         os.makedirs(self.dirname, exist_ok=True)
 
     def net(self, cls=Net, seed=0, **overrides):
@@ -295,6 +313,9 @@ CASES = {
     "unfreezer": unfreezer,
 }
 
+# 2 processes with batch b differ from 1 process with 2 b by design in these
+EQUIVALENT = [case for case in CASES if case not in PER_BATCH_SCHEDULES]
+
 DATA = make_data(N_SAMPLES)
 
 
@@ -314,40 +335,70 @@ def outcome(net, with_params):
     return out
 
 
-def main(precision, batch_size, dirname, n_samples=N_SAMPLES):
+def freeze_what_is_loaded():
+    """Leave what is loaded now out of every later collection.
+
+    A full ``gc.collect()`` walks every object torch and its imports made
+    (about half a second here, as long as a case's fit); the cases collect
+    after each other, and each needs only its own garbage found. torch
+    imports its compiler on the first optimizer built: imported first, so
+    that it is frozen too.
+    """
+    import torch._dynamo  # noqa: F401  # pylint: disable=import-outside-toplevel,unused-import
+
+    gc.collect()
+    gc.freeze()
+
+
+def accelerator_for(precision):
+    """A new accelerator of ``precision`` (fp16: one of fp32, which the
+    cases give a scaler), in the process group that there is."""
+    # a precision is the accelerator state's for its life: a new state each
+    AcceleratorState._reset_state()  # pylint: disable=protected-access
+    GradientState._reset_state()  # pylint: disable=protected-access
+    return make_accelerator(**({"mixed_precision": "bf16"} if precision == "bf16" else {}))
+
+
+def fit_configuration(dirname, config):
+    """Fit every case of ``config`` (``PRECISION:BATCH_SIZE:N_SAMPLES:CASES``)
+    with every accumulation; what the configuration reports."""
     global DATA  # pylint: disable=global-statement
+    precision, batch_size, n_samples, which = config.split(":")
+    batch_size, n_samples = int(batch_size), int(n_samples)
     DATA = make_data(n_samples)
-    kwargs = {"mixed_precision": "bf16"} if precision == "bf16" else {}
-    accelerator = make_accelerator(**kwargs)
+    accelerator = accelerator_for(precision)
+    dirname = Path(dirname) / config.replace(":", "-")
     checks = Checks()
-    for name, build in CASES.items():
+    for name in CASES if which == "all" else EQUIVALENT:
         for accumulation in ACCUMULATION:
 
-            def run(build=build, accumulation=accumulation, name=name):
+            def run(build=CASES[name], accumulation=accumulation, name=name):
                 accelerator.gradient_accumulation_steps = accumulation
                 case = Case(accelerator, precision, batch_size, dirname, name, accumulation)
                 net = build(case)
                 net.fit(*DATA)
                 return outcome(net, with_params=precision != "bf16")
 
-            run.__name__ = f"accum{accumulation}/{name}"
             try:
-                checks(run)
+                checks.run(run, name=f"accum{accumulation}/{name}")
             finally:
                 accelerator.scaler = None
                 gc.collect()  # nets of earlier cases die in reference cycles
-    report(
-        {
-            "rank": accelerator.process_index,
-            "num_processes": accelerator.num_processes,
-            "precision": precision,
-            "mixed_precision": accelerator.mixed_precision,
-            "batch_size": batch_size,
-            "n_samples": n_samples,
-            "cases": checks.results,
-        }
-    )
+    return {
+        "num_processes": accelerator.num_processes,
+        "precision": precision,
+        "mixed_precision": accelerator.mixed_precision,
+        "batch_size": batch_size,
+        "n_samples": n_samples,
+        "cases": checks.results,
+    }
+
+
+def main(dirname, *configs):
+    freeze_what_is_loaded()
+    results = {config: fit_configuration(dirname, config) for config in configs}
+    report({"rank": PartialState().process_index, "configs": results})
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], *map(int, sys.argv[4:]))
+    main(*sys.argv[1:])

@@ -6,14 +6,20 @@ the weights, every epoch's train loss and train batch count.
 Shuffled or not: N processes draw every epoch's order as one process does
 (``data_order.draw_orders_as_one_process``).
 
-Usage: torchrun --nproc_per_node N shares_run.py GLOBAL_BATCH [PRECISION]
+Usage: torchrun --nproc_per_node N shares_run.py CONFIG [CONFIG ...]
 
-GLOBAL_BATCH
-  The samples of one step over all processes: each of N processes takes
-  ``GLOBAL_BATCH / N``, and one process all of them.
-PRECISION
-  ``fp32`` (the default), ``bf16`` (autocast on CPU) or ``fp16`` emulated as
-  in ``matrix.py``: torch's CPU ``GradScaler`` on an fp32 accelerator.
+CONFIG
+  ``GLOBAL_BATCH:PRECISION``; a launch fits every configuration it is given
+  in turn, so that a process group's start-up is paid once.
+
+  GLOBAL_BATCH
+    The samples of one step over all processes: each of N processes takes
+    ``GLOBAL_BATCH / N``, and one process all of them.
+  PRECISION
+    ``fp32``, ``bf16`` (autocast on CPU) or ``fp16`` emulated as in
+    ``matrix.py``: torch's CPU ``GradScaler`` on an fp32 accelerator.
+
+Every rank reports ``{CONFIG: {check: result}}``.
 """
 
 import itertools
@@ -22,7 +28,8 @@ import warnings
 
 import torch
 from accelerate.utils import set_seed
-from common import MLP, AcceleratedNet, Checks, make_accelerator, make_data, report
+from common import MLP, AcceleratedNet, Checks, make_data, report
+from matrix import accelerator_for, freeze_what_is_loaded
 
 # sizes in global batches: one sample over whole ones, one sample short of
 # them, and fewer samples than one global batch
@@ -89,8 +96,11 @@ def warned_with_a_sum(accelerator, global_batch):
     return [str(w.message) for w in caught]
 
 
-def main(global_batch, precision):
-    accelerator = make_accelerator(**({"mixed_precision": "bf16"} if precision == "bf16" else {}))
+def fit_configuration(config):
+    """Every case of ``config`` (``GLOBAL_BATCH:PRECISION``): its checks."""
+    global_batch, precision = config.split(":")
+    global_batch = int(global_batch)
+    accelerator = accelerator_for(precision)
     checks = Checks()
     for name, case in CASES.items():
 
@@ -100,8 +110,7 @@ def main(global_batch, precision):
             finally:
                 accelerator.scaler = None
 
-        run.__name__ = name
-        checks(run)
+        checks.run(run, name=name)
     if precision == "fp32":
         accelerator.gradient_accumulation_steps = 1
 
@@ -109,8 +118,13 @@ def main(global_batch, precision):
             return warned_with_a_sum(accelerator, global_batch)
 
         checks(sum_loss)
-    report(checks.results)
+    return checks.results
+
+
+def main(*configs):
+    freeze_what_is_loaded()
+    report({config: fit_configuration(config) for config in configs})
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "fp32")
+    main(*sys.argv[1:])
