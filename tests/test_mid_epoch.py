@@ -54,31 +54,83 @@ def test_skipping_keeps_the_loader_on_an_error():
     assert loader.base_dataloader.batch_sampler is original
 
 
-def launch(nproc, mode, dirname):
-    if nproc == 1:
-        return run_plain("midepoch_run.py", mode, dirname, timeout=240)
-    return run_processes("midepoch_run.py", mode, dirname, nproc=nproc, timeout=240)
+# The launches of midepoch_run.py that this module and test_preemption.py
+# share, in this order: each runs several scenarios (one fit each, a check
+# of its own), and a launch that ends in a crash or a notice to torchrun
+# ends with it. The uninterrupted run ("full") comes first, in a process of
+# its own from the resumed runs it is compared with.
+LAUNCHES = {
+    1: {
+        "interrupted": ["full", "notice_one", "crash"],
+        "resumed": ["resume:crash", "resume:notice_one"],
+    },
+    2: {
+        "interrupted": ["full", "notice_one", "notice_mixed", "notice_last", "crash"],
+        "notice_all": ["notice_all"],
+        "resumed": [
+            "resume:crash",
+            "resume:notice_one",
+            "resume:notice_mixed",
+            "resume:notice_last",
+            "resume:notice_all",
+            "quiet",
+        ],
+    },
+}
+_launched = {}
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["1 process", "2 processes"])
-def crashed_and_resumed(request, tmp_path_factory):
-    nproc, dirname = request.param, tmp_path_factory.mktemp("states")
-    full = launch(nproc, "full", dirname).check()
-    crash = launch(nproc, "crash", dirname)
-    resumed = launch(nproc, "resume", dirname).check()
-    return full, crash, resumed
+def midepoch_runs(nproc, tmp_path_factory):
+    """``{launch: (scenarios, Launch)}`` for ``LAUNCHES[nproc]``, launched once
+    a session and shared by every test that reads them; never fails itself,
+    so that each test fails on its own scenario."""
+    if nproc not in _launched:
+        dirname = tmp_path_factory.mktemp(f"midepoch-{nproc}")
+        _launched[nproc] = {}
+        for name, scenarios in LAUNCHES[nproc].items():
+            if nproc == 1:
+                launch = run_plain("midepoch_run.py", dirname, *scenarios, timeout=240)
+            else:
+                launch = run_processes(
+                    "midepoch_run.py", dirname, *scenarios, nproc=nproc, timeout=240
+                )
+            _launched[nproc][name] = (scenarios, launch)
+    return _launched[nproc]
+
+
+def scenario(runs, name):
+    """Every rank's outcome of the scenario ``name`` (one fit) in ``runs``;
+    fails naming it unless every rank finished it."""
+    (launch,) = (launch for scenarios, launch in runs.values() if name in scenarios)
+    for rank, report in enumerate(launch.ranks):
+        result = (report or {}).get("checks", {}).get(name)
+        if result is None:
+            ended_in = report and (report.get("running") or report.get("hung"))
+            pytest.fail(
+                f"{name}: rank {rank} did not finish it (its launch ended in {ended_in!r})\n"
+                + launch.describe(),
+                pytrace=False,
+            )
+        if not result["ok"]:
+            pytest.fail(f"{name} failed on rank {rank}: {result['error']}", pytrace=False)
+    return [report["checks"][name]["value"] for report in launch.ranks]
 
 
 @pytest.mark.multiprocess
-def test_a_run_lost_inside_an_epoch_resumes_there_exactly(crashed_and_resumed):
-    full, crash, resumed = crashed_and_resumed
-    assert crash.returncode != 0 and all(rank is None for rank in crash.ranks)
+@pytest.mark.parametrize("nproc", [1, 2], ids=["1 process", "2 processes"])
+def test_a_run_lost_inside_an_epoch_resumes_there_exactly(tmp_path_factory, nproc):
+    runs = midepoch_runs(nproc, tmp_path_factory)
+    full, crash = scenario(runs, "full")[0], runs["interrupted"][1]
+    assert crash.returncode != 0, crash.describe()
+    # every rank began the crash and none ended it: each died inside its fit
+    assert all(rank["running"] == "crash" for rank in crash.ranks), crash.describe()
+    resumed = scenario(runs, "resume:crash")
     for rank in resumed:
         # saved every 3 batches: at the first optimizer step at or after
         # batch 6 (accumulation 2), before the loss after batch 8
         assert rank["resumed_from"].startswith("training-state-000001-batch-000006-ranks-")
-        assert rank["history"] == full[0]["history"]  # every batch's loss, every row
-        assert rank["params"] == full[0]["params"]  # bit for bit
+        assert rank["history"] == full["history"]  # every batch's loss, every row
+        assert rank["params"] == full["params"]  # bit for bit
     # the resumed run saves inside its epochs too; keep_last=3 kept the newest
     assert [f for f in resumed[0]["files"] if "-batch-" in f][-1].startswith(
         "training-state-000003-"

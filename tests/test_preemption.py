@@ -9,8 +9,9 @@ import pytest
 import torch
 from accelerate import Accelerator
 from common import MLP, AcceleratedNet, make_data
-from harness import free_port, run_plain, run_processes
+from harness import free_port, run_processes
 from skorch.callbacks import Callback
+from test_mid_epoch import midepoch_runs, scenario
 
 from accel_mixin import Preempted
 from accel_mixin.callbacks import TrainingCheckpoint
@@ -36,18 +37,6 @@ def test_no_signals_no_handlers():
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
 
-def launch(nproc, mode, dirname, **kwargs):
-    if nproc == 1:
-        return run_plain("midepoch_run.py", mode, dirname, timeout=240)
-    return run_processes("midepoch_run.py", mode, dirname, nproc=nproc, timeout=240, **kwargs)
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    dirname = tmp_path_factory.mktemp("full")
-    return {nproc: launch(nproc, "full", dirname).check()[0] for nproc in (1, 2)}
-
-
 CASES = [
     # (processes, mode, where the notice came, where every rank stopped)
     (1, "notice_one", "SIGTERM during batch 5 of epoch 2", [2, 6]),
@@ -61,33 +50,39 @@ CASES = [
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("nproc, mode, notice, stop", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
 def test_a_notice_stops_every_rank_at_one_batch_and_the_rerun_resumes_exactly(
-    uninterrupted, tmp_path, nproc, mode, notice, stop
+    tmp_path_factory, nproc, mode, notice, stop
 ):
-    preempted = launch(nproc, mode, tmp_path)
-    assert preempted.returncode != 0, f"{notice}: the job must exit non-zero to be requeued"
-    ranks = preempted.ranks
-    assert all(rank is not None for rank in ranks), preempted.describe()
+    # the notices share launches with the crash of test_mid_epoch.py, the
+    # reruns one launch that resumes every scenario's folder in turn
+    runs = midepoch_runs(nproc, tmp_path_factory)
+    ranks = scenario(runs, mode)
     for rank in ranks:
-        assert rank["preempted"].startswith("Preempted (notice: ")
+        # fit raised Preempted: a script that lets it through exits non-zero,
+        # and the scheduler requeues the job
+        assert rank["preempted"].startswith("Preempted (notice: "), notice
         assert "Run the same script again to resume there" in rank["preempted"]
         assert rank["stopped_at"] == stop  # the same batch on every rank
         assert rank["handler_after_fit"]  # SIGTERM's handler is the default again
         if nproc > 1:  # a poll after every training batch (max_interval=1)
             assert rank["notice_polls"] > 10
+    if mode == "notice_all":  # torchrun itself got the notice: the job failed
+        assert runs[mode][1].returncode != 0, runs[mode][1].describe()
     if mode == "notice_last":
         assert all("at the end of epoch 2" in rank["preempted"] for rank in ranks)
-    resumed = launch(nproc, "resume", tmp_path).check()
-    for rank in resumed:
-        assert rank["history"] == uninterrupted[nproc]["history"]
-        assert rank["params"] == uninterrupted[nproc]["params"]
+    full = scenario(runs, "full")[0]
+    for rank in scenario(runs, f"resume:{mode}"):
+        assert rank["history"] == full["history"]
+        assert rank["params"] == full["params"]
 
 
 @pytest.mark.multiprocess
-def test_where_no_rank_handles_signals_no_rank_polls_after_the_first_batch(uninterrupted, tmp_path):
-    for rank in launch(2, "quiet", tmp_path).check():
+def test_where_no_rank_handles_signals_no_rank_polls_after_the_first_batch(tmp_path_factory):
+    runs = midepoch_runs(2, tmp_path_factory)
+    full = scenario(runs, "full")[0]
+    for rank in scenario(runs, "quiet"):
         assert rank["notice_polls"] == 1  # the first poll of the fit, which finds out
-        assert rank["history"] == uninterrupted[2]["history"]
-        assert rank["params"] == uninterrupted[2]["params"]
+        assert rank["history"] == full["history"]
+        assert rank["params"] == full["params"]
 
 
 BOUND = [
@@ -98,15 +93,20 @@ BOUND = [
 ]
 
 
+@pytest.fixture(scope="module")
+def far_apart(tmp_path_factory):
+    """The fits of notice_bound.py, every mode in one launch."""
+    modes = [mode for mode, _ in BOUND]
+    run = run_processes("notice_bound.py", tmp_path_factory.mktemp("bound"), *modes, timeout=240)
+    return {"bound": (modes, run)}
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("mode, interval", BOUND, ids=[case[0] for case in BOUND])
 def test_with_polls_far_apart_every_rank_stops_at_one_batch_within_the_bound(
-    tmp_path, mode, interval
+    far_apart, mode, interval
 ):
-    run = run_processes("notice_bound.py", mode, tmp_path, timeout=240)
-    assert run.returncode != 0, run.describe()
-    ranks = run.ranks
-    assert all(rank is not None for rank in ranks), run.describe()
+    ranks = scenario(far_apart, mode)
     first = ranks[0]
     for rank in ranks:
         assert rank["preempted"].startswith("Preempted (notice: ")
@@ -126,7 +126,7 @@ def test_with_polls_far_apart_every_rank_stops_at_one_batch_within_the_bound(
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_torchrun_restarts_a_killed_worker_and_the_job_ends_as_if_uninterrupted(
-    uninterrupted, tmp_path, nproc
+    tmp_path_factory, tmp_path, nproc
 ):
     # torch's c10d rendezvous, with a store of the workers' own: sharing the
     # launcher's store, restarted workers can read the addresses of the
@@ -134,8 +134,8 @@ def test_torchrun_restarts_a_killed_worker_and_the_job_ends_as_if_uninterrupted(
     # measured here in 4 of 8 restarts)
     run = run_processes(
         "midepoch_run.py",
-        "elastic",
         tmp_path,
+        "elastic",
         nproc=nproc,
         timeout=300,
         env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
@@ -145,12 +145,13 @@ def test_torchrun_restarts_a_killed_worker_and_the_job_ends_as_if_uninterrupted(
             f"--rdzv-endpoint=127.0.0.1:{free_port()}",
         ],
     )
-    ranks = run.check()
-    for rank in ranks:
+    run.check()
+    full = scenario(midepoch_runs(nproc, tmp_path_factory), "full")[0]
+    for rank in scenario({"elastic": (["elastic"], run)}, "elastic"):
         assert rank["attempt"] == 1  # the restarted workers finished the job
         assert rank["resumed_from"].startswith("training-state-000001-batch-000006-ranks-")
-        assert rank["history"] == uninterrupted[nproc]["history"]
-        assert rank["params"] == uninterrupted[nproc]["params"]
+        assert rank["history"] == full["history"]
+        assert rank["params"] == full["params"]
 
 
 class Notify(Callback):

@@ -1,10 +1,13 @@
 """One training script, run the ways resuming inside an epoch is tested.
 
-Usage: midepoch_run.py MODE DIRNAME
+Usage: midepoch_run.py DIRNAME SCENARIO [SCENARIO ...]
+
+Each scenario is one fit, a check of its own (``common.Checks``), run in the
+order given, in a folder of its own (``DIRNAME/SCENARIO``):
+
   full          trains 4 epochs in one go, without checkpoints
   crash         TrainingCheckpoint(every_n_batches=3); every rank dies after
                 training batch 8 of epoch 2, as a lost machine would
-  resume        the same script again, with ResumeTraining: goes on exactly
   notice_one    rank 1 (or the only rank) gets SIGTERM during batch 5 of
                 epoch 2; every rank stops at one batch, saves and raises
                 Preempted
@@ -18,6 +21,12 @@ Usage: midepoch_run.py MODE DIRNAME
   elastic       under torchrun --max-restarts: in the first attempt, rank 1
                 SIGKILLs itself after batch 8 of epoch 2; torchrun restarts
                 every worker, which resume and finish
+  resume:NAME   the same script again on NAME's folder, with ResumeTraining:
+                goes on exactly
+
+A scenario that ends its process (crash, notice_all, elastic's first
+attempt) comes last; the report names the scenario under way
+(``midepoch_scenarios.py``).
 
 Shuffled data with a ragged last batch, dropout, gradient accumulation, a
 CyclicLR stepped per batch and a training score cached per batch all have
@@ -31,16 +40,15 @@ import time
 
 import torch
 import torch.distributed as dist
-from common import AcceleratedNet, DropoutMLP, make_accelerator, make_data, report
+from common import AcceleratedNet, DropoutMLP, make_accelerator, make_data
+from midepoch_scenarios import run_scenarios
 from skorch.callbacks import Callback, EpochScoring, LRScheduler
 
 import accel_mixin.distributed.preemption
 from accel_mixin import Preempted
 from accel_mixin.callbacks import ResumeTraining, TrainingCheckpoint
 
-MODE, DIRNAME = sys.argv[1], sys.argv[2]
-accelerator = make_accelerator(gradient_accumulation_steps=2)
-RANK = accelerator.process_index
+DIRNAME, SCENARIOS = sys.argv[1], sys.argv[2:]
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
@@ -88,87 +96,97 @@ class Stops(Callback):
             self.last_ = (len(net.history), len(net.history[-1]["batches"]))
 
 
+def last_rank(net):
+    return net.accelerator.process_index == net.accelerator.num_processes - 1
+
+
 def die(net):
     net.wait_for_saves()
     os._exit(3)  # pylint: disable=protected-access
 
 
-def term_self(net):  # pylint: disable=unused-argument
-    if accelerator.num_processes - 1 == RANK:
+def term_self(net):
+    if last_rank(net):
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def term_rank0(net):  # pylint: disable=unused-argument
-    if RANK == 0:
+def term_rank0(net):
+    if net.accelerator.process_index == 0:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def term_launcher(net):  # pylint: disable=unused-argument
-    if RANK == 0:
+def term_launcher(net):
+    if net.accelerator.process_index == 0:
         os.kill(os.getppid(), signal.SIGTERM)
         time.sleep(0.5)  # torchrun forwards it to every worker meanwhile
 
 
-def kill_once(net):  # pylint: disable=unused-argument
-    if ATTEMPT == 0 and accelerator.num_processes - 1 == RANK:
+def kill_once(net):
+    if ATTEMPT == 0 and last_rank(net):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-torch.manual_seed(0)
 X, y = make_data(333, noise=0.2, seed=3)
-callbacks = [
-    LRScheduler(
-        torch.optim.lr_scheduler.CyclicLR,
-        base_lr=0.01,
-        max_lr=0.3,
-        step_size_up=7,
-        step_every="batch",
-    ),
-    EpochScoring("accuracy", on_train=True, name="train_acc"),
-]
-every = {"crash": 3, "resume": 3, "elastic": 3}.get(MODE)
-if MODE != "full":
-    callbacks += [
-        TrainingCheckpoint(
-            DIRNAME,
-            every_n_batches=every,
-            keep_last=3,
-            signals=()
-            if MODE == "quiet" or (MODE == "notice_mixed" and RANK)
-            else (signal.SIGTERM,),
+
+
+def fit(mode, folder):
+    """One fit of the scenario ``mode`` in ``folder``: what the tests compare."""
+    accelerator = make_accelerator(gradient_accumulation_steps=2)
+    rank = accelerator.process_index
+    callbacks = [
+        LRScheduler(
+            torch.optim.lr_scheduler.CyclicLR,
+            base_lr=0.01,
+            max_lr=0.3,
+            step_size_up=7,
+            step_every="batch",
         ),
-        ResumeTraining(DIRNAME),
+        EpochScoring("accuracy", on_train=True, name="train_acc"),
     ]
-train_batches = -(-int(len(X) * 0.8) // (16 * accelerator.num_processes))
-callbacks += {
-    "crash": [At(2, 8, die)],
-    "notice_one": [At(2, 5, term_self)],
-    "notice_all": [At(3, 3, term_launcher)],
-    "notice_mixed": [At(2, 5, term_rank0)],
-    "notice_last": [At(2, train_batches, term_self)],
-    "elastic": [At(2, 8, kill_once)],
-}.get(MODE, [])
-callbacks.append(stops := Stops())
+    every = {"crash": 3, "resume": 3, "elastic": 3}.get(mode)
+    if mode != "full":
+        callbacks += [
+            TrainingCheckpoint(
+                folder,
+                every_n_batches=every,
+                keep_last=3,
+                signals=()
+                if mode == "quiet" or (mode == "notice_mixed" and rank)
+                else (signal.SIGTERM,),
+            ),
+            ResumeTraining(folder),
+        ]
+    train_batches = -(-int(len(X) * 0.8) // (16 * accelerator.num_processes))
+    callbacks += {
+        "crash": [At(2, 8, die)],
+        "notice_one": [At(2, 5, term_self)],
+        "notice_all": [At(3, 3, term_launcher)],
+        "notice_mixed": [At(2, 5, term_rank0)],
+        "notice_last": [At(2, train_batches, term_self)],
+        "elastic": [At(2, 8, kill_once)],
+    }.get(mode, [])
+    callbacks.append(stops := Stops())
 
-net = AcceleratedNet(
-    DropoutMLP,
-    accelerator=accelerator,
-    max_epochs=4,
-    lr=0.5,
-    batch_size=16,
-    iterator_train__shuffle=True,
-    verbose=0,
-    callbacks=callbacks,
-)
-preempted = None
-try:
-    net.fit(X, y)
-except Preempted as exc:
-    preempted = str(exc)
+    torch.manual_seed(0)
+    net = AcceleratedNet(
+        DropoutMLP,
+        accelerator=accelerator,
+        max_epochs=4,
+        lr=0.5,
+        batch_size=16,
+        iterator_train__shuffle=True,
+        verbose=0,
+        callbacks=callbacks,
+    )
+    polls_before = polls.all_reduces
+    preempted = None
+    try:
+        net.fit(X, y)
+    except Preempted as exc:
+        preempted = str(exc)
 
-checkpoint = dict(net.callbacks_).get("TrainingCheckpoint")
-report(
-    {
+    checkpoint = dict(net.callbacks_).get("TrainingCheckpoint")
+    return {
         "history": [{k: v for k, v in row.items() if "dur" not in k} for row in net.history],
         "params": [p.detach().numpy().tolist() for p in net.module_.parameters()],
         "preempted": preempted,
@@ -177,12 +195,18 @@ report(
         "handler_after_fit": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
         "resumed_from": (
             os.path.basename(dict(net.callbacks_)["ResumeTraining"].resumed_from_ or "")
-            if MODE != "full"
+            if mode != "full"
             else None
         ),
         "files": sorted(os.listdir(checkpoint.run_folder_)) if checkpoint else [],
         "attempt": ATTEMPT,
-        "notice_polls": polls.all_reduces,
+        "notice_polls": polls.all_reduces - polls_before,
     }
-)
-sys.exit(75 if preempted else 0)
+
+
+def scenario(name):
+    mode, _, of = name.partition(":")
+    return fit(mode, os.path.join(DIRNAME, of or mode))
+
+
+run_scenarios(SCENARIOS, scenario, attempt=ATTEMPT)

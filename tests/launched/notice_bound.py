@@ -1,6 +1,10 @@
 """Preemption notices with polls far apart: every rank still stops at one batch.
 
-Usage: notice_bound.py MODE DIRNAME
+Usage: notice_bound.py DIRNAME MODE [MODE ...]
+
+Each mode is one fit, a check of its own (``common.Checks``), in the order
+given, in a folder of its own (``DIRNAME/MODE``):
+
   fast_one  polls as far apart as they go (``max_interval`` batches, as for
             fast batches); rank 1 gets SIGTERM during batch 100 of epoch 2
   fast_all  the same, every rank gets SIGTERM during that batch
@@ -18,7 +22,8 @@ import sys
 
 import torch
 import torch.distributed as dist
-from common import MLP, AcceleratedNet, make_accelerator, make_data, report
+from common import MLP, AcceleratedNet, make_accelerator, make_data
+from midepoch_scenarios import run_scenarios
 from skorch.callbacks import Callback
 
 import accel_mixin.distributed.preemption
@@ -26,10 +31,8 @@ from accel_mixin import Preempted
 from accel_mixin.callbacks import TrainingCheckpoint
 from accel_mixin.distributed.preemption import NoticeBoard
 
-MODE, DIRNAME = sys.argv[1], sys.argv[2]
+DIRNAME, MODES = sys.argv[1], sys.argv[2:]
 NOTICE = (2, 100)
-accelerator = make_accelerator()
-RANK = accelerator.process_index
 net = None
 
 
@@ -52,7 +55,8 @@ class Batches(Callback):
 
     in_run_identity = False
 
-    def __init__(self):
+    def __init__(self, receives):
+        self.receives = receives
         self.done, self.last_ = 0, None
 
     def on_batch_end(self, net, training=False, **kwargs):
@@ -60,37 +64,44 @@ class Batches(Callback):
             return
         self.done += 1
         self.last_ = (len(net.history), len(net.history[-1]["batches"]))
-        receives = {"fast_one": RANK == 1, "fast_all": True, "skewed": RANK == 0}[MODE]
-        if self.last_ == NOTICE and receives:
+        if self.last_ == NOTICE and self.receives:
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-accel_mixin.distributed.preemption.dist = recording = RecordingDist()
-batches = Batches()
-if MODE == "skewed":
-    step = 0.001 if RANK == 0 else 0.012
-    NoticeBoard.clock = staticmethod(lambda: batches.done * step)
-else:
-    # any pace asks for polls further apart than max_interval allows
-    NoticeBoard.interval_seconds = 1e9
-
-torch.manual_seed(0)
-net = AcceleratedNet(
-    MLP,
-    accelerator=accelerator,
-    max_epochs=3,
-    batch_size=4,
-    train_split=None,
-    verbose=0,
-    callbacks=[TrainingCheckpoint(DIRNAME), batches],
-)
-preempted = None
-try:
-    net.fit(*make_data(1600))
-except Preempted as exc:
-    preempted = str(exc)
-report(
-    {
+def fit(mode):
+    """One fit of ``mode``: where each poll started, where training stopped."""
+    global net  # pylint: disable=global-statement
+    accelerator = make_accelerator()
+    rank = accelerator.process_index
+    accel_mixin.distributed.preemption.dist = recording = RecordingDist()
+    batches = Batches(receives={"fast_one": rank == 1, "fast_all": True, "skewed": rank == 0}[mode])
+    # the class's own pace settings, patched for this fit alone
+    patched = {name: vars(NoticeBoard)[name] for name in ("clock", "interval_seconds")}
+    if mode == "skewed":
+        step = 0.001 if rank == 0 else 0.012
+        NoticeBoard.clock = staticmethod(lambda: batches.done * step)
+    else:
+        # any pace asks for polls further apart than max_interval allows
+        NoticeBoard.interval_seconds = 1e9
+    torch.manual_seed(0)
+    net = AcceleratedNet(
+        MLP,
+        accelerator=accelerator,
+        max_epochs=3,
+        batch_size=4,
+        train_split=None,
+        verbose=0,
+        callbacks=[TrainingCheckpoint(os.path.join(DIRNAME, mode)), batches],
+    )
+    preempted = None
+    try:
+        net.fit(*make_data(1600))
+    except Preempted as exc:
+        preempted = str(exc)
+    finally:
+        for name, value in patched.items():
+            setattr(NoticeBoard, name, value)
+    return {
         "preempted": preempted,
         "stopped_at": batches.last_,
         "polls": recording.polls,
@@ -98,5 +109,6 @@ report(
         "max_interval": NoticeBoard.max_interval,
         "batches_per_epoch": -(-1600 // (4 * accelerator.num_processes)),
     }
-)
-sys.exit(75 if preempted else 0)
+
+
+run_scenarios(MODES, fit)
