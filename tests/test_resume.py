@@ -2,6 +2,7 @@
 safety, asynchronous writes. Each run is a new launch, as after a crash."""
 
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -14,6 +15,7 @@ from accelerate import Accelerator
 from common import MLP, AcceleratedNet
 from harness import check_values as values
 from harness import run_plain, run_processes
+from resume_phases import crashed
 
 from accel_mixin import CheckpointError
 from accel_mixin.checkpoint.checkpoint_files import agreed_checkpoint, checkpoint_name
@@ -28,39 +30,46 @@ def run_folder(dirname):
     return folder
 
 
-def resume_runs(nproc, mode=None):
-    """An uninterrupted run, and a run preempted after epoch 3 and resumed."""
-    dirname = tempfile.mkdtemp(prefix="accel_mixin_resume_")
-    extra = [mode] if mode else []
-    full = run_processes("resume_run.py", "full", dirname, nproc=nproc, timeout=180)
-    crash = run_processes("resume_run.py", "crash", dirname, *extra, nproc=nproc, timeout=180)
-    assert crash.returncode != 0 and not crash.timed_out, crash.describe()
-    # a write killed halfway leaves only a temporary file: never picked
-    (run_folder(dirname) / ".accel_mixin-tmp-0123456789abcdef.tmp").write_bytes(b"half")
-    resumed = run_processes("resume_run.py", "resume", dirname, *extra, nproc=nproc, timeout=180)
-    return full.check(), resumed.check(), resumed.output
+# Per layout, one launch runs the uninterrupted fit and crashes every
+# scenario (resume_run.py), and one more resumes each in turn.
+SCENARIOS = {1: ["sync"], 2: ["sync", "async"]}
 
 
 @pytest.fixture(scope="module")
-def one_process():
-    return resume_runs(1)
+def launched():
+    done = {}
 
+    def get(nproc):
+        if nproc not in done:
+            dirname = Path(tempfile.mkdtemp(prefix="accel_mixin_resume_"))
+            crash = run_processes(
+                "resume_run.py", "crash", dirname, *SCENARIOS[nproc], nproc=nproc, timeout=600
+            )
+            crashed_checks = crashed(crash)
+            for scenario in SCENARIOS[nproc][:-1]:
+                values(crashed_checks, scenario)  # stopped by its exception, not another
+            if nproc == 2:  # as the crash left it, for the tests of its files
+                shutil.copytree(dirname / "sync", dirname / "crashed" / "sync")
+            for scenario in SCENARIOS[nproc]:
+                # a write killed halfway leaves only a temporary file: never picked
+                (
+                    run_folder(dirname / scenario) / ".accel_mixin-tmp-0123456789abcdef.tmp"
+                ).write_bytes(b"half")
+            resumed = run_processes(
+                "resume_run.py", "resume", dirname, *SCENARIOS[nproc], nproc=nproc, timeout=600
+            )
+            done[nproc] = (dirname, crashed_checks, [r["checks"] for r in resumed.check()])
+        return done[nproc]
 
-@pytest.fixture(scope="module")
-def two_processes():
-    return resume_runs(2)
-
-
-@pytest.fixture(scope="module")
-def two_processes_async():
-    return resume_runs(2, "async")
+    return get
 
 
 @multiprocess
-@pytest.mark.parametrize("runs", ["one_process", "two_processes", "two_processes_async"])
-def test_resumed_run_repeats_the_uninterrupted_one_bit_for_bit(runs, request):
-    full, resumed, _ = request.getfixturevalue(runs)
-    for rank_full, rank_resumed in zip(full, resumed):
+@pytest.mark.parametrize("nproc, scenario", [(1, "sync"), (2, "sync"), (2, "async")])
+def test_resumed_run_repeats_the_uninterrupted_one_bit_for_bit(launched, nproc, scenario):
+    _, crashed_checks, resumed_checks = launched(nproc)
+    full, resumed = values(crashed_checks, "full"), values(resumed_checks, scenario)
+    for rank_full, rank_resumed in zip(full, resumed, strict=True):
         assert rank_resumed["resumed_from"] == "training-state-000003.pt"
         assert len(rank_resumed["history"]) == 6
         # losses, scores, learning rates, every batch: bitwise
@@ -70,44 +79,43 @@ def test_resumed_run_repeats_the_uninterrupted_one_bit_for_bit(runs, request):
 
 
 @multiprocess
-def test_rotation_keeps_the_last_and_numbering_continues(two_processes):
-    _, resumed, _ = two_processes
-    for rank in resumed:
+@pytest.mark.parametrize("scenario", ["sync", "async"])
+def test_rotation_keeps_the_last_and_numbering_continues(launched, scenario):
+    _, _, resumed_checks = launched(2)
+    for rank in values(resumed_checks, scenario):
         # keep_last=2; epochs 4 to 6 were numbered after the resume
         assert [f for f in rank["files"] if not f.startswith(".")] == [
             "manifest.json",
             "training-state-000005.pt",
             "training-state-000006.pt",
         ]
-        # the temporary file of the killed write (resume_runs): removed by the rotation
+        # the temporary file of the killed write (launched): removed by the rotation
         assert not [f for f in rank["files"] if "accel_mixin-tmp" in f]
 
 
 @multiprocess
-def test_a_checkpoint_from_another_number_of_processes_resumes_with_one_warning(two_processes):
-    dirname = tempfile.mkdtemp(prefix="accel_mixin_resume_")
-    crash = run_processes("resume_run.py", "crash", dirname, nproc=2, timeout=180)
-    assert crash.returncode != 0
+def test_a_checkpoint_from_another_number_of_processes_resumes_with_one_warning(launched, tmp_path):
+    dirname, crashed_checks, _ = launched(2)
+    shutil.copytree(dirname / "crashed" / "sync", tmp_path / "sync")
     # on one process without DDP: state dicts of the module carry no prefix
-    resumed = run_plain("resume_run.py", "resume", dirname, timeout=180)
-    (rank,) = resumed.check()
+    resumed = run_plain("resume_run.py", "resume", tmp_path, "sync", timeout=180)
+    (rank,) = values([r["checks"] for r in resumed.check()], "sync")
     assert rank["resumed_from"] == "training-state-000003.pt"
     assert len(rank["history"]) == 6
     assert resumed.output.count("was saved by 2 process(es) and resumes on 1") == 1
     # EarlyStopping(load_best=True) restored the best weights, those of
     # epoch 2, saved by two processes: the uninterrupted run's final weights
-    full, _, _ = two_processes
-    assert rank["params"] == full[0]["params"]
+    assert rank["params"] == values(crashed_checks, "full")[0]["params"]
 
 
 @multiprocess
-def test_training_states_hold_best_weights_only_where_needed_under_clean_keys():
-    dirname = Path(tempfile.mkdtemp(prefix="accel_mixin_resume_"))
-    run_processes("resume_run.py", "crash", dirname, nproc=2, timeout=180)
+def test_training_states_hold_best_weights_only_where_needed_under_clean_keys(launched):
+    dirname, _, _ = launched(2)
 
     def best(epoch):
         state = torch.load(
-            run_folder(dirname) / f"training-state-{epoch:06d}.pt", weights_only=True
+            run_folder(dirname / "crashed" / "sync") / f"training-state-{epoch:06d}.pt",
+            weights_only=True,
         )
         return state["callbacks"]["best"], state["modules"]["module"]
 

@@ -8,7 +8,6 @@ import inspect
 import json
 import os
 import random
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +15,9 @@ import pytest
 import torch
 from accelerate import Accelerator
 from common import MLP, AcceleratedNet, make_data
+from harness import check_values as values
 from harness import run_plain, run_processes
+from resume_phases import crashed
 from sklearn.model_selection import KFold, cross_val_score
 from skorch.callbacks import (
     Callback,
@@ -570,32 +571,48 @@ def test_a_run_folder_that_cannot_be_made_is_a_clear_error(data, tmp_path, monke
         make_net(tmp_path, verbose=0).fit(*data)
 
 
-# --- interrupted searches -----------------------------------------------------
+# --- interrupted runs, launched ------------------------------------------------
+
+# Per layout, one launch runs the references and stops every scenario, the
+# search last, by killing its processes; one more reruns each in turn, then
+# checks the errors of run folders on two processes (runs_interrupted.py).
+INTERRUPTED = {
+    1: ["augmented-unseeded", "augmented-per_rank", "search"],
+    2: ["search-weights", "augmented-unseeded", "augmented-per_rank", "search", "run-folders"],
+}
 
 
-def search(nproc):
-    dirname = tempfile.mkdtemp(prefix="accel_mixin_search_")
-    full = run_processes("search_run.py", "full", dirname + "/full", nproc=nproc, timeout=300)
-    crash = (
-        run_processes("search_run.py", "crash", dirname + "/resumed", nproc=nproc, timeout=300)
-        if nproc > 1
-        else run_plain("search_run.py", "crash", dirname + "/resumed", timeout=300)
-    )
-    assert crash.returncode != 0 and not crash.timed_out, crash.describe()
-    rerun = (
-        run_processes("search_run.py", "rerun", dirname + "/resumed", nproc=nproc, timeout=300)
-        if nproc > 1
-        else run_plain("search_run.py", "rerun", dirname + "/resumed", timeout=300)
-    )
-    return full.check(), rerun.check()
+def launch(nproc, phase, dirname):
+    """One phase of every scenario, as ``python`` runs a script on one process."""
+    args = ("runs_interrupted.py", phase, dirname, *INTERRUPTED[nproc])
+    if nproc == 1:
+        return run_plain(*args, timeout=900)
+    return run_processes(*args, nproc=nproc, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory):
+    done = {}
+
+    def get(nproc):
+        if nproc not in done:
+            dirname = tmp_path_factory.mktemp(f"interrupted{nproc}")
+            crashed_checks = crashed(launch(nproc, "crash", dirname))
+            rerun = launch(nproc, "rerun", dirname).check()
+            done[nproc] = (dirname, crashed_checks, [rank["checks"] for rank in rerun])
+        return done[nproc]
+
+    return get
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_an_interrupted_search_resumes_to_the_same_results(nproc):
-    full, rerun = search(nproc)
+def test_an_interrupted_search_resumes_to_the_same_results(interrupted, nproc):
+    _, crashed_checks, rerun_checks = interrupted(nproc)
+    full = values(crashed_checks, "search/full")
+    rerun = values(rerun_checks, "search")
     assert all(rank["cv_results"] == full[0]["cv_results"] for rank in full)
-    for uninterrupted, resumed in zip(full, rerun):
+    for uninterrupted, resumed in zip(full, rerun, strict=True):
         assert resumed["cv_results"] == uninterrupted["cv_results"]
         assert resumed["best_params"] == uninterrupted["best_params"] == {"lr": 0.2}
         # 4 fits of 3 epochs and the refit; killed when the third fit's
@@ -606,10 +623,8 @@ def test_an_interrupted_search_resumes_to_the_same_results(nproc):
 
 
 @pytest.mark.multiprocess
-def test_errors_of_run_folders_are_clear_on_every_rank(tmp_path):
-    from harness import check_values as values
-
-    checks = [r["checks"] for r in run_processes("runs_checks.py", tmp_path, timeout=180).check()]
+def test_errors_of_run_folders_are_clear_on_every_rank(interrupted):
+    _, _, checks = interrupted(2)  # runs_checks.py, after the reruns
     for files in values(checks, "one_run_folder_written_once"):
         assert files == ["manifest.json", "training-state-000001.pt", "training-state-000002.pt"]
     for name, expected in (
@@ -641,14 +656,16 @@ def test_errors_of_run_folders_are_clear_on_every_rank(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_a_search_over_tensor_values_with_checkpoints_scores_as_without(tmp_path):
+def test_a_search_over_tensor_values_with_checkpoints_scores_as_without(interrupted):
     """Two processes, GridSearchCV over criterion__weight tensors: with
     checkpoints in an empty folder, every fit trains (no candidate resumes
     another's run) and the scores are those without checkpoints; run again,
-    every fit resumes its own finished run, with the same scores."""
-    plain = run_processes("search_weights.py", "plain", timeout=300).check()
-    first = run_processes("search_weights.py", "checkpoints", tmp_path, timeout=300).check()
-    again = run_processes("search_weights.py", "checkpoints", tmp_path, timeout=300).check()
+    in the next launch, every fit resumes its own finished run, with the
+    same scores."""
+    dirname, crashed_checks, rerun_checks = interrupted(2)
+    plain = values(crashed_checks, "search-weights/plain")
+    first = values(crashed_checks, "search-weights")
+    again = values(rerun_checks, "search-weights")
     scores = plain[0]["test_scores"]
     assert scores["split0_test_score"][0] != scores["split0_test_score"][1]
     for rank in range(2):
@@ -657,30 +674,24 @@ def test_a_search_over_tensor_values_with_checkpoints_scores_as_without(tmp_path
         assert plain[rank]["trained"] == first[rank]["trained"] == [3] * 5
         assert again[rank]["trained"] == [0] * 5
         assert first[rank]["best_weight"] == plain[rank]["best_weight"]
-    assert len(runs_in(tmp_path)) == 5
+    assert len(runs_in(dirname / "weights")) == 5
 
 
 # --- data that augments at random ---------------------------------------------
 
 
-def launch(nproc, *args):
-    if nproc == 1:
-        return run_plain("augmented_run.py", *args, timeout=300)
-    return run_processes("augmented_run.py", *args, nproc=nproc, timeout=300)
-
-
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("seeding", ["unseeded", "per_rank"])
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_a_dataset_that_augments_at_random_resumes_exactly(nproc, seeding, tmp_path):
+def test_a_dataset_that_augments_at_random_resumes_exactly(interrupted, nproc, seeding):
     """A Dataset that draws its noise from the global generators, unseeded
-    or seeded per rank: the ranks agree on the run, a crashed fit resumes
-    its own run, and the history and weights equal those of the same fit
-    without checkpoints, uninterrupted (augmented_run.py)."""
-    crash = launch(nproc, seeding, "crash", tmp_path)
-    assert crash.returncode != 0 and not crash.timed_out, crash.describe()
-    assert "the fit should have died" not in crash.output, crash.describe()
-    for rank in launch(nproc, seeding, "resume", tmp_path).check():
+    or seeded per rank: the ranks agree on the run, a fit stopped in one
+    launch resumes its own run in the next, and the history and weights
+    equal those of the same fit without checkpoints, uninterrupted
+    (augmented_run.py)."""
+    _, crashed_checks, rerun_checks = interrupted(nproc)
+    values(crashed_checks, f"augmented-{seeding}")  # stopped where it should
+    for rank in values(rerun_checks, f"augmented-{seeding}"):
         # resumed after epoch 2: its last 3 epochs trained
         assert rank["resumed_from"].endswith("training-state-000002.pt")
         assert len(rank["runs"]) == 1 and len(rank["history"]) == 5

@@ -1,16 +1,17 @@
-"""Training on a Dataset that augments at random, resumed.
+"""Training on a Dataset that augments at random, crashed and resumed
+(``runs_interrupted.py`` runs it, in its launches' phases).
 
-Usage: augmented_run.py SEEDING MODE DIRNAME
-  SEEDING  unseeded: the augmentation draws from NumPy's global generator,
-           seeded by the OS (another state in every process and on every
-           rank), and from torch's, left at its default seed;
-           per_rank: both seeded with the rank, as scripts that want each
-           rank to augment differently do
-  MODE     crash: trains 5 epochs without checkpoints (the reference, kept in
-           DIRNAME/reference-rank<r>.json), puts the random number generators
-           back as they were before it, trains again with TrainingCheckpoint
-           and ResumeTraining and dies when epoch 3 begins;
-           resume: the same script again, which resumes there
+SEEDING  unseeded: the augmentation draws from NumPy's global generator,
+         seeded by the OS (another state in every process and on every
+         rank), and from torch's, wherever the launch left it;
+         per_rank: both seeded with the rank, as scripts that want each
+         rank to augment differently do
+
+``crash`` trains 5 epochs without checkpoints (the reference, kept in
+DIRNAME/reference-rank<r>.json), puts the random number generators back as
+they were before it, and trains again with TrainingCheckpoint and
+ResumeTraining, stopped when epoch 3 begins; ``resume``, in another launch,
+resumes there.
 
 The run identity reads rows of the Dataset: it must neither tell the ranks or
 the launches apart by their random draws, nor take draws from training, so
@@ -19,18 +20,17 @@ that the resumed history and weights equal the reference's bit for bit.
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
-from common import AcceleratedNet, DropoutMLP, make_accelerator, make_data, report
+from common import AcceleratedNet, DropoutMLP, make_data
+from resume_phases import stopped
 from skorch.callbacks import Callback
 
 from accel_mixin.callbacks import ResumeTraining, TrainingCheckpoint
 from accel_mixin.checkpoint.state_values import restore_rng, rng_state
 
-SEEDING, MODE, DIRNAME = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 RANK = int(os.environ.get("RANK", "0"))
 
 
@@ -50,17 +50,20 @@ class Augmenting(torch.utils.data.Dataset):
 
 
 class Preemption(Callback):
-    """Dies when epoch 3 begins, as a preempted job would."""
+    """Stops training when epoch 3 begins (``resume_phases.Stop``)."""
 
     in_run_identity = False
 
+    def __init__(self, stop):
+        self.stop = stop
+
     def on_epoch_begin(self, net, **kwargs):
         if len(net.history) == 3:
-            net.wait_for_saves()
-            os._exit(3)  # pylint: disable=protected-access
+            self.stop(net)
 
 
-def fit(callbacks):
+def fit(accelerator, callbacks):
+    X, y = make_data(300, noise=0.2, seed=3)
     net = AcceleratedNet(
         DropoutMLP,
         accelerator=accelerator,
@@ -81,26 +84,35 @@ def outcome(net):
     }
 
 
-if SEEDING == "per_rank":
-    torch.manual_seed(RANK + 1)
-    np.random.seed(RANK + 1)
-accelerator = make_accelerator()
-X, y = make_data(300, noise=0.2, seed=3)
-checkpoints = [TrainingCheckpoint(DIRNAME / "ckpt"), ResumeTraining(DIRNAME / "ckpt")]
-if MODE == "crash":
-    before = rng_state()
-    reference = outcome(fit([]))
-    (DIRNAME / f"reference-rank{RANK}.json").write_text(json.dumps(reference))
-    restore_rng(before)
-    fit([*checkpoints, Preemption()])
-    raise AssertionError("the fit should have died when epoch 3 began")
+def seeded(seeding):
+    if seeding == "per_rank":
+        torch.manual_seed(RANK + 1)
+        np.random.seed(RANK + 1)
 
-net = fit(checkpoints)
-report(
-    {
+
+def checkpoints(dirname):
+    return [TrainingCheckpoint(dirname / "ckpt"), ResumeTraining(dirname / "ckpt")]
+
+
+def crash(accelerator, seeding, dirname, stop):
+    """The reference, then the same fit with checkpoints, stopped by ``stop``."""
+    dirname = Path(dirname)
+    seeded(seeding)
+    before = rng_state()
+    reference = outcome(fit(accelerator, []))
+    (dirname / f"reference-rank{RANK}.json").write_text(json.dumps(reference))
+    restore_rng(before)
+    stopped(lambda: fit(accelerator, [*checkpoints(dirname), Preemption(stop)]))
+
+
+def resume(accelerator, seeding, dirname):
+    """The fit again, resumed; with the reference, to compare."""
+    dirname = Path(dirname)
+    seeded(seeding)
+    net = fit(accelerator, checkpoints(dirname))
+    return {
         **outcome(net),
-        "reference": json.loads((DIRNAME / f"reference-rank{RANK}.json").read_text()),
+        "reference": json.loads((dirname / f"reference-rank{RANK}.json").read_text()),
         "resumed_from": dict(net.callbacks_)["ResumeTraining"].resumed_from_,
-        "runs": sorted(p.name for p in (DIRNAME / "ckpt").glob("run-*")),
+        "runs": sorted(p.name for p in (dirname / "ckpt").glob("run-*")),
     }
-)

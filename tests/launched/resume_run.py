@@ -1,9 +1,14 @@
-"""One training script, run the ways exact resume is tested.
+"""One training, run the ways exact resume is tested, for several scenarios
+in one launch (``resume_phases.py``).
 
-Usage: resume_run.py MODE DIRNAME [ASYNC]
-  full    trains 6 epochs in one go
-  crash   trains with TrainingCheckpoint and dies when epoch 4 begins
-  resume  the same script again, with ResumeTraining: trains epochs 4 to 6
+Usage: resume_run.py PHASE DIRNAME SCENARIO...
+  crash   the check ``full`` trains 6 epochs in one go, without checkpoints;
+          then each SCENARIO trains with TrainingCheckpoint in
+          DIRNAME/SCENARIO and stops when epoch 4 begins: by an exception,
+          the last one by the death of its processes, as a preempted job's
+  resume  another launch: each SCENARIO's fit again, with ResumeTraining,
+          trains epochs 4 to 6
+  SCENARIO  sync, or async (asynchronous writes)
 
 Shuffled data, dropout, gradient accumulation, a StepLR stepped per batch, a
 ReduceLROnPlateau and EarlyStopping's counters all have to continue exactly,
@@ -13,15 +18,16 @@ best by a scripted score, from a state saved after epoch 3.
 
 import os
 import sys
+from pathlib import Path
 
 import torch
-from common import AcceleratedNet, DropoutMLP, make_accelerator, make_data, report
+from common import AcceleratedNet, Checks, DropoutMLP, make_accelerator, make_data, report
+from resume_phases import crash_all, stopped
 from skorch.callbacks import Callback, EarlyStopping, LRScheduler
 
 from accel_mixin.callbacks import ResumeTraining, TrainingCheckpoint
 
-MODE, DIRNAME = sys.argv[1], sys.argv[2]
-ASYNCHRONOUS = len(sys.argv) > 3 and sys.argv[3] == "async"
+PHASE, DIRNAME, SCENARIOS = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
 
 
 class Scripted(Callback):
@@ -32,59 +38,85 @@ class Scripted(Callback):
 
 
 class Preemption(Callback):
-    """Dies when epoch 4 begins, as a preempted job would."""
+    """Stops training when epoch 4 begins (``resume_phases.Stop``)."""
 
     in_run_identity = False  # not part of what is trained
 
+    def __init__(self, stop):
+        self.stop = stop
+
     def on_epoch_begin(self, net, **kwargs):
         if len(net.history) == 4:
-            net.wait_for_saves()
-            os._exit(3)  # pylint: disable=protected-access
+            self.stop(net)
 
 
-torch.manual_seed(0)
+# one per process, as in a script: accelerate's gradient state is per process
 accelerator = make_accelerator(gradient_accumulation_steps=2)
 X, y = make_data(500, noise=0.2, seed=3)
-callbacks = [
-    LRScheduler(torch.optim.lr_scheduler.StepLR, step_size=5, gamma=0.9, step_every="batch"),
-    (
-        "plateau",
-        LRScheduler(
-            torch.optim.lr_scheduler.ReduceLROnPlateau, monitor="valid_loss", patience=0, factor=0.7
+
+
+def fit(*extra):
+    torch.manual_seed(0)  # as the script of every launch did, before each fit
+    callbacks = [
+        LRScheduler(torch.optim.lr_scheduler.StepLR, step_size=5, gamma=0.9, step_every="batch"),
+        (
+            "plateau",
+            LRScheduler(
+                torch.optim.lr_scheduler.ReduceLROnPlateau,
+                monitor="valid_loss",
+                patience=0,
+                factor=0.7,
+            ),
         ),
-    ),
-    EarlyStopping(patience=100),
-    Scripted(),
-    ("best", EarlyStopping(monitor="scripted", patience=100, load_best=True)),
-]
-if MODE != "full":
-    callbacks.append(TrainingCheckpoint(DIRNAME, keep_last=2, asynchronous=ASYNCHRONOUS))
-if MODE == "crash":
-    callbacks.append(Preemption())
-if MODE == "resume":
-    callbacks.append(resume := ResumeTraining(DIRNAME))
+        EarlyStopping(patience=100),
+        Scripted(),
+        ("best", EarlyStopping(monitor="scripted", patience=100, load_best=True)),
+        *extra,
+    ]
+    net = AcceleratedNet(
+        DropoutMLP,
+        accelerator=accelerator,
+        max_epochs=6,
+        lr=0.5,
+        batch_size=16,
+        iterator_train__shuffle=True,
+        verbose=0,
+        callbacks=callbacks,
+    )
+    return net.fit(X, y)
 
-net = AcceleratedNet(
-    DropoutMLP,
-    accelerator=accelerator,
-    max_epochs=6,
-    lr=0.5,
-    batch_size=16,
-    iterator_train__shuffle=True,
-    verbose=0,
-    callbacks=callbacks,
-)
-net.fit(X, y)
 
-report(
-    {
+def checkpoint(scenario):
+    return TrainingCheckpoint(DIRNAME / scenario, keep_last=2, asynchronous=scenario == "async")
+
+
+def outcome(net):
+    callbacks = dict(net.callbacks_)
+    resume = callbacks.get("ResumeTraining")
+    return {
         "history": [{k: v for k, v in row.items() if "dur" not in k} for row in net.history],
-        "resumed_from": os.path.basename(resume.resumed_from_) if MODE == "resume" else None,
+        "resumed_from": os.path.basename(resume.resumed_from_) if resume else None,
         # the files of this run's folder (TrainingCheckpoint's run_ says which)
-        "files": sorted(os.listdir(dict(net.callbacks_)["TrainingCheckpoint"].run_folder_))
-        if MODE != "full"
+        "files": sorted(os.listdir(callbacks["TrainingCheckpoint"].run_folder_))
+        if "TrainingCheckpoint" in callbacks
         else [],
-        "misses": dict(net.callbacks_)["EarlyStopping"].misses_,
+        "misses": callbacks["EarlyStopping"].misses_,
         "params": [p.detach().numpy().tolist() for p in net.module_.parameters()][-1],
     }
-)
+
+
+checks = Checks()
+if PHASE == "crash":
+    checks.run(lambda: outcome(fit()), name="full")
+    crash_all(
+        checks,
+        {
+            s: lambda stop, s=s: stopped(lambda: fit(checkpoint(s), Preemption(stop)))
+            for s in SCENARIOS
+        },
+    )
+for scenario in SCENARIOS:
+    checks.run(
+        lambda s=scenario: outcome(fit(checkpoint(s), ResumeTraining(DIRNAME / s))), name=scenario
+    )
+report({"checks": checks.results})

@@ -1,10 +1,5 @@
-"""A grid search over tensor-valued class weights, with and without checkpoints.
-
-Usage: search_weights.py MODE [DIRNAME]
-  plain        the search without checkpoints
-  checkpoints  the same search with TrainingCheckpoint and ResumeTraining in
-               DIRNAME (empty the first time; run again, every fit resumes
-               its own finished run)
+"""A grid search over tensor-valued class weights, with and without
+checkpoints (``runs_interrupted.py`` runs it).
 
 2 candidates (criterion__weight [1, 1] and [1, 10]) x 2 folds and the refit.
 The candidates differ only in the content of a tensor: before runs were
@@ -14,17 +9,14 @@ fit shuffles, so that the searches train alike with and without
 checkpoints.
 """
 
-import sys
-
 import torch
-from common import MLP, AcceleratedNet, make_accelerator, make_data, report
+from common import MLP, AcceleratedNet, make_data
 from sklearn.model_selection import GridSearchCV
 from skorch.callbacks import Callback
 
 from accel_mixin.callbacks import ResumeTraining, TrainingCheckpoint
 
-MODE = sys.argv[1]
-TRAINED = []  # epochs trained by each fit of this process, in order
+TRAINED = []  # epochs trained by each fit of the search, in order
 
 
 class SeededMLP(MLP):
@@ -43,39 +35,40 @@ class Trained(Callback):
         TRAINED[-1] += 1
 
 
-callbacks = [Trained()]
-if MODE == "checkpoints":
-    callbacks += [TrainingCheckpoint(sys.argv[2]), ResumeTraining(sys.argv[2])]
-X, y = make_data(240, seed=4, noise=0.1)
-net = AcceleratedNet(
-    SeededMLP,
-    accelerator=make_accelerator(),
-    max_epochs=3,
-    batch_size=16,
-    lr=0.2,
-    verbose=0,
-    iterator_train__shuffle=False,
-    callbacks=callbacks,
-)
-weights = [torch.tensor([1.0, 1.0]), torch.tensor([1.0, 10.0])]
-gs = GridSearchCV(
-    net,
-    {"criterion__weight": weights},
-    cv=2,
-    scoring="neg_log_loss",
-    refit=True,
-    error_score="raise",
-)
-gs.fit(X, y)
-
-report(
-    {
+def search(accelerator, dirname=None):
+    """The search without checkpoints, or with them in ``dirname`` (empty
+    the first time; searched again, every fit resumes its own finished run)."""
+    TRAINED.clear()
+    callbacks = [Trained()]
+    if dirname is not None:
+        callbacks += [TrainingCheckpoint(dirname), ResumeTraining(dirname)]
+    X, y = make_data(240, seed=4, noise=0.1)
+    net = AcceleratedNet(
+        SeededMLP,
+        accelerator=accelerator,
+        max_epochs=3,
+        batch_size=16,
+        lr=0.2,
+        verbose=0,
+        iterator_train__shuffle=False,
+        callbacks=callbacks,
+    )
+    weights = [torch.tensor([1.0, 1.0]), torch.tensor([1.0, 10.0])]
+    gs = GridSearchCV(
+        net,
+        {"criterion__weight": weights},
+        cv=2,
+        scoring="neg_log_loss",
+        refit=True,
+        error_score="raise",
+    )
+    gs.fit(X, y)
+    return {
         "test_scores": {
             key: [float(v) for v in gs.cv_results_[key]]
             for key in gs.cv_results_
             if key.endswith("test_score") and not key.startswith("rank")
         },
         "best_weight": gs.best_params_["criterion__weight"].tolist(),
-        "trained": TRAINED,
+        "trained": list(TRAINED),
     }
-)
