@@ -23,6 +23,8 @@ order given, in a folder of its own (``DIRNAME/SCENARIO``):
                 every worker, which resume and finish
   resume:NAME   the same script again on NAME's folder, with ResumeTraining:
                 goes on exactly
+  fast_one, fast_all, skewed
+                notices with polls far apart (notice_bound.py)
 
 A scenario that ends its process (crash, notice_all, elastic's first
 attempt) comes last; the report names the scenario under way
@@ -38,15 +40,17 @@ import signal
 import sys
 import time
 
+import notice_bound
 import torch
 import torch.distributed as dist
 from common import AcceleratedNet, DropoutMLP, make_accelerator, make_data
-from midepoch_scenarios import run_scenarios
+from midepoch_scenarios import patched, run_scenarios
 from skorch.callbacks import Callback, EpochScoring, LRScheduler
 
 import accel_mixin.distributed.preemption
 from accel_mixin import Preempted
 from accel_mixin.callbacks import ResumeTraining, TrainingCheckpoint
+from accel_mixin.distributed.preemption import NoticeBoard
 
 DIRNAME, SCENARIOS = sys.argv[1], sys.argv[2:]
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -64,12 +68,6 @@ class CountingDist:
     def all_reduce(self, *args, **kwargs):
         self.all_reduces += 1
         return dist.all_reduce(*args, **kwargs)
-
-
-accel_mixin.distributed.preemption.dist = polls = CountingDist()
-# a poll after every batch, whatever the pace: the notices below stop at
-# batches known in advance (notice_bound.py tests longer intervals)
-accel_mixin.distributed.preemption.NoticeBoard.max_interval = 1
 
 
 class At(Callback):
@@ -178,12 +176,18 @@ def fit(mode, folder):
         verbose=0,
         callbacks=callbacks,
     )
-    polls_before = polls.all_reduces
     preempted = None
-    try:
-        net.fit(X, y)
-    except Preempted as exc:
-        preempted = str(exc)
+    # a poll after every batch, whatever the pace: the notices above stop at
+    # batches known in advance (notice_bound.py tests longer intervals)
+    polls = CountingDist()
+    with (
+        patched(accel_mixin.distributed.preemption, dist=polls),
+        patched(NoticeBoard, max_interval=1),
+    ):
+        try:
+            net.fit(X, y)
+        except Preempted as exc:
+            preempted = str(exc)
 
     checkpoint = dict(net.callbacks_).get("TrainingCheckpoint")
     return {
@@ -200,11 +204,13 @@ def fit(mode, folder):
         ),
         "files": sorted(os.listdir(checkpoint.run_folder_)) if checkpoint else [],
         "attempt": ATTEMPT,
-        "notice_polls": polls.all_reduces - polls_before,
+        "notice_polls": polls.all_reduces,
     }
 
 
 def scenario(name):
+    if name in notice_bound.MODES:
+        return notice_bound.fit(name, os.path.join(DIRNAME, name))
     mode, _, of = name.partition(":")
     return fit(mode, os.path.join(DIRNAME, of or mode))
 

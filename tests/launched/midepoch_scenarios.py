@@ -10,6 +10,7 @@ scenarios before returned.
 
 import gc
 import sys
+from contextlib import contextmanager
 
 from accelerate.state import GradientState
 from common import Checks, _write_report, report
@@ -32,3 +33,17 @@ def run_scenarios(scenarios, fit, attempt=0):
     )
     report({"attempt": attempt, "running": None, "checks": checks.results})
     sys.exit(75 if preempted else 0)
+
+
+@contextmanager
+def patched(owner, **attributes):
+    """``owner``'s ``attributes`` set to these values within the block, as
+    they were after it: settings of one fit, not of the fits after it."""
+    before = {name: vars(owner)[name] for name in attributes}
+    for name, value in attributes.items():
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            setattr(owner, name, value)

@@ -1,9 +1,6 @@
 """Preemption notices with polls far apart: every rank still stops at one batch.
 
-Usage: notice_bound.py DIRNAME MODE [MODE ...]
-
-Each mode is one fit, a check of its own (``common.Checks``), in the order
-given, in a folder of its own (``DIRNAME/MODE``):
+The fits of ``midepoch_run.py``'s scenarios of these names (``MODES``):
 
   fast_one  polls as far apart as they go (``max_interval`` batches, as for
             fast batches); rank 1 gets SIGTERM during batch 100 of epoch 2
@@ -18,12 +15,11 @@ Each rank reports where (epoch, batches done) it started every poll.
 
 import os
 import signal
-import sys
 
 import torch
 import torch.distributed as dist
 from common import MLP, AcceleratedNet, make_accelerator, make_data
-from midepoch_scenarios import run_scenarios
+from midepoch_scenarios import patched
 from skorch.callbacks import Callback
 
 import accel_mixin.distributed.preemption
@@ -31,22 +27,21 @@ from accel_mixin import Preempted
 from accel_mixin.callbacks import TrainingCheckpoint
 from accel_mixin.distributed.preemption import NoticeBoard
 
-DIRNAME, MODES = sys.argv[1], sys.argv[2:]
+MODES = ("fast_one", "fast_all", "skewed")
 NOTICE = (2, 100)
-net = None
 
 
 class RecordingDist:
     """torch.distributed for the notice board, noting where each poll starts."""
 
     def __init__(self):
-        self.polls = []
+        self.polls, self.net = [], None
 
     def __getattr__(self, name):
         return getattr(dist, name)
 
     def all_reduce(self, *args, **kwargs):
-        self.polls.append((len(net.history), len(net.history[-1]["batches"])))
+        self.polls.append((len(self.net.history), len(self.net.history[-1]["batches"])))
         return dist.all_reduce(*args, **kwargs)
 
 
@@ -68,39 +63,35 @@ class Batches(Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def fit(mode):
-    """One fit of ``mode``: where each poll started, where training stopped."""
-    global net  # pylint: disable=global-statement
+def fit(mode, folder):
+    """One fit of ``mode`` in ``folder``: where each poll started, where
+    training stopped."""
     accelerator = make_accelerator()
     rank = accelerator.process_index
-    accel_mixin.distributed.preemption.dist = recording = RecordingDist()
+    recording = RecordingDist()
     batches = Batches(receives={"fast_one": rank == 1, "fast_all": True, "skewed": rank == 0}[mode])
-    # the class's own pace settings, patched for this fit alone
-    patched = {name: vars(NoticeBoard)[name] for name in ("clock", "interval_seconds")}
     if mode == "skewed":
         step = 0.001 if rank == 0 else 0.012
-        NoticeBoard.clock = staticmethod(lambda: batches.done * step)
+        pace = {"clock": staticmethod(lambda: batches.done * step)}
     else:
         # any pace asks for polls further apart than max_interval allows
-        NoticeBoard.interval_seconds = 1e9
+        pace = {"interval_seconds": 1e9}
     torch.manual_seed(0)
-    net = AcceleratedNet(
+    recording.net = net = AcceleratedNet(
         MLP,
         accelerator=accelerator,
         max_epochs=3,
         batch_size=4,
         train_split=None,
         verbose=0,
-        callbacks=[TrainingCheckpoint(os.path.join(DIRNAME, mode)), batches],
+        callbacks=[TrainingCheckpoint(folder), batches],
     )
     preempted = None
-    try:
-        net.fit(*make_data(1600))
-    except Preempted as exc:
-        preempted = str(exc)
-    finally:
-        for name, value in patched.items():
-            setattr(NoticeBoard, name, value)
+    with patched(accel_mixin.distributed.preemption, dist=recording), patched(NoticeBoard, **pace):
+        try:
+            net.fit(*make_data(1600))
+        except Preempted as exc:
+            preempted = str(exc)
     return {
         "preempted": preempted,
         "stopped_at": batches.last_,
@@ -109,6 +100,3 @@ def fit(mode):
         "max_interval": NoticeBoard.max_interval,
         "batches_per_epoch": -(-1600 // (4 * accelerator.num_processes)),
     }
-
-
-run_scenarios(MODES, fit)
