@@ -1,8 +1,11 @@
 """Behaviour under two real processes (torchrun, MULTI_CPU over gloo).
 
-Each launched script runs many checks in one launch; the incumbent
-(skorch.hf.AccelerateMixin) runs the same script, and the tests named
-``test_incumbent_*`` show that it has the defects that ours fixes.
+One launch of ``core_checks.py`` runs every check of two processes with
+ACCELERATE_USE_CPU, in parts: ours, torch.compile's, a grid search's, and
+the incumbent's (skorch.hf.AccelerateMixin), which runs the same checks as
+ours, and the tests named ``test_incumbent_*`` show that it has the defects
+that ours fixes. One more launch checks both without ACCELERATE_USE_CPU
+(``layout_check.py``), and one plain process the search with twice the batch.
 """
 
 import itertools
@@ -16,19 +19,28 @@ from harness import run_plain, run_processes
 pytestmark = pytest.mark.multiprocess
 
 
-def checks_of(launch):
-    ranks = launch.check()
-    return [r.get("checks", r) for r in ranks]
+SEARCH_BATCH = 16  # per process
 
 
 @pytest.fixture(scope="module")
-def ours():
-    return checks_of(run_processes("core_checks.py", "ours", timeout=300))
+def core(tmp_path_factory):
+    """Every rank's report of the launch of two processes: ``{part: checks}``."""
+    dirname = tmp_path_factory.mktemp("compiled")
+    parts = ["ours", f"compiled:{dirname}", f"search:{SEARCH_BATCH}", "incumbent"]
+    # 4 parts: about 40 s quiet; a check that hangs ends the launch within
+    # its own deadline, naming it
+    ranks = run_processes("core_checks.py", *parts, timeout=900).check()
+    return {part.split(":")[0]: [rank["parts"][part] for rank in ranks] for part in parts}
 
 
 @pytest.fixture(scope="module")
-def incumbent():
-    return checks_of(run_processes("core_checks.py", "incumbent", timeout=300))
+def ours(core):
+    return core["ours"]
+
+
+@pytest.fixture(scope="module")
+def incumbent(core):
+    return core["incumbent"]
 
 
 # --- a. default criteria ----------------------------------------------------
@@ -197,22 +209,19 @@ def test_a_load_failing_on_one_rank_raises_on_every_rank(ours):
 
 @pytest.fixture(scope="module")
 def layout():
-    return {
-        impl: checks_of(run_processes("layout_check.py", impl, cpu_env=False, timeout=120))
-        for impl in ("ours", "incumbent")
-    }
+    return run_processes("layout_check.py", cpu_env=False, timeout=300).check()
 
 
 def test_group_without_cpu_setting_is_refused_with_the_fix(layout):
-    for error in errors(layout["ours"], "alone_refused"):
+    for error in errors(layout, "alone_refused/ours"):
         assert "WORLD_SIZE=2" in error
         assert "ACCELERATE_USE_CPU=true" in error and "Accelerator(cpu=True)" in error
-    for value in values(layout["ours"], "cpu_flag_trains_together"):
+    for value in values(layout, "cpu_flag_trains_together"):
         assert value == {"num_processes": 2, "spread": 0.0}
 
 
 def test_incumbent_silently_trains_alone(layout):
-    for value in values(layout["incumbent"], "alone_refused"):
+    for value in values(layout, "alone_refused/incumbent"):
         assert value["distributed_type"] == "DistributedType.NO"
 
 
@@ -248,9 +257,9 @@ SCORE_RTOL, SCORE_ATOL = 1e-5, 1e-6
 PROBA_ATOL = 1e-5  # 2e-7 here
 
 
-def test_a_search_agrees_on_every_rank_and_with_one_process_with_twice_the_batch():
-    two = run_processes("search_scores.py", 16, timeout=300).check()
-    one = run_plain("search_scores.py", 32, timeout=300).check()[0]
+def test_a_search_agrees_on_every_rank_and_with_one_process_with_twice_the_batch(core):
+    two = core["search"]
+    one = run_plain("search_scores.py", 2 * SEARCH_BATCH, timeout=300).check()[0]
     assert [rank["num_processes"] for rank in two] == [2, 2] and one["num_processes"] == 1
     # every rank's own search: the same scores, down to the bit, so the same
     # best candidate and the same refit
@@ -270,8 +279,8 @@ def test_a_search_agrees_on_every_rank_and_with_one_process_with_twice_the_batch
 # --- torch.compile ------------------------------------------------------------
 
 
-def test_compile_with_inductor_trains_as_eager_on_every_rank(tmp_path):
-    ranks = run_processes("compiled.py", str(tmp_path), timeout=300).check()
+def test_compile_with_inductor_trains_as_eager_on_every_rank(core):
+    ranks = core["compiled"]
     assert (
         values(ranks, "the_module_trains_in_ddp_compiled")
         == [["DistributedDataParallel", "OptimizedModule", "MLP"]] * 2

@@ -2,6 +2,9 @@
 
 Usage: search_scores.py BATCH_SIZE
 
+``core_checks.py`` runs the search of several processes in its launch
+(``search``).
+
 Run under 2 processes with batch b and under 1 with batch 2 b, the two
 searches train alike, to float32 rounding: DDP averages the gradients of two
 mean-reduced halves of each batch of 2 b (accelerate gives a process every
@@ -22,7 +25,6 @@ import torch
 from common import MLP, AcceleratedNet, make_accelerator, make_data, report
 from sklearn.model_selection import GridSearchCV
 
-BATCH_SIZE = int(sys.argv[1])
 LRS = [0.02, 0.1, 0.5]
 
 
@@ -34,20 +36,22 @@ class SeededMLP(MLP):
         super().__init__()
 
 
-X, y = make_data(240, seed=4, noise=0.1)
-net = AcceleratedNet(
-    SeededMLP,
-    accelerator=make_accelerator(),
-    max_epochs=4,
-    batch_size=BATCH_SIZE,
-    verbose=0,
-    iterator_train__shuffle=False,
-)
-gs = GridSearchCV(net, {"lr": LRS}, cv=2, scoring="neg_log_loss", refit=True, error_score="raise")
-gs.fit(X, y)
-
-report(
-    {
+def search(batch_size):
+    """The search with ``batch_size`` per process: what every rank reports."""
+    X, y = make_data(240, seed=4, noise=0.1)
+    net = AcceleratedNet(
+        SeededMLP,
+        accelerator=make_accelerator(),
+        max_epochs=4,
+        batch_size=batch_size,
+        verbose=0,
+        iterator_train__shuffle=False,
+    )
+    gs = GridSearchCV(
+        net, {"lr": LRS}, cv=2, scoring="neg_log_loss", refit=True, error_score="raise"
+    )
+    gs.fit(X, y)
+    return {
         "num_processes": net.accelerator.num_processes,
         "test_scores": {
             key: [float(v) for v in gs.cv_results_[key]]
@@ -58,4 +62,7 @@ report(
         "best_score": float(gs.best_score_),
         "refit_proba": gs.predict_proba(X).tolist(),
     }
-)
+
+
+if __name__ == "__main__":
+    report(search(int(sys.argv[1])))
