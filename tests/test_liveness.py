@@ -5,60 +5,104 @@ with the host's network), and in one agent's, with the process group's
 default timeout (``launched/dead_rank.py``); in every phase, the epoch-end
 exchange and an asynchronous save in flight among them. A rank that lives
 but does not answer, paused or holding the GIL, is waited for and the job
-finishes (``launched/liveness_run.py``)."""
+finishes (``launched/liveness_run.py``).
+
+A rank ends once per launch, so each way of ending is a launch of its own;
+the calls of the survivor that look for it anew (save_params, then predict)
+share one. The healthy job in another PID namespace is the paused and busy
+one, on three machines.
+"""
 
 import pytest
 from harness import can_isolate, free_port, run_nodes, run_processes
 
 pytestmark = pytest.mark.multiprocess
 
-
-@pytest.mark.parametrize(
-    ("mode", "what", "where"),
-    [
-        ("kill-before-save", "save_params", "after fit"),
-        ("kill-before-predict", "inference", "after fit"),
-        ("raise-before-save", "save_params", "after fit"),
-    ],
+isolating = can_isolate()
+needs_namespaces = pytest.mark.skipif(
+    not isolating, reason="unshare may not make PID namespaces here"
 )
-def test_the_surviving_machine_raises_naming_the_rank_that_is_gone(mode, what, where):
-    launch = run_nodes("dead_rank.py", mode, timeout=120)
-    assert not launch.timed_out, launch.describe()
+
+
+@pytest.fixture(scope="module")
+def dead_rank():
+    """``launch(mode, nodes, isolated)``: dead_rank.py's launch for it, run
+    once and shared by the tests that read it."""
+    launches = {}
+
+    def launch(mode, nodes=2, isolated=()):
+        key = (mode, nodes, isolated)
+        if key not in launches:
+            if nodes == 1:
+                launches[key] = run_processes("dead_rank.py", mode, timeout=120)
+            else:
+                launches[key] = run_nodes("dead_rank.py", mode, timeout=120, isolated=isolated)
+        return launches[key]
+
+    return launch
+
+
+def survivor(launch, call):
+    """What ``call`` raised on rank 0, the survivor, and in how long."""
+    assert not launch.timed_out and not launch.hung, launch.describe()
     rank0 = launch.ranks[0]
     assert rank0 is not None, launch.describe()
-    assert rank0["error"].startswith(f"DistributedError: {what}"), rank0
-    assert "rank 1 is gone" in rank0["error"] and f"last seen {where}" in rank0["error"]
-    assert rank0["seconds"] < 30  # the process group's timeout is 30 minutes
+    return rank0[call]["value"]  # error_and_seconds: the call's error, never its own
 
 
-needs_namespaces = pytest.mark.skipif(
-    not can_isolate(), reason="unshare may not make PID namespaces here"
-)
+@pytest.mark.parametrize("what", ["save_params", "inference"])
+@pytest.mark.parametrize("mode", ["kill", "raise"])
+def test_the_surviving_machine_raises_naming_the_rank_that_is_gone(dead_rank, mode, what):
+    outcome = survivor(dead_rank(mode), what)
+    assert outcome["error"].startswith(f"DistributedError: {what}"), outcome
+    assert "rank 1 is gone" in outcome["error"] and "last seen after fit" in outcome["error"]
+    assert outcome["seconds"] < 30  # the process group's timeout is 30 minutes
 
 
 @needs_namespaces
-def test_a_peer_in_another_pid_namespace_with_this_hostname_is_not_taken_for_gone():
-    # its process id means nothing here: looked up, it may be no process
-    launch = run_nodes("liveness_run.py", "healthy", timeout=150, isolated=(1,))
-    for rank in launch.check():
+def test_a_peer_in_another_pid_namespace_that_ends_is_named_within_seconds(dead_rank):
+    launch = dead_rank("kill", isolated=(1,))
+    for what in ("save_params", "inference"):
+        outcome = survivor(launch, what)
+        assert outcome["error"].startswith(f"DistributedError: {what}"), outcome
+        assert "rank 1 is gone" in outcome["error"]
+        assert outcome["seconds"] < 30  # the process group's timeout is 30 minutes
+
+
+def test_one_agent_ends_the_job_within_seconds(dead_rank):
+    # rank 1 ends by an uncaught error, which runs its exit (the mixin's stop
+    # of its threads among it): torchrun then stops rank 0, waiting for it
+    launch = dead_rank("raise", nodes=1)
+    assert not launch.timed_out and not launch.hung, launch.describe()
+    assert launch.returncode != 0  # rank 1 failed: so does the job
+    rank0 = launch.ranks[0]
+    if rank0 is not None:  # unless torchrun stopped it first
+        outcome = rank0["save_params"]["value"]
+        assert "rank 1 is gone" in outcome["error"] and outcome["seconds"] < 30
+
+
+@pytest.fixture(scope="module")
+def paused_and_busy():
+    # three machines, rank 1 in a PID namespace of its own where allowed:
+    # its process id means nothing to the others, looked up it may be no
+    # process, and it holds the GIL, so that its key stands still
+    return run_nodes(
+        "liveness_run.py", "busy", nodes=3, timeout=170, isolated=(1,) if isolating else ()
+    )
+
+
+@needs_namespaces
+def test_a_peer_in_another_pid_namespace_with_this_hostname_is_not_taken_for_gone(
+    paused_and_busy,
+):
+    for rank in paused_and_busy.check():
         assert rank["error"] is None
 
 
-@needs_namespaces
-def test_a_peer_in_another_pid_namespace_that_ends_is_named_within_seconds():
-    launch = run_nodes("dead_rank.py", "kill-before-save", timeout=120, isolated=(1,))
-    assert not launch.timed_out, launch.describe()
-    rank0 = launch.ranks[0]
-    assert rank0 is not None, launch.describe()
-    assert rank0["error"].startswith("DistributedError: save_params: rank 1 is gone"), rank0
-    assert rank0["seconds"] < 30  # the process group's timeout is 30 minutes
-
-
-def test_a_rank_paused_or_holding_the_gil_for_20_s_is_waited_for():
+def test_a_rank_paused_or_holding_the_gil_for_20_s_is_waited_for(paused_and_busy):
     # beyond any window of missed beats: the process lives, so it is no loss;
     # rank 1 holds the GIL while rank 2 is paused
-    launch = run_processes("liveness_run.py", "busy", nproc=3, timeout=170)
-    ranks = launch.check()
+    ranks = paused_and_busy.check()
     assert [rank["error"] for rank in ranks] == [None, None, None]
     assert ranks[1]["gil"] >= 19.5 and ranks[2]["paused"] >= 19.5
     assert ranks[0]["seconds"] > 19.5  # it did wait for them
@@ -95,16 +139,6 @@ def test_a_rank_that_ends_in_any_phase_is_named_on_one_machine(mode):
     assert rank0 is not None, launch.describe()
     assert rank0["error"].startswith("DistributedError: "), rank0
     assert "rank 1 is gone (its process ended)" in rank0["error"]
-
-
-@pytest.mark.parametrize("mode", ["kill-before-save", "raise-before-save"])
-def test_one_agent_ends_the_job_within_seconds(mode):
-    launch = run_processes("dead_rank.py", mode, timeout=120)
-    assert not launch.timed_out, launch.describe()
-    assert launch.returncode != 0  # rank 1 failed: so does the job
-    rank0 = launch.ranks[0]
-    if rank0 is not None:  # unless torchrun stopped it first
-        assert "rank 1 is gone" in rank0["error"] and rank0["seconds"] < 30
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +185,7 @@ def test_a_restarted_attempt_waits_at_its_own_barriers():
     rank0, rank1 = launch.check()
     assert rank0["attempt"] == rank1["attempt"] == 1
     assert rank0["error"] is None and rank1["error"] is None
-    assert rank0["waited"] > 2.5  # rank 1 came 3 s late
+    assert rank0["left"] >= rank1["arrived"]  # it waited for rank 1, which came late
 
 
 def test_on_a_store_shared_across_restarts_no_key_of_the_dead_attempt_is_read():
@@ -160,7 +194,7 @@ def test_on_a_store_shared_across_restarts_no_key_of_the_dead_attempt_is_read():
     # 1 on such a store (it reads the dead attempt's addresses): such a
     # launch says nothing about our keys, and is tried again.
     for _ in range(4):
-        launch, ranks = restart(timeout=45, launcher_args=["--max-restarts=1"])
+        launch, ranks = restart(timeout=90, launcher_args=["--max-restarts=1"])
         if len(ranks) == 2:
             break
         assert "connectFullMesh" in launch.output or launch.timed_out, launch.describe()
@@ -169,4 +203,4 @@ def test_on_a_store_shared_across_restarts_no_key_of_the_dead_attempt_is_read():
     rank0, rank1 = ranks
     assert rank0["attempt"] == rank1["attempt"] == 1
     assert rank0["error"] is None and rank1["error"] is None
-    assert rank0["waited"] > 2.5  # rank 1 came 3 s late: the barrier was attempt 1's
+    assert rank0["left"] >= rank1["arrived"]  # the barrier it waited at was attempt 1's

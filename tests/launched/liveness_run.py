@@ -2,8 +2,7 @@
 not answer, or that ends inside a phase, does to the others.
 
 Usage: torchrun ... liveness_run.py MODE, MODE one of
-  healthy              fit, save_params and predict: nothing goes wrong
-  busy                 (3 processes) at the end of epoch 1, rank 1 holds the
+  busy                 (3 processes, any layout) at the end of epoch 1, rank 1 holds the
                        GIL for 20 s in a callback (a C call through
                        ctypes.PyDLL) while rank 2 is paused (SIGSTOP) for
                        20 s: the job finishes (process group timeout 60 s)
@@ -12,9 +11,10 @@ Usage: torchrun ... liveness_run.py MODE, MODE one of
   kill-async-in-flight rank 1 ends as epoch 2 begins, while rank 0's
                        asynchronous TrainingCheckpoint write is in flight
 
-Every rank that lives to the end reports ``error`` (None when the calls
-succeeded) and ``seconds``; ranks 1 and 2 of ``busy`` also how long they
-held the GIL or were paused. With ``LIVENESS_END_AGENT=1``, a rank that failed ends its
+Each mode fits, then calls save_params and predict. Every rank that lives
+to the end reports ``error`` (None when the calls succeeded) and
+``seconds``; ranks 1 and 2 of ``busy`` also how long they held the GIL or
+were paused. With ``LIVENESS_END_AGENT=1``, a rank that failed ends its
 torchrun agent once it reported.
 """
 
