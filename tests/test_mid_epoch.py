@@ -57,8 +57,8 @@ def test_skipping_keeps_the_loader_on_an_error():
 # The launches of midepoch_run.py that this module and test_preemption.py
 # share, in this order: each runs several scenarios (one fit each, a check
 # of its own), and a launch that ends in a crash or a notice to torchrun
-# ends with it. The uninterrupted run ("full") comes first, in a process of
-# its own from the resumed runs it is compared with.
+# ends with it. The uninterrupted run ("full") comes first, in another
+# process than the resumed runs it is compared with.
 LAUNCHES = {
     1: {
         "interrupted": ["full", "notice_one", "crash"],
