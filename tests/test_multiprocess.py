@@ -22,13 +22,30 @@ pytestmark = pytest.mark.multiprocess
 SEARCH_BATCH = 16  # per process
 
 
+# the parts of core_checks.py, in the order they run (the incumbent last);
+# each test reads those whose fixture it names
+PARTS = ("ours", "compiled", "search", "incumbent")
+
+
 @pytest.fixture(scope="module")
-def core(tmp_path_factory):
-    """Every rank's report of the launch of two processes: ``{part: checks}``."""
-    dirname = tmp_path_factory.mktemp("compiled")
-    parts = ["ours", f"compiled:{dirname}", f"search:{SEARCH_BATCH}", "incumbent"]
-    # 4 parts: about 40 s quiet; a check that hangs ends the launch within
-    # its own deadline, naming it
+def core(request, tmp_path_factory):
+    """``{part: every rank's report}`` of the launch of two processes, which
+    runs the parts that the selected tests of this module read."""
+    selected = {
+        part
+        for item in request.session.items
+        if item.module is request.module
+        for part in PARTS
+        if part in item.fixturenames
+    }
+    arguments = {
+        "ours": "ours",
+        "compiled": f"compiled:{tmp_path_factory.mktemp('compiled')}",
+        "search": f"search:{SEARCH_BATCH}",
+        "incumbent": "incumbent",
+    }
+    parts = [arguments[part] for part in PARTS if part in selected]
+    # a check that hangs ends the launch within its own deadline, naming it
     ranks = run_processes("core_checks.py", *parts, timeout=900).check()
     return {part.split(":")[0]: [rank["parts"][part] for rank in ranks] for part in parts}
 
@@ -36,6 +53,16 @@ def core(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ours(core):
     return core["ours"]
+
+
+@pytest.fixture(scope="module")
+def compiled(core):
+    return core["compiled"]
+
+
+@pytest.fixture(scope="module")
+def search(core):
+    return core["search"]
 
 
 @pytest.fixture(scope="module")
@@ -257,8 +284,8 @@ SCORE_RTOL, SCORE_ATOL = 1e-5, 1e-6
 PROBA_ATOL = 1e-5  # 2e-7 here
 
 
-def test_a_search_agrees_on_every_rank_and_with_one_process_with_twice_the_batch(core):
-    two = core["search"]
+def test_a_search_agrees_on_every_rank_and_with_one_process_with_twice_the_batch(search):
+    two = search
     one = run_plain("search_scores.py", 2 * SEARCH_BATCH, timeout=300).check()[0]
     assert [rank["num_processes"] for rank in two] == [2, 2] and one["num_processes"] == 1
     # every rank's own search: the same scores, down to the bit, so the same
@@ -279,8 +306,8 @@ def test_a_search_agrees_on_every_rank_and_with_one_process_with_twice_the_batch
 # --- torch.compile ------------------------------------------------------------
 
 
-def test_compile_with_inductor_trains_as_eager_on_every_rank(core):
-    ranks = core["compiled"]
+def test_compile_with_inductor_trains_as_eager_on_every_rank(compiled):
+    ranks = compiled
     assert (
         values(ranks, "the_module_trains_in_ddp_compiled")
         == [["DistributedDataParallel", "OptimizedModule", "MLP"]] * 2
