@@ -31,7 +31,8 @@ def run_folder(dirname):
 
 
 # Per layout, one launch runs the uninterrupted fit and crashes every
-# scenario (resume_run.py), and one more resumes each in turn.
+# scenario (resume_run.py), and one more resumes each in turn; on two
+# processes, it then runs the checks of save_state and load_state.
 SCENARIOS = {1: ["sync"], 2: ["sync", "async"]}
 
 
@@ -55,8 +56,15 @@ def launched():
                 (
                     run_folder(dirname / scenario) / ".accel_mixin-tmp-0123456789abcdef.tmp"
                 ).write_bytes(b"half")
+            state = ["state"] if nproc == 2 else []
             resumed = run_processes(
-                "resume_run.py", "resume", dirname, *SCENARIOS[nproc], nproc=nproc, timeout=600
+                "resume_run.py",
+                "resume",
+                dirname,
+                *SCENARIOS[nproc],
+                *state,
+                nproc=nproc,
+                timeout=600,
             )
             done[nproc] = (dirname, crashed_checks, [r["checks"] for r in resumed.check()])
         return done[nproc]
@@ -128,9 +136,10 @@ def test_training_states_hold_best_weights_only_where_needed_under_clean_keys(la
     assert not any(key.startswith("module.") for key in later["best_model_weights_"])
 
 
-@pytest.fixture(scope="module")
-def state_checks():
-    return [r["checks"] for r in run_processes("state_checks.py", timeout=180).check()]
+@pytest.fixture
+def state_checks(launched):
+    _, _, resumed_checks = launched(2)  # state_checks.py, after the resumes
+    return resumed_checks
 
 
 @multiprocess

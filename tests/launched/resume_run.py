@@ -8,7 +8,9 @@ Usage: resume_run.py PHASE DIRNAME SCENARIO...
           the last one by the death of its processes, as a preempted job's
   resume  another launch: each SCENARIO's fit again, with ResumeTraining,
           trains epochs 4 to 6
-  SCENARIO  sync, or async (asynchronous writes)
+  SCENARIO  sync, or async (asynchronous writes); state: no training of its
+            own, the checks of save_state and load_state (state_checks.py)
+            run at the end of the resume
 
 Shuffled data, dropout, gradient accumulation, a StepLR stepped per batch, a
 ReduceLROnPlateau and EarlyStopping's counters all have to continue exactly,
@@ -20,6 +22,7 @@ import os
 import sys
 from pathlib import Path
 
+import state_checks
 import torch
 from common import AcceleratedNet, Checks, DropoutMLP, make_accelerator, make_data, report
 from resume_phases import crash_all, stopped
@@ -28,6 +31,7 @@ from skorch.callbacks import Callback, EarlyStopping, LRScheduler
 from accel_mixin.callbacks import ResumeTraining, TrainingCheckpoint
 
 PHASE, DIRNAME, SCENARIOS = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
+TRAINED = [s for s in SCENARIOS if s != "state"]
 
 
 class Scripted(Callback):
@@ -112,11 +116,13 @@ if PHASE == "crash":
         checks,
         {
             s: lambda stop, s=s: stopped(lambda: fit(checkpoint(s), Preemption(stop)))
-            for s in SCENARIOS
+            for s in TRAINED
         },
     )
-for scenario in SCENARIOS:
+for scenario in TRAINED:
     checks.run(
         lambda s=scenario: outcome(fit(checkpoint(s), ResumeTraining(DIRNAME / s))), name=scenario
     )
+if "state" in SCENARIOS:
+    state_checks.run(checks)
 report({"checks": checks.results})
