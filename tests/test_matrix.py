@@ -33,8 +33,8 @@ from matrix import ACCUMULATION, CASES, EQUIVALENT, PRECISIONS
 pytestmark = pytest.mark.multiprocess
 
 BATCH_SIZE = 8
-# The launch of 2 processes fits 4 configurations of 42 cases, about 30 s
-# quiet; the margin is for a machine shared with other work. A case that
+# The launch of 2 processes fits 4 configurations, 150 fits of a second or
+# less each; the margin is for a machine shared with other work. A case that
 # hangs ends its launch within its own deadline (``Checks``), naming it.
 LAUNCH_TIMEOUT = 900
 # 86 samples: ValidSplit(5) keeps 68 for training, which leaves a partial
@@ -83,7 +83,7 @@ def needed(item):
     params = getattr(getattr(item, "callspec", None), "params", {})
     if "launch" in params:
         return {params["launch"], params["reference"]}
-    if "precision" in params:
+    if "precision" in params:  # fp16's compare with fp32 (invariant 4)
         return (
             {params["precision"], "fp32"}
             if params["precision"] == "fp16"
