@@ -5,7 +5,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from accelerate import Accelerator
 from common import MLP, AcceleratedNet
 from harness import check_values as values
 from harness import run_plain, run_processes
-from resume_phases import crashed
+from resume_phases import crashed, once_per_layout
 
 from accel_mixin import CheckpointError
 from accel_mixin.checkpoint.checkpoint_files import agreed_checkpoint, checkpoint_name
@@ -37,39 +36,28 @@ SCENARIOS = {1: ["sync"], 2: ["sync", "async"]}
 
 
 @pytest.fixture(scope="module")
-def launched():
-    done = {}
+def launched(tmp_path_factory):
+    def crash_and_resume(nproc):
+        dirname = tmp_path_factory.mktemp(f"resume{nproc}")
+        crash = run_processes(
+            "resume_run.py", "crash", dirname, *SCENARIOS[nproc], nproc=nproc, timeout=600
+        )
+        crashed_checks = crashed(crash)
+        for scenario in SCENARIOS[nproc][:-1]:
+            values(crashed_checks, scenario)  # stopped by its exception, not another
+        if nproc == 2:  # as the crash left it, for the tests of its files
+            shutil.copytree(dirname / "sync", dirname / "crashed" / "sync")
+        for scenario in SCENARIOS[nproc]:
+            # a write killed halfway leaves only a temporary file: never picked
+            temporary = run_folder(dirname / scenario) / ".accel_mixin-tmp-0123456789abcdef.tmp"
+            temporary.write_bytes(b"half")
+        state = ["state"] if nproc == 2 else []
+        resumed = run_processes(
+            "resume_run.py", "resume", dirname, *SCENARIOS[nproc], *state, nproc=nproc, timeout=600
+        )
+        return dirname, crashed_checks, [rank["checks"] for rank in resumed.check()]
 
-    def get(nproc):
-        if nproc not in done:
-            dirname = Path(tempfile.mkdtemp(prefix="accel_mixin_resume_"))
-            crash = run_processes(
-                "resume_run.py", "crash", dirname, *SCENARIOS[nproc], nproc=nproc, timeout=600
-            )
-            crashed_checks = crashed(crash)
-            for scenario in SCENARIOS[nproc][:-1]:
-                values(crashed_checks, scenario)  # stopped by its exception, not another
-            if nproc == 2:  # as the crash left it, for the tests of its files
-                shutil.copytree(dirname / "sync", dirname / "crashed" / "sync")
-            for scenario in SCENARIOS[nproc]:
-                # a write killed halfway leaves only a temporary file: never picked
-                (
-                    run_folder(dirname / scenario) / ".accel_mixin-tmp-0123456789abcdef.tmp"
-                ).write_bytes(b"half")
-            state = ["state"] if nproc == 2 else []
-            resumed = run_processes(
-                "resume_run.py",
-                "resume",
-                dirname,
-                *SCENARIOS[nproc],
-                *state,
-                nproc=nproc,
-                timeout=600,
-            )
-            done[nproc] = (dirname, crashed_checks, [r["checks"] for r in resumed.check()])
-        return done[nproc]
-
-    return get
+    return once_per_layout(crash_and_resume)
 
 
 @multiprocess

@@ -7,6 +7,7 @@ losses, every weight, on every rank."""
 
 import pytest
 from harness import run_plain, run_processes
+from resume_phases import once_per_layout
 
 pytestmark = pytest.mark.multiprocess
 
@@ -25,17 +26,13 @@ STOPS = ("epoch", "inside")
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    done = {}
+    def run(nproc):
+        dirname = tmp_path_factory.mktemp(f"loaders{nproc}")
+        if nproc == 1:
+            return run_plain("resume_loaders.py", dirname, *CASES, timeout=600).check()
+        return run_processes("resume_loaders.py", dirname, *CASES, nproc=nproc, timeout=600).check()
 
-    def get(nproc):
-        if nproc not in done:
-            dirname = tmp_path_factory.mktemp(f"loaders{nproc}")
-            run = run_plain if nproc == 1 else run_processes
-            kwargs = {} if nproc == 1 else {"nproc": nproc}
-            done[nproc] = run("resume_loaders.py", dirname, *CASES, timeout=600, **kwargs)
-        return done[nproc].check()
-
-    return get
+    return once_per_layout(run)
 
 
 @pytest.mark.parametrize("nproc", [1, 2])

@@ -17,7 +17,7 @@ from accelerate import Accelerator
 from common import MLP, AcceleratedNet, make_data
 from harness import check_values as values
 from harness import run_plain, run_processes
-from resume_phases import crashed
+from resume_phases import crashed, once_per_layout
 from sklearn.model_selection import KFold, cross_val_score
 from skorch.callbacks import (
     Callback,
@@ -592,17 +592,13 @@ def launch(nproc, phase, dirname):
 
 @pytest.fixture(scope="module")
 def interrupted(tmp_path_factory):
-    done = {}
+    def crash_and_rerun(nproc):
+        dirname = tmp_path_factory.mktemp(f"interrupted{nproc}")
+        crashed_checks = crashed(launch(nproc, "crash", dirname))
+        rerun = launch(nproc, "rerun", dirname).check()
+        return dirname, crashed_checks, [rank["checks"] for rank in rerun]
 
-    def get(nproc):
-        if nproc not in done:
-            dirname = tmp_path_factory.mktemp(f"interrupted{nproc}")
-            crashed_checks = crashed(launch(nproc, "crash", dirname))
-            rerun = launch(nproc, "rerun", dirname).check()
-            done[nproc] = (dirname, crashed_checks, [rank["checks"] for rank in rerun])
-        return done[nproc]
-
-    return get
+    return once_per_layout(crash_and_rerun)
 
 
 @pytest.mark.multiprocess

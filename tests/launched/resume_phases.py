@@ -60,6 +60,29 @@ def crash_all(checks, scenarios, **kwargs):
     raise SystemExit(1)
 
 
+def once_per_layout(launch):
+    """For a module-scoped fixture: ``get(nproc)`` returns ``launch(nproc)``,
+    launched the first time each number of processes is asked for. A
+    failure is kept too: every test that reads the launch fails with it,
+    none launches it again."""
+    import pytest
+
+    done = {}
+
+    def get(nproc):
+        if nproc not in done:
+            try:
+                done[nproc] = (launch(nproc), None)
+            except (Exception, pytest.fail.Exception) as exc:  # pylint: disable=broad-except
+                done[nproc] = (None, exc)
+        result, error = done[nproc]
+        if error is not None:
+            raise error
+        return result
+
+    return get
+
+
 def crashed(launch):
     """Every rank's checks of a launch whose last scenario killed its
     processes (``crash_all``); fails the test if it ended otherwise."""
