@@ -11,7 +11,7 @@ from harness import free_port, run_processes
 
 @pytest.mark.multiprocess
 def test_a_hang_is_killed_and_shows_every_rank():
-    launch = run_processes("hang.py", timeout=12)
+    launch = run_processes("hang.py", timeout=15)
     assert launch.timed_out
     pids = [
         int(pid)
