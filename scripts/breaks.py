@@ -371,6 +371,18 @@ BREAKS = [
         ),
     ),
     launched(
+        "coordination-keys-shared-across-attempts",
+        "coordination",
+        "a restarted attempt reads the keys the dead attempt left on a store kept across restarts",
+        "accel_mixin/distributed/coordination.py",
+        '    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")',
+        '    attempt = "0"',
+        (
+            "tests/test_liveness.py::"
+            "test_on_a_store_shared_across_restarts_no_key_of_the_dead_attempt_is_read",
+        ),
+    ),
+    launched(
         "coordination-transport-error-raw",
         "coordination",
         "an error of gloo's transport as a peer ends is raised as it is, naming no rank",

@@ -12,15 +12,40 @@ time, tells whether rank 0 waited.
 
 import os
 import time
+from datetime import timedelta
+
+from torch.distributed import TCPStore
 
 from common import MLP, AcceleratedNet, make_accelerator, report
 
+
+def forget_gloo_addresses(attempt):
+    """torch's defect, not ours: on a store kept across attempts, gloo's
+    connect reads the address a rank of the dead attempt wrote, if it comes
+    before the new one, and fails or hangs. Each rank deletes its old
+    address, and gloo connects once every rank has. accel_mixin's own keys
+    are left as the dead attempt wrote them: they are what the test is about.
+    Returns whether the old address was there, so a torch that names it
+    otherwise shows."""
+    store = TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timedelta(seconds=30),
+    )
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    found = store.delete_key(f"default_pg/0//cpu//0/{rank}")  # as torch 2.13 names it
+    key = f"restart_attempts/{attempt}/forgotten"
+    store.add(key, 1)
+    deadline = time.monotonic() + 30
+    while store.add(key, 0) < world and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return found
+
+
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-if attempt and os.environ["RANK"] == "0":
-    # torch's defect, not ours: on a store kept across attempts, gloo's
-    # connect can read the dead attempt's address of rank 1 before rank 1
-    # wrote its new one, and fail; rank 0 connects once rank 1 wrote it
-    time.sleep(2)
+shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+forgot = forget_gloo_addresses(attempt) if attempt and shared else None
 accelerator = make_accelerator()
 rank = accelerator.process_index
 net = AcceleratedNet(MLP, accelerator=accelerator)
@@ -41,4 +66,4 @@ try:
     net.wait_for_everyone()
 except Exception as exc:  # pylint: disable=broad-except
     error = f"{type(exc).__name__}: {exc}"
-report({"attempt": attempt, "arrived": arrived, "left": time.time(), "error": error})
+report({"attempt": attempt, "forgot": forgot, "arrived": arrived, "left": time.time(), "error": error})
