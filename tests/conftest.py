@@ -14,6 +14,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from common import MLP, LogitMLP, make_data
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--bench",
+        action="store_true",
+        help="also run the benchmarks at tiny sizes (tests/test_bench.py), as CI does",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    # the benchmarks' own check proves the tooling, not the package: a
+    # minute that scripts/test spares, and CI runs on its own
+    if config.getoption("--bench"):
+        return
+    skip = pytest.mark.skip(reason="the benchmarks' check: pass --bench (CI does)")
+    for item in items:
+        if "bench" in item.keywords:
+            item.add_marker(skip)
+
+
 def reset_accelerate():
     """accelerate keeps its state in per-process singletons; start afresh."""
     AcceleratorState._reset_state(reset_partial_state=True)  # pylint: disable=protected-access

@@ -7,7 +7,7 @@ import sys
 import pytest
 from harness import ROOT
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.bench]
 
 
 def test_benchmarks_run_and_report(tmp_path):
