@@ -56,10 +56,9 @@ def run_suite(pytest_args):
     """Run pytest; return (wall seconds, exit status, {test id: seconds}, launches)."""
     with tempfile.TemporaryDirectory(prefix="suite_profile_") as tmp:
         junit, launches = Path(tmp) / "junit.xml", Path(tmp) / "launches.jsonl"
+        # scripts/test itself: its workers, as a contributor runs it
         command = [
-            sys.executable,
-            "-m",
-            "pytest",
+            str(ROOT / "scripts" / "test"),
             "-q",
             "-p",
             "no:randomly",
@@ -126,12 +125,21 @@ def by_file(profile):
 _COLUMNS = ("tests", "seconds", "launches", "launch_seconds", "startup_seconds")
 
 
+def workers(profile):
+    """How many workers ran the files side by side, in words ('' for one)."""
+    count = profile.get("workers", 1)
+    if count == 1:
+        return ""
+    return f" on {count} workers (a file's seconds are its own: they add up to more)"
+
+
 def table(profile):
     rows = by_file(profile)
     total = {c: sum(r[c] for r in rows.values()) for c in _COLUMNS}
     lines = [
         f"Measured {profile['when']} ({profile['label']}): `scripts/test` took "
-        f"{profile['wall'] / 60:.1f} min wall, pytest exit {profile['status']}. An empty "
+        f"{profile['wall'] / 60:.1f} min wall{workers(profile)}, pytest exit "
+        f"{profile['status']}. An empty "
         "launch (the imports, the rendezvous, a barrier) takes "
         + ", ".join(f"{s:.1f} s with {k}" for k, s in profile["startup"].items())
         + ".",
@@ -194,6 +202,7 @@ def main():
             "tests": tests,
             "launches": launches,
             "startup": time_startup(launches, args.startup_runs),
+            "workers": max((launch.get("workers", 1) for launch in launches), default=1),
         }
         out.parent.mkdir(exist_ok=True)
         out.write_text(json.dumps(saved, indent=1))

@@ -257,6 +257,7 @@ def _log_launch(script, args, processes, agents, started):
         "processes": processes,
         "agents": agents,
         "seconds": round(time.monotonic() - started, 3),
+        "workers": int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")),
     }
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")

@@ -1,6 +1,7 @@
 """Shared pieces of the scripts that tests launch under several processes."""
 
 import faulthandler
+import gc
 import json
 import os
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import InitProcessGroupKwargs
 from skorch import NeuralNetClassifier
 from skorch.hf import AccelerateMixin as IncumbentMixin
@@ -123,7 +125,9 @@ def _rank():
     return int(os.environ.get("RANK", "0"))
 
 
-def _write_report(payload):
+def write_report(payload):
+    """Write this rank's report, and nothing else (a rank about to die, or
+    one that reports again later)."""
     out = Path(os.environ.get("ACCEL_RESULTS_DIR", "."))
     tmp = out / f"rank{_rank()}.json.tmp"
     tmp.write_text(json.dumps(payload, default=str))
@@ -132,7 +136,7 @@ def _write_report(payload):
 
 def report(payload):
     """Write this rank's results for the test to read."""
-    _write_report(payload)
+    write_report(payload)
     # as a script ends with accelerator.end_training()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
@@ -217,7 +221,31 @@ class Checks:
         )
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         try:
-            _write_report({"hung": name, "deadline": deadline, "checks": dict(self.results)})
+            write_report({"hung": name, "deadline": deadline, "checks": dict(self.results)})
         finally:
             # the hung check's thread cannot be stopped: end the process
             os._exit(HUNG_STATUS)  # pylint: disable=protected-access
+
+
+def freeze_what_is_loaded():
+    """Leave what is loaded now out of every later collection.
+
+    A full ``gc.collect()`` walks every object torch and its imports made
+    (about half a second here, as long as a case's fit); the cases collect
+    after each other, and each needs only its own garbage found. torch
+    imports its compiler on the first optimizer built: imported first, so
+    that it is frozen too.
+    """
+    import torch._dynamo  # noqa: F401  # pylint: disable=import-outside-toplevel,unused-import
+
+    gc.collect()
+    gc.freeze()
+
+
+def accelerator_for(precision):
+    """A new accelerator of ``precision`` (fp16: one of fp32, which the
+    cases give a scaler), in the process group that there is."""
+    # a precision is the accelerator state's for its life: a new state each
+    AcceleratorState._reset_state()  # pylint: disable=protected-access
+    GradientState._reset_state()  # pylint: disable=protected-access
+    return make_accelerator(**({"mixed_precision": "bf16"} if precision == "bf16" else {}))

@@ -37,12 +37,12 @@ from common import (
     ParamNLLLoss,
     TwoStageNet,
     error_and_seconds,
+    freeze_what_is_loaded,
     make_accelerator,
     make_data,
     report,
 )
 from compiled import compiled_checks
-from matrix import freeze_what_is_loaded
 from search_scores import search
 from skorch import NeuralNetClassifier
 from skorch.history import History

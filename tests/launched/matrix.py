@@ -39,8 +39,15 @@ import sys
 from pathlib import Path
 
 import torch
-from accelerate.state import AcceleratorState, GradientState, PartialState
-from common import AcceleratedNet, Checks, make_accelerator, make_data, report
+from accelerate.state import PartialState
+from common import (
+    AcceleratedNet,
+    Checks,
+    accelerator_for,
+    freeze_what_is_loaded,
+    make_data,
+    report,
+)
 from skorch.callbacks import (
     Checkpoint,
     EarlyStopping,
@@ -61,8 +68,6 @@ __all__ = [
     "EQUIVALENT",
     "PER_BATCH_SCHEDULES",
     "PRECISIONS",
-    "accelerator_for",
-    "freeze_what_is_loaded",
 ]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -333,30 +338,6 @@ def outcome(net, with_params):
     if with_params:
         out["params"] = {name: p.detach().cpu().flatten().tolist() for name, p in named}
     return out
-
-
-def freeze_what_is_loaded():
-    """Leave what is loaded now out of every later collection.
-
-    A full ``gc.collect()`` walks every object torch and its imports made
-    (about half a second here, as long as a case's fit); the cases collect
-    after each other, and each needs only its own garbage found. torch
-    imports its compiler on the first optimizer built: imported first, so
-    that it is frozen too.
-    """
-    import torch._dynamo  # noqa: F401  # pylint: disable=import-outside-toplevel,unused-import
-
-    gc.collect()
-    gc.freeze()
-
-
-def accelerator_for(precision):
-    """A new accelerator of ``precision`` (fp16: one of fp32, which the
-    cases give a scaler), in the process group that there is."""
-    # a precision is the accelerator state's for its life: a new state each
-    AcceleratorState._reset_state()  # pylint: disable=protected-access
-    GradientState._reset_state()  # pylint: disable=protected-access
-    return make_accelerator(**({"mixed_precision": "bf16"} if precision == "bf16" else {}))
 
 
 def fit_configuration(dirname, config):

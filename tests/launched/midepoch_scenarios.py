@@ -13,7 +13,7 @@ import sys
 from contextlib import contextmanager
 
 from accelerate.state import GradientState
-from common import Checks, _write_report, report
+from common import Checks, report, write_report
 
 
 def run_scenarios(scenarios, fit, attempt=0):
@@ -22,7 +22,7 @@ def run_scenarios(scenarios, fit, attempt=0):
     with status 75 if any fit was preempted (its value's ``preempted``)."""
     checks = Checks()
     for scenario in scenarios:
-        _write_report({"attempt": attempt, "running": scenario, "checks": checks.results})
+        write_report({"attempt": attempt, "running": scenario, "checks": checks.results})
         # each fit as in a process of its own: accelerate's gradient state
         # forgets the loaders that earlier fits left unfinished
         GradientState._reset_state()  # pylint: disable=protected-access

@@ -14,9 +14,8 @@ import os
 import time
 from datetime import timedelta
 
-from torch.distributed import TCPStore
-
 from common import MLP, AcceleratedNet, make_accelerator, report
+from torch.distributed import TCPStore
 
 
 def forget_gloo_addresses(attempt):
@@ -66,4 +65,6 @@ try:
     net.wait_for_everyone()
 except Exception as exc:  # pylint: disable=broad-except
     error = f"{type(exc).__name__}: {exc}"
-report({"attempt": attempt, "forgot": forgot, "arrived": arrived, "left": time.time(), "error": error})
+report(
+    {"attempt": attempt, "forgot": forgot, "arrived": arrived, "left": time.time(), "error": error}
+)

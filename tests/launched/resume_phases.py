@@ -11,7 +11,7 @@ launch, as after a crash.
 
 import os
 
-from common import _write_report  # the report of a rank about to die
+from common import write_report  # the report of a rank about to die
 
 KILLED = 3
 
@@ -33,7 +33,7 @@ class Stop:
         net.wait_for_saves()
         if not self.kill:
             raise Interrupted(f"stopped when epoch {len(net.history) + 1} began")
-        _write_report({"checks": self.checks.results, "killed": True})
+        write_report({"checks": self.checks.results, "killed": True})
         # torchrun ends the other ranks once one dies: not before their reports
         net.accelerator.wait_for_everyone()
         os._exit(KILLED)  # pylint: disable=protected-access
@@ -56,7 +56,7 @@ def crash_all(checks, scenarios, **kwargs):
         stop = Stop(checks, kill=name == names[-1])
         checks.run(lambda fn=scenarios[name], stop=stop: fn(stop), name=name, **kwargs)
     # not killed: the last check failed before its stop, and says why
-    _write_report({"checks": checks.results})
+    write_report({"checks": checks.results})
     raise SystemExit(1)
 
 

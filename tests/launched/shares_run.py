@@ -28,8 +28,15 @@ import warnings
 
 import torch
 from accelerate.utils import set_seed
-from common import MLP, AcceleratedNet, Checks, make_data, report
-from matrix import accelerator_for, freeze_what_is_loaded
+from common import (
+    MLP,
+    AcceleratedNet,
+    Checks,
+    accelerator_for,
+    freeze_what_is_loaded,
+    make_data,
+    report,
+)
 
 # sizes in global batches: one sample over whole ones, one sample short of
 # them, and fewer samples than one global batch
