@@ -12,6 +12,7 @@ rank's output.
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -32,17 +33,63 @@ __all__ = [
     "can_isolate",
     "check_values",
     "free_port",
+    "port_block",
     "run_nodes",
     "run_plain",
     "run_processes",
 ]
 
 
+_FIRST_PORT = 10000
+_next_port = []
+
+
+def port_block(environ=os.environ):
+    """``(first, stop)``: the ports this pytest process hands out, those
+    below the kernel's ephemeral range (where connections and ``bind(0)``
+    never look), split among pytest-xdist's workers; None where that range
+    leaves too few."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    count = int(environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    size = (low - _FIRST_PORT) // count
+    if size < 100:
+        return None
+    return _FIRST_PORT + index * size, _FIRST_PORT + (index + 1) * size
+
+
 def free_port():
-    """A TCP port that was free a moment ago on the loopback interface."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port free now, for a launch's rendezvous store to listen on.
+
+    A port of ``bind(0)`` is free only for a moment: with two workers, an
+    outgoing connection (gloo's, the other worker's) took one before torchrun
+    listened on it (EADDRINUSE, 7 tests of one launch failed). Ports below
+    the ephemeral range are taken only by an explicit bind, and each worker
+    hands out its own block in turn, so none is handed out twice while its
+    launch may still run.
+    """
+    block = port_block()
+    if block is None:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+    first, stop = block
+    if not _next_port:
+        _next_port.append(random.randrange(first, stop))
+    for _ in range(stop - first):
+        port = _next_port[0]
+        _next_port[0] = first + (port + 1 - first) % (stop - first)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("", port))  # as torchrun's store listens: every interface
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {first}..{stop - 1}")
 
 
 @dataclass

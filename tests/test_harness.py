@@ -6,7 +6,7 @@ import socket
 import psutil
 import pytest
 from common import HUNG_STATUS
-from harness import free_port, run_processes
+from harness import free_port, port_block, run_processes
 
 
 @pytest.mark.multiprocess
@@ -46,6 +46,19 @@ def test_a_hung_check_ends_its_launch_at_its_own_deadline_naming_the_case():
     assert "in stuck" in stderr, "no stack of the hung check"
     with pytest.raises(pytest.fail.Exception, match="check 'stuck' hung on rank 0"):
         launch.check()
+
+
+def test_ports_come_from_outside_the_ephemeral_range_one_block_per_worker():
+    # an outgoing connection of another worker can never take them
+    with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+        low = int(f.read().split()[0])
+    first, stop = port_block({})
+    assert stop <= low and free_port() in range(first, stop)
+    blocks = [
+        port_block({"PYTEST_XDIST_WORKER": f"gw{i}", "PYTEST_XDIST_WORKER_COUNT": "3"})
+        for i in range(3)
+    ]
+    assert all(a[1] <= b[0] for a, b in zip(blocks, blocks[1:])) and blocks[-1][1] <= low
 
 
 def test_free_port_never_returns_a_port_in_use():
