@@ -167,13 +167,12 @@ def test_a_slow_write_that_progresses_finishes(stalled_io):
 
 
 def restart(**kwargs):
-    launch = run_processes("restart_attempts.py", **kwargs)
-    return launch, [rank for rank in launch.ranks if rank is not None]
+    return run_processes("restart_attempts.py", **kwargs)
 
 
 def test_a_restarted_attempt_waits_at_its_own_barriers():
     # the launcher flags the guide recommends: a store of its own per attempt
-    launch, _ = restart(
+    launch = restart(
         timeout=120,
         launcher_args=[
             "--max-restarts=1",
@@ -193,7 +192,7 @@ def test_on_a_store_shared_across_restarts_no_key_of_the_dead_attempt_is_read():
     # the attempt's own. torch's gloo reads the dead attempt's addresses on
     # such a store, and fails or hangs connecting: the script deletes them
     # (restart_attempts.forget_gloo_addresses), and leaves ours.
-    launch, _ = restart(timeout=90, launcher_args=["--max-restarts=1"])
+    launch = restart(timeout=90, launcher_args=["--max-restarts=1"])
     rank0, rank1 = launch.check()
     assert rank0["forgot"] and rank1["forgot"]  # gloo's old addresses were there
     assert rank0["attempt"] == rank1["attempt"] == 1
