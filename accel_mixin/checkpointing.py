@@ -6,6 +6,7 @@ the files are complete, or raises if any process failed.
 
 import warnings
 
+import torch
 from skorch.exceptions import DeviceWarning
 
 from accel_mixin.checkpoint.background import join_all
@@ -13,15 +14,23 @@ from accel_mixin.checkpoint.files import write_state
 from accel_mixin.checkpoint.params import SafeParamsMixin
 from accel_mixin.checkpoint.state_values import cpu_snapshot
 from accel_mixin.distributed.process_layout import quiet_unless_main, writes_files
-from accel_mixin.internals import batch_sampler_owner
+from accel_mixin.distributed.sharding import full_states, refuse_sharded, sharded
+from accel_mixin.internals import batch_sampler_owner, check_f_arguments
 from accel_mixin.resume.resuming import resume
 from accel_mixin.resume.training_state import (
     collect_state,
     train_iterator_state,
     warn_if_inside_accumulation,
 )
+from accel_mixin.training.net_objects import raw, sharded_module
 from accel_mixin.training.notifications import stopped_early
 from accel_mixin.training.process_state import process_state
+
+_SHARDED_STATE = (
+    "Checkpoint the net with save_params(f_params=..., f_optimizer=..., f_history=...), "
+    "which writes full files, and restore it with load_params; skorch's Checkpoint "
+    "callback does both."
+)
 
 
 def _files_of(args, kwargs):
@@ -53,7 +62,11 @@ class CheckpointingMixin(SafeParamsMixin):
 
         """
         save = lambda: super(CheckpointingMixin, self).save_params(*args, **kwargs)  # noqa: E731
-        with self._unwrapped(), quiet_unless_main(self.accelerator):
+        with (
+            self._unwrapped(),
+            quiet_unless_main(self.accelerator),
+            self._saving_gathered(self._gather_sharded("save_params", args, kwargs)),
+        ):
             if self._coordinator.alone is not None:
                 # a logger on the main process (WandbLogger's save_model,
                 # MlflowLogger's artifacts): the main process writes anyway
@@ -66,6 +79,30 @@ class CheckpointingMixin(SafeParamsMixin):
                 here=writes_files(self.accelerator),
                 io_timeout=self.io_timeout,
             )
+
+    def _gather_sharded(self, what, args, kwargs):
+        """Under FSDP2, the full states of the sharded module and optimizers
+        that a ``save_params`` call saves, gathered on every rank (empty
+        elsewhere than where files are written)."""
+        if not sharded(self.accelerator):
+            return {}
+        named = sharded_module(self)
+        if named is None:
+            return {}
+        files = dict(zip(("f_params", "f_optimizer", "f_criterion", "f_history"), args))
+        files.update((key, f) for key, f in kwargs.items() if key.startswith("f_"))
+        attrs = list(check_f_arguments("save_params", **files)[0])
+        name, module = named
+        optimizers = {f"{n}_": raw(self, n) for n in self._optimizers}
+        # every rank arrives first: the gathering is a collective
+        self._coordinator.barrier(what)
+        accelerator = self.accelerator
+        writers = accelerator.gather(
+            torch.tensor([int(writes_files(accelerator))], device=accelerator.device)
+        )
+        # save_on_each_node on several machines: each one's writer needs them
+        everywhere = int(writers.sum()) > 1
+        return full_states(f"{name}_", module, optimizers, attrs, everywhere=everywhere)
 
     def load_params(self, *args, **kwargs):
         """Load the parameters of the net's modules, optimizers and history.
@@ -128,6 +165,8 @@ class CheckpointingMixin(SafeParamsMixin):
           decided to stop.
 
         """
+
+        refuse_sharded(self.accelerator, "save_state", _SHARDED_STATE)
 
         def write(state):
             write_state(state, path)
@@ -208,6 +247,7 @@ class CheckpointingMixin(SafeParamsMixin):
           every rank.
 
         """
+        refuse_sharded(self.accelerator, "load_state", _SHARDED_STATE)
         with quiet_unless_main(self.accelerator), self._coordinator.session("load_state"):
             self._coordinator.barrier("load_state")  # before initialize(), as in fit
             self._wait_for_writes_in_flight("load_state")

@@ -19,6 +19,7 @@ from accel_mixin.distributed.process_layout import (
     sink_for,
 )
 from accel_mixin.distributed.replicas import check_same_data
+from accel_mixin.distributed.sharding import sharded
 from accel_mixin.internals import cache_lomo_check
 from accel_mixin.resume.resuming import begin_epoch, continue_epoch
 from accel_mixin.training.epochs import EpochBatches, end_epoch
@@ -27,9 +28,11 @@ from accel_mixin.training.net_objects import (
     check_net_replicas,
     check_optimizers,
     check_params,
+    check_sharding,
     net_modules,
     prepare_retrainable_modules,
     raw,
+    sharded_module,
     slots,
 )
 from accel_mixin.training.notifications import (
@@ -190,6 +193,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
         check_process_layout(self.accelerator)
         check_supported(self.accelerator)
         check_optimizers(self)
+        check_sharding(self)
         check_overrides(self, AccelerateMixin)
         guard_forks()
         cache_lomo_check()
@@ -388,6 +392,13 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
     # --- copies -------------------------------------------------------------
 
     def __getstate__(self):
+        if self.initialized_ and sharded(self.accelerator) and sharded_module(self) is not None:
+            raise TypeError(
+                f"A net whose {sharded_module(self)[0]}_ is sharded by FSDP2 cannot be "
+                "pickled: each process holds only its shard of the parameters. Save them "
+                "with save_params(f_params=...), which writes the full tensors, and load "
+                "the file into a new net with load_params."
+            )
         with self._unwrapped():
             state = super().__getstate__()
         state.pop(PROCESS_STATE, None)

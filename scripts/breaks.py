@@ -69,6 +69,7 @@ MP = "tests/test_multiprocess.py::"
 SYNC = "tests/test_sync.py::"
 DIV = "tests/test_divergence.py::"
 SCORES = "tests/test_epoch_scores.py::"
+FSDP = "tests/test_fsdp.py::"
 
 BREAKS = [
     # --- files -------------------------------------------------------------
@@ -1285,6 +1286,97 @@ BREAKS = [
         "    return 1.0 if remainder is None else real * num_processes / remainder\n",
         "    return 1.0\n",
         ("tests/test_share_weights.py",),
+    ),
+    # --- sharding (FSDP2) ------------------------------------------------
+    launched(
+        "sharding-prepared-apart",
+        "wrapping",
+        "under FSDP2 the module and its optimizer are prepared each on its own",
+        "accel_mixin/training/wrapping.py",
+        "        if sharded(accelerator):\n            self._prepare_sharded(accelerator, slots)\n",
+        "",
+        (FSDP + "test_fsdp2_trains_as_ddp_and_as_one_process_with_n_times_the_batch[2-processes]",),
+    ),
+    launched(
+        "sharding-files-hold-local-shards",
+        "checkpointing",
+        "save_params writes each module's local state (its shards) instead of the gathered one",
+        "accel_mixin/checkpointing.py",
+        "        if not sharded(self.accelerator):\n            return {}\n",
+        "        if True:\n            return {}\n",
+        (FSDP + "test_save_params_writes_full_files_that_plain_skorch_loads[2-processes]",),
+    ),
+    launched(
+        "sharding-optimizer-file-by-name",
+        "sharding",
+        "the optimizer file keeps torch's parameter names instead of positions",
+        "accel_mixin/distributed/sharding.py",
+        "            state = optimizer_state_by_position(state) if state else state\n",
+        "",
+        (FSDP + "test_full_files_load_into_a_sharded_net_with_the_optimizer_state[2-processes]",),
+    ),
+    launched(
+        "sharding-load-keeps-full-tensors",
+        "sharding",
+        "a full file is loaded into a sharded module without cutting this rank's shards",
+        "accel_mixin/distributed/sharding.py",
+        "if is_sharded(expected.get(key)) else value)",
+        "if False else value)",
+        (FSDP + "test_full_files_load_into_a_sharded_net_with_the_optimizer_state[2-processes]",),
+    ),
+    launched(
+        "sharding-optimizer-load-keeps-full-tensors",
+        "sharding",
+        "a full optimizer file is loaded without cutting this rank's shards",
+        "accel_mixin/distributed/sharding.py",
+        "    if not any(is_sharded(p) for p in params):\n        return state\n",
+        "    return state\n",
+        (FSDP + "test_full_files_load_into_a_sharded_net_with_the_optimizer_state[2-processes]",),
+    ),
+    launched(
+        "sharding-second-module-trains-unsynced",
+        "sharding",
+        "a second module with parameters is not refused under FSDP2",
+        "accel_mixin/distributed/sharding.py",
+        "            if count:\n                raise ValueError(",
+        "            if False:\n                raise ValueError(",
+        (FSDP + "test_what_fsdp2_cannot_do_is_refused_naming_it[2-processes-second_module]",),
+    ),
+    launched(
+        "sharding-shards-compared-as-replicas",
+        "replicas",
+        "the replica check compares the ranks' shards as if they were replicas",
+        "accel_mixin/distributed/sharding.py",
+        "    return [(name, param) for name, param in named_params if not is_sharded(param)]",
+        "    return list(named_params)",
+        (FSDP + "test_fsdp2_trains_as_ddp_and_as_one_process_with_n_times_the_batch[2-processes]",),
+    ),
+    launched(
+        "sharding-low-precision-outputs",
+        "stepping",
+        "under FSDP2 with bf16 the module's bf16 outputs reach skorch's scorers",
+        "accel_mixin/training/stepping.py",
+        '        self.fp32_outputs = sharded(accelerator) and accelerator.mixed_precision != "no"',
+        "        self.fp32_outputs = False",
+        (FSDP + "test_mixed_precision_is_fsdps_policy_with_float32_predictions[2-processes]",),
+    ),
+    launched(
+        "sharding-accumulate-unsharded-modules",
+        "stepping",
+        "accumulation asks the criterion, which FSDP2 does not shard, to hold back its sync",
+        "accel_mixin/training/stepping.py",
+        '            modules = [m for m in modules if hasattr(m, "set_requires_gradient_sync")]\n',
+        "",
+        (FSDP + "test_gradient_clipping_is_global_and_accumulation_works[2-processes]",),
+    ),
+    launched(
+        "sharding-fsdp1-accepted",
+        "process_layout",
+        "FSDP1 is not refused",
+        "accel_mixin/distributed/process_layout.py",
+        "    if kind == DistributedType.FSDP and not sharded(accelerator):",
+        "    if False:",
+        (FSDP + "test_what_fsdp2_cannot_do_is_refused_naming_it[2-processes-fsdp1]",),
     ),
 ]
 

@@ -68,7 +68,6 @@ def test_missing_names_of_torch_and_skorch_are_listed(monkeypatch):
     "kind, name",
     [
         (DistributedType.DEEPSPEED, "DeepSpeed"),
-        (DistributedType.FSDP, "FSDP"),
         (DistributedType.MEGATRON_LM, "Megatron-LM"),
     ],
 )
@@ -76,9 +75,24 @@ def test_unsupported_backends_are_refused_at_initialize(monkeypatch, kind, name)
     accelerator = Accelerator(cpu=True)
     monkeypatch.setattr(type(accelerator), "distributed_type", property(lambda self: kind))
     with pytest.raises(
-        ValueError, match=f"AccelerateMixin does not support {name} .*Supported: one process or DDP"
+        ValueError,
+        match=f"AccelerateMixin does not support {name} .*Supported: one process, DDP .*FSDP2",
     ):
         AcceleratedNet(MLP, accelerator=accelerator).initialize()
+
+
+def test_fsdp1_is_refused_naming_fsdp2():
+    from accel_mixin.distributed.process_layout import check_supported
+
+    for version, refused in ((1, True), (2, False)):
+        fake = types.SimpleNamespace(
+            distributed_type=DistributedType.FSDP, num_processes=2, is_fsdp2=version == 2
+        )
+        if refused:
+            with pytest.raises(ValueError, match=r"does not support FSDP1 .*fsdp_version=2"):
+                check_supported(fake)
+        else:
+            check_supported(fake)
 
 
 def test_xla_is_refused_with_several_processes_only(monkeypatch):

@@ -16,6 +16,7 @@ from accel_mixin.checkpoint.state_dict import (
     load_module_state,
     read_error,
 )
+from accel_mixin.distributed.sharding import shard_optimizer_state
 from accel_mixin.errors import CheckpointError
 from accel_mixin.internals import check_f_arguments
 
@@ -78,10 +79,11 @@ class SafeParamsMixin:
                     "holds other objects; save it without safetensors."
                 )
         named = {key: f for key, f in files.items() if isinstance(f, (str, os.PathLike))}
+        gathered = self.__dict__.get(_GATHERED, {})
         with (
             _files.atomic_files(named.values()) as temporaries,
             ExitStack() as opened,
-            self._accessing(_Saving),
+            self._accessing(lambda attr, obj: _Saving(obj, gathered.get(attr))),
         ):
             files.update(zip(named, temporaries))
             if use_safetensors:  # by name, safetensors would rename a temporary file of its own
@@ -148,6 +150,16 @@ class SafeParamsMixin:
                 self.torch_load_kwargs = user_kwargs
 
     @contextmanager
+    def _saving_gathered(self, states):
+        """Within the block ``save_params`` writes ``states[attr]`` (full
+        states gathered from a sharded module) in place of ``attr``'s own."""
+        self.__dict__[_GATHERED] = states
+        try:
+            yield
+        finally:
+            self.__dict__.pop(_GATHERED, None)
+
+    @contextmanager
     def _accessing(self, adapter):
         """Within the block ``_get_module`` returns ``adapter(attr, obj)``."""
         self.__dict__[_ADAPTER] = adapter
@@ -163,16 +175,20 @@ class SafeParamsMixin:
 
 
 _ADAPTER = "_accel_mixin_params_adapter"
+_GATHERED = "_accel_mixin_gathered_states"
 
 
 class _Saving:
-    """What skorch's save_params saves: module keys without wrapper prefixes."""
+    """What skorch's save_params saves: module keys without wrapper prefixes,
+    or the full state gathered from a sharded module or its optimizer."""
 
-    def __init__(self, attr, obj):
-        self._obj = obj
+    def __init__(self, obj, gathered=None):
+        self._obj, self._gathered = obj, gathered
 
     def state_dict(self):
         obj = self._obj
+        if self._gathered is not None:
+            return self._gathered
         return clean_state_dict(obj) if isinstance(obj, torch.nn.Module) else obj.state_dict()
 
 
@@ -237,7 +253,8 @@ def load_optimizer_state(optimizer, state, *, source, name):
             "torch.save(optimizer.state_dict(), path)."
         )
     try:
-        optimizer.load_state_dict(state)
+        # an optimizer of a sharded module (FSDP2) takes this rank's shards
+        optimizer.load_state_dict(shard_optimizer_state(optimizer, state))
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(
             f"{source} does not fit {name}: {exc}. The optimizer was saved for other "

@@ -20,6 +20,7 @@ import safetensors
 import torch
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
+from accel_mixin.distributed.sharding import shard_like
 from accel_mixin.errors import CheckpointError
 from accel_mixin.internals import compiled_inner, copy_state_dict
 
@@ -160,7 +161,8 @@ def load_module_state(module, state_dict, *, source, name):
                 f"{source} does not fit {name}: {key!r} has shape {tuple(shape)} in the "
                 f"file but {tuple(expected[key].shape)} in the module. {_OTHER_MODEL}"
             )
-    target.load_state_dict(state_dict)
+    # a sharded module (FSDP2) takes this rank's shard of every full tensor
+    target.load_state_dict(shard_like(expected, state_dict))
 
 
 def _is_path(f):

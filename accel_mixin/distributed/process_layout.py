@@ -10,6 +10,8 @@ import warnings
 
 from accelerate.utils import DistributedType
 
+from accel_mixin.distributed.sharding import sharded
+
 __all__ = ["check_not_a_child_of_a_rank", "check_process_layout", "check_supported"]
 __all__ += ["quiet_unless_main", "silent", "sink_for", "writes_files"]
 
@@ -39,13 +41,13 @@ def check_process_layout(accelerator):
     )
 
 
-# prepared each on its own, as this mixin does, these backends break late and
-# obscurely: DeepSpeed and Megatron-LM need the model and optimizer prepared
-# together, FSDP replaces the parameters the optimizer holds, and XLA's
-# collectives of several processes are not the ones used here
+# these backends break late and obscurely: DeepSpeed and Megatron-LM wrap the
+# model, optimizer and scheduler into engines of their own, FSDP1 wraps the
+# module in a FlatParameter wrapper whose optimizer and state dicts the
+# mixin's files do not know, and XLA's collectives of several processes are
+# not the ones used here. FSDP2 (torch's fully_shard) is supported (sharding.py).
 _UNSUPPORTED = {
     DistributedType.DEEPSPEED: "DeepSpeed",
-    DistributedType.FSDP: "FSDP",
     DistributedType.MEGATRON_LM: "Megatron-LM",
 }
 
@@ -77,16 +79,25 @@ def check_supported(accelerator):
     """Raise ``ValueError``, naming the backend, for the backends this mixin
     cannot train with."""
     kind = accelerator.distributed_type
+    if kind == DistributedType.FSDP and not sharded(accelerator):
+        raise ValueError(
+            f"AccelerateMixin does not support FSDP1 (distributed_type={kind}, "
+            "fsdp_version=1): it shards with FSDP2, torch's fully_shard. Create the "
+            "accelerator with Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin("
+            "fsdp_version=2)), or set fsdp_version: 2 in `accelerate config`; see the guide "
+            "page 'Models larger than one process' for moving from FSDP1."
+        )
     name = _UNSUPPORTED.get(kind)
     if name is None and kind == DistributedType.XLA and accelerator.num_processes > 1:
         name = "XLA (TPU) with several processes"
     if name is not None:
         raise ValueError(
-            f"AccelerateMixin does not support {name} (distributed_type={kind}): it prepares "
-            "modules, optimizers and schedulers each on its own. Supported: one process or "
-            "DDP across processes and machines (CPU, CUDA, MPS; one XLA device), with mixed "
-            "precision and gradient accumulation. Configure accelerate without it "
-            "(`accelerate config`), or train with accelerate directly."
+            f"AccelerateMixin does not support {name} (distributed_type={kind}), whose "
+            "engines replace the module, optimizer and scheduler that skorch builds. "
+            "Supported: one process, DDP across processes and machines (CPU, CUDA, MPS; "
+            "one XLA device), and FSDP2 (FullyShardedDataParallelPlugin(fsdp_version=2)), "
+            "with mixed precision and gradient accumulation. Configure accelerate without "
+            "it (`accelerate config`), or train with accelerate directly."
         )
 
 

@@ -15,6 +15,12 @@ from skorch.callbacks import LRScheduler
 
 from accel_mixin.distributed.history_sync import adopt_history
 from accel_mixin.distributed.replicas import check_replicas, named_parameters
+from accel_mixin.distributed.sharding import (
+    check_shardable,
+    replicated,
+    sharded,
+    sharded_module_name,
+)
 from accel_mixin.training.process_state import process_state
 from accel_mixin.training.stepping import takes_closures
 from accel_mixin.training.wrapping import Slot, requires_closure
@@ -24,10 +30,12 @@ __all__ = [
     "check_net_replicas",
     "check_optimizers",
     "check_params",
+    "check_sharding",
     "net_modules",
     "prepare_retrainable_modules",
     "raw",
     "raw_scheduler",
+    "sharded_module",
     "slots",
 ]
 
@@ -61,6 +69,23 @@ def raw_scheduler(cb_name, cb, net):
     """The scheduler an ``LRScheduler`` callback built, unwrapped, or None."""
     slot = _scheduler_slot(cb_name, cb)
     return process_state(net).prepared.raw_or_current(slot.key, slot.owner, slot.attr)
+
+
+def _named_raw(net, names):
+    return [(name, raw(net, name)) for name in names]
+
+
+def sharded_module(net):
+    """``(name, module)`` of the module FSDP2 shards, or None."""
+    name = sharded_module_name(_named_raw(net, net._modules))  # pylint: disable=protected-access
+    return None if name is None else (name, raw(net, name))
+
+
+def check_sharding(net):
+    """Under FSDP2, refuse modules and criteria with parameters besides the one sharded."""
+    if sharded(net.accelerator):
+        # pylint: disable=protected-access
+        check_shardable(_named_raw(net, net._modules), _named_raw(net, net._criteria))
 
 
 def net_modules(net):
@@ -129,7 +154,7 @@ def prepare_retrainable_modules(net):
     """Give a new DDP wrapper to the modules whose trainable parameters changed
     (``Freezer``, ``requires_grad_``) on any rank; one small all-reduce."""
     accelerator = net.accelerator
-    if accelerator.distributed_type == DistributedType.NO:
+    if accelerator.distributed_type == DistributedType.NO or sharded(accelerator):
         return  # no DDP, so nothing to rebuild
     prepared = process_state(net).prepared
     keys = prepared.module_keys()
@@ -146,6 +171,7 @@ def prepare_retrainable_modules(net):
 
 
 def check_net_replicas(net, when):
-    """``check_replicas`` on every parameter of the net's modules and criteria."""
+    """``check_replicas`` on every parameter of the net's modules and criteria
+    that each rank holds whole: a sharded one (FSDP2) is no replica."""
     modules = ((name + "_", module) for name, module in net_modules(net))
-    check_replicas(net.accelerator, list(named_parameters(modules)), when)
+    check_replicas(net.accelerator, replicated(named_parameters(modules)), when)

@@ -22,6 +22,7 @@ from skorch.net import NeuralNet
 
 from accel_mixin.distributed.history_sync import pad_to_largest
 from accel_mixin.distributed.process_layout import quiet_unless_main
+from accel_mixin.distributed.sharding import sharded
 from accel_mixin.internals import compiled_inner
 from accel_mixin.training.shares import scale_gradient
 
@@ -73,7 +74,12 @@ class Stepper:
         self.takes_closures = takes_closures(accelerator)
         self.plain_backward = plain_backward(accelerator)
         self.num_processes = accelerator.num_processes
-        self._autocast = accelerator.autocast if accelerator.native_amp else contextlib.nullcontext
+        # under FSDP2 mixed precision is FSDP's policy, as in accelerate's own loop
+        amp = accelerator.native_amp and not sharded(accelerator)
+        self._autocast = accelerator.autocast if amp else contextlib.nullcontext
+        # accelerate's forward patch returns fp32 outputs; FSDP2's low
+        # precision outputs would reach skorch's scorers and numpy
+        self.fp32_outputs = sharded(accelerator) and accelerator.mixed_precision != "no"
         self.deferring = False  # zeroing waits for the end of the train_step
         self.closures = None  # within a step: whether its optimizers step with closures
         self.loss_weight = 1.0  # this rank's share of the step's real samples (shares.py)
@@ -90,7 +96,11 @@ class Stepper:
         """``accelerator.accumulate(*get_modules())``, a no-op without accumulation."""
         if self.steps == 1:
             return contextlib.nullcontext()
-        return self.accelerator.accumulate(*get_modules())
+        modules = get_modules()
+        if sharded(self.accelerator):
+            # FSDP2 holds back the gradients' reduction of sharded modules only
+            modules = [m for m in modules if hasattr(m, "set_requires_gradient_sync")]
+        return self.accelerator.accumulate(*modules)
 
     @contextlib.contextmanager
     def step_window(self, closures):
@@ -240,6 +250,10 @@ class StepMixin:
             loss = self.get_loss(y_pred, yi, X=Xi, training=True)
         self.accelerator.backward(loss)
         return {"loss": loss, "y_pred": y_pred}
+
+    def infer(self, x, **fit_params):
+        y_pred = super().infer(x, **fit_params)
+        return convert_to_fp32(y_pred) if self._stepper.fp32_outputs else y_pred
 
     def get_loss(self, y_pred, y_true, X=None, training=False):
         with recognisable_criterion(self):

@@ -19,6 +19,7 @@ from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import DistributedType
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
+from accel_mixin.distributed.sharding import sharded, sharded_module_name
 from accel_mixin.internals import (
     accelerator_list,
     check_accelerator,
@@ -162,6 +163,8 @@ class PreparedObjects:
         for key in [key for key in self._entries if key not in live]:
             self._forget(key)
 
+        if sharded(accelerator):
+            self._prepare_sharded(accelerator, slots)
         refreshed = False
         for slot in slots:
             current = getattr(slot.owner, slot.attr, None)
@@ -182,6 +185,53 @@ class PreparedObjects:
         self.wrapped = True
         if refreshed:
             gc.collect()  # the old DDP reducer holds hooks on the parameters
+
+    def _prepare_sharded(self, accelerator, slots):
+        """FSDP2: the module with parameters and the optimizers are prepared in
+        one call, as accelerate requires, where either is new; the module is
+        sharded in place, once (a sharded one is left as it is)."""
+        modules = [
+            (slot, getattr(slot.owner, slot.attr, None)) for slot in slots if slot.kind == "module"
+        ]
+        name = sharded_module_name(
+            (slot.key[:-1], self._raw_of(slot, obj)) for slot, obj in modules
+        )
+        if name is None:
+            return
+        slot = next(slot for slot, _ in modules if slot.key == f"{name}_")
+        optimizers = [
+            s
+            for s in slots
+            if s.kind == "optimizer"
+            and isinstance(self._raw_of(s, getattr(s.owner, s.attr, None)), torch.optim.Optimizer)
+        ]
+        held = self._holds(slot)
+        fresh = [s for s in optimizers if not self._holds(s)]
+        if held and not fresh:
+            return
+        # a new module comes with new optimizers (skorch builds them after it)
+        together = [slot, *(fresh if held else optimizers)]
+        objects = [self._raw_of(s, getattr(s.owner, s.attr, None)) for s in together]
+        for s in together:
+            if s.key in self._entries and not (s is slot and held):
+                self._forget(s.key)
+        pop_marks(objects[0])  # else prepare skips a module prepared before
+        trainable = trainability(objects[0])
+        prepared = accelerator.prepare(*objects)
+        for s, obj, ready in zip(together, objects, prepared):
+            if s.key not in self._entries:
+                # the sharded module is the raw one, changed in place
+                self._entries[s.key] = _Entry(
+                    s, obj, ready, ready, trainable if s is slot else None
+                )
+
+    def _holds(self, slot):
+        entry = self._entries.get(slot.key)
+        return entry is not None and entry.holds(slot.owner, getattr(slot.owner, slot.attr, None))
+
+    def _raw_of(self, slot, current):
+        entry = self._entries.get(slot.key)
+        return entry.raw if entry is not None and entry.holds(slot.owner, current) else current
 
     def wrap(self, accelerator):
         """Put back what was prepared before; never prepares. A slot emptied or

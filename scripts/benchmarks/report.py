@@ -15,6 +15,7 @@ from memory_report import (
     memory_tables,
     memory_targets,
 )
+from sharded_report import load_sharded, sharded_chart, sharded_tables, sharded_targets
 
 # variants of fit.py with a TrainingCheckpoint that never saves: it polls
 # for preemption notices (a small non-blocking all-reduce on several
@@ -520,6 +521,9 @@ def main():
     fits, merges = load_memory(args.raw)
     if fits:
         lines += memory_tables(fits, merges, load_everywhere(args.raw)) + [""]
+    sharded_memory, sharded_timing, parameters = load_sharded(args.raw)
+    if sharded_memory or sharded_timing:
+        lines += sharded_tables(sharded_memory, sharded_timing, parameters) + [""]
     goals = targets(
         fit1,
         fit2,
@@ -529,7 +533,7 @@ def main():
         checkpoint_small,
         midepoch,
         lightning,
-        more=memory_targets(fits, merges),
+        more=memory_targets(fits, merges) + sharded_targets(sharded_memory, sharded_timing),
     )
     if resume[0]:
         # with the targets, on the front page
@@ -542,6 +546,7 @@ def main():
     (out / "bench.md").write_text(text)
     has_chart = chart(fit1, fit2, checkpoint, out / "bench.png")
     has_memory_chart = memory_chart(fits, out / "bench_memory.png")
+    has_sharded_chart = sharded_chart(sharded_memory, out / "bench_sharded.png")
     print(text)
 
     if args.readme:
@@ -551,6 +556,7 @@ def main():
         block = "\n".join(goals) + "\n"
         block += "\n![benchmarks](results/bench.png)\n" if has_chart else ""
         block += "\n![epoch end memory](results/bench_memory.png)\n" if has_memory_chart else ""
+        block += "\n![FSDP2 memory](results/bench_sharded.png)\n" if has_sharded_chart else ""
         pattern = re.compile(re.escape(README_START) + ".*?" + re.escape(README_END), re.S)
         new = pattern.sub(lambda _: f"{README_START}\n{block}{README_END}", readme.read_text())
         readme.write_text(new)

@@ -1,6 +1,6 @@
 """Run every benchmark, each in its own launch, then write the report.
 
-python scripts/benchmarks/run.py [--quick] [--only timing|memory] [--out results]
+python scripts/benchmarks/run.py [--quick] [--only timing|memory|sharded] [--out results]
     [--readme README.md]
 """
 
@@ -46,6 +46,14 @@ QUICK = {
 MEMORY = {"sizes": [100_000, 400_000], "processes": [2, 3, 4], "rounds": 3}
 MEMORY_QUICK = {"sizes": [2000], "processes": [2], "rounds": 1}
 
+# sharded.py: process counts, the model's size, the timing's rounds
+SHARDED = {"processes": [2, 4], "size": [], "time": ["--repeats", "5"]}
+SHARDED_QUICK = {
+    "processes": [2],
+    "size": ["--width", "256", "--depth", "2"],
+    "time": ["--repeats", "2"],
+}
+
 
 def free_port():
     with socket.socket() as sock:
@@ -85,17 +93,19 @@ def main():
     parser.add_argument("--readme", default=None, help="README whose benchmark section to update")
     parser.add_argument(
         "--only",
-        choices=("timing", "memory"),
+        choices=("timing", "memory", "sharded"),
         help="run one part; the report also reads the results already in --out",
     )
     args = parser.parse_args()
 
     raw = Path(args.out) / "raw"
     timeout = 300 if args.quick else 3600
-    if args.only != "memory":
+    if args.only in (None, "timing"):
         timing(raw, Path(args.out), timeout, QUICK if args.quick else {})
-    if args.only != "timing":
+    if args.only in (None, "memory"):
         epoch_memory(raw, timeout, MEMORY_QUICK if args.quick else MEMORY)
+    if args.only in (None, "sharded"):
+        sharded(raw, timeout, SHARDED_QUICK if args.quick else SHARDED)
     report = [sys.executable, str(HERE / "report.py"), "--raw", str(raw), "--out", args.out]
     if args.readme:
         report += ["--readme", args.readme]
@@ -125,6 +135,17 @@ def timing(raw, out, timeout, extra):
     launch("stall.py", raw / "stall_2.json", 2, extra.get("stall", []), timeout)
     launch("replicas.py", raw / "replicas_2.json", 2, extra.get("replicas", []), timeout)
     launch("midepoch.py", raw / "midepoch_2.json", 2, extra.get("midepoch", []), timeout)
+
+
+def sharded(raw, timeout, settings):
+    """FSDP2 against DDP, each kind and process count in a launch of its own."""
+    for n in settings["processes"]:
+        for kind in ("ddp", "fsdp"):
+            out = raw / f"sharded_memory_{kind}_{n}.json"
+            args = ["--variant", "memory", "--kind", kind, *settings["size"]]
+            launch("sharded.py", out, n, args, timeout)
+        args = ["--variant", "time", *settings["size"], *settings["time"]]
+        launch("sharded.py", raw / f"sharded_time_{n}.json", n, args, timeout)
 
 
 def epoch_memory(raw, timeout, memory):

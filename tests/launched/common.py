@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState
+from accelerate.state import AcceleratorState, GradientState, PartialState
 from accelerate.utils import InitProcessGroupKwargs
 from skorch import NeuralNetClassifier
 from skorch.hf import AccelerateMixin as IncumbentMixin
@@ -33,6 +33,8 @@ __all__ = [
     "error_and_seconds",
     "make_accelerator",
     "make_data",
+    "make_fsdp_accelerator",
+    "outcome",
     "report",
 ]
 
@@ -62,6 +64,46 @@ def make_accelerator(**kwargs):
     handlers = kwargs.pop("kwargs_handlers", [])
     handlers.append(InitProcessGroupKwargs(timeout=timedelta(seconds=30)))
     return Accelerator(kwargs_handlers=handlers, **kwargs)
+
+
+def make_fsdp_accelerator(fsdp_version=2, plugin=None, **kwargs):
+    """Test only: an accelerator that shards with FSDP on CPU processes.
+
+    accelerate selects ``DistributedType.FSDP`` for GPU kinds only
+    (``accelerate/state.py``), and FSDP2 itself runs on CPU over gloo; so on
+    CPU the accelerator's state is set as accelerate sets it on GPUs, after
+    the accelerator was created: the FSDP type (in the partial state too,
+    which every later ``AcceleratorState()`` copies), the plugin, and the
+    plugin's mixed precision policy from the accelerator's
+    ``mixed_precision``. ``plugin`` holds the plugin's other settings. The
+    plugin is not passed to ``Accelerator``, which would set
+    ``ACCELERATE_USE_FSDP`` for every later accelerator of the process.
+    """
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=fsdp_version, **(plugin or {}))
+    accelerator = make_accelerator(**kwargs)
+    state = AcceleratorState()
+    if state.mixed_precision != "no":
+        plugin.set_mixed_precision(state.mixed_precision)
+    state.distributed_type = DistributedType.FSDP
+    partial = PartialState._shared_state  # pylint: disable=protected-access
+    _PARTIAL_TYPE.setdefault("distributed_type", partial["distributed_type"])
+    partial["distributed_type"] = DistributedType.FSDP
+    state.fsdp_plugin = plugin
+    return accelerator
+
+
+# the partial state's type before make_fsdp_accelerator set FSDP there
+_PARTIAL_TYPE = {}
+
+
+def fresh_state():
+    """Forget the accelerator state of this process, keeping its process group
+    (and the type it had before an FSDP accelerator)."""
+    AcceleratorState._reset_state()  # pylint: disable=protected-access
+    GradientState._reset_state()  # pylint: disable=protected-access
+    PartialState._shared_state.update(_PARTIAL_TYPE)  # pylint: disable=protected-access
 
 
 def make_data(n=600, n_features=20, seed=0, noise=0.0):
@@ -140,6 +182,15 @@ def report(payload):
     # as a script ends with accelerator.end_training()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def outcome(fn):
+    """What ``fn`` raised, as "Type: message", or None if it returned."""
+    try:
+        fn()
+    except Exception as exc:  # pylint: disable=broad-except
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def error_and_seconds(fn):
@@ -246,6 +297,5 @@ def accelerator_for(precision):
     """A new accelerator of ``precision`` (fp16: one of fp32, which the
     cases give a scaler), in the process group that there is."""
     # a precision is the accelerator state's for its life: a new state each
-    AcceleratorState._reset_state()  # pylint: disable=protected-access
-    GradientState._reset_state()  # pylint: disable=protected-access
+    fresh_state()
     return make_accelerator(**({"mixed_precision": "bf16"} if precision == "bf16" else {}))

@@ -9,17 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import MLP, AcceleratedNet, make_accelerator, make_data
+from common import MLP, AcceleratedNet, make_accelerator, make_data, outcome
 
 from accel_mixin.callbacks import TrainingCheckpoint
-
-
-def outcome(fn):
-    try:
-        fn()
-    except Exception as exc:  # pylint: disable=broad-except
-        return f"{type(exc).__name__}: {exc}"
-    return None
 
 
 class RemoveDirAfterFirstSave(TrainingCheckpoint):

@@ -1,0 +1,187 @@
+"""FSDP2 against DDP: each rank's memory while a net of a large model fits
+with Adam, and while it saves and loads full files; and the net's fit time
+against a hand-written accelerate FSDP2 loop on the same model.
+
+    ACCELERATE_USE_CPU=true torchrun --nproc_per_node N scripts/benchmarks/sharded.py \\
+        --variant memory --kind fsdp|ddp --out ...
+    ACCELERATE_USE_CPU=true torchrun --nproc_per_node N scripts/benchmarks/sharded.py \\
+        --variant time --out ...
+
+The model is ``checkpoint.Stack`` (4 x 3584: 51.8M parameters); under FSDP2
+every layer of at least a million parameters is a sharded unit of its own
+(accelerate's ``size_based_wrap``), so that one layer at a time is gathered
+whole. Memory is each rank's resident set above what it held before the net
+was built (the imports, the process group), sampled every millisecond:
+``initialize`` (the model is built whole on every rank, then sharded) and
+``fit`` separately, then ``save_params`` and ``load_params`` of the module
+and optimizer files. Each kind runs in a launch of its own, since a
+process's peak is its own. FSDP2 on CPU is set as the tests set it
+(``tests/launched/common.py``'s ``make_fsdp_accelerator``).
+"""
+
+import argparse
+import importlib.util
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+# pylint: disable=wrong-import-position
+from checkpoint import OursNet, Stack, n_params  # noqa: E402
+from common import PeakRSS, alternate, barrier, summarize, write_result  # noqa: E402
+
+
+def _launched_common():
+    """tests/launched/common.py, whose name the benchmarks' own common takes."""
+    path = HERE.parent.parent / "tests" / "launched" / "common.py"
+    spec = importlib.util.spec_from_file_location("launched_common", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+launched = _launched_common()
+
+PLUGIN = {"auto_wrap_policy": "size_based_wrap", "min_num_params": 1_000_000}
+MB = 2**20
+
+
+def accelerator_of(kind):
+    launched.fresh_state()
+    if kind == "fsdp":
+        return launched.make_fsdp_accelerator(plugin=PLUGIN)
+    return launched.make_accelerator()
+
+
+def data(args, processes):
+    """One epoch of ``--steps`` global batches."""
+    n = args.steps * args.batch_size * processes
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(n, 100, generator=generator), torch.randint(0, 2, (n,), generator=generator)
+
+
+def make_net(accelerator, args):
+    return OursNet(
+        module=Stack,
+        module__width=args.width,
+        module__depth=args.depth,
+        accelerator=accelerator,
+        optimizer=torch.optim.Adam,
+        lr=1e-4,
+        max_epochs=1,
+        batch_size=args.batch_size,
+        train_split=None,
+        verbose=0,
+    )
+
+
+def memory(args):
+    """Peak RSS above the start, in MB, of each phase on this rank."""
+    accelerator = accelerator_of(args.kind)
+    X, y = data(args, accelerator.num_processes)
+    net = make_net(accelerator, args)
+    out = {}
+    # the first optimizer of a process imports torch._dynamo (about 70 MB)
+    torch.optim.Adam([torch.zeros(1, requires_grad=True)])
+    start = PeakRSS.now()
+    workdir = Path(args.dir or tempfile.gettempdir()) / f"accel_mixin_sharded_{args.kind}"
+    if accelerator.is_main_process:
+        workdir.mkdir(parents=True, exist_ok=True)
+    files = {"f_params": str(workdir / "params.pt"), "f_optimizer": str(workdir / "opt.pt")}
+    phases = (
+        ("initialize", net.initialize),
+        ("fit", lambda: net.fit(X, y)),
+        ("save_params", lambda: net.save_params(**files)),
+        ("load_params", lambda: net.load_params(**files)),
+    )
+    for phase, fn in phases:
+        barrier()
+        began = time.perf_counter()
+        with PeakRSS(every=0.001) as sampled:
+            fn()
+        barrier()
+        out[phase] = {
+            "peak_mb": (sampled.peak - start) / MB,
+            "seconds": time.perf_counter() - began,
+        }
+    return {"parameters": n_params(Stack(args.width, args.depth)), "phases": out}
+
+
+def hand_written_loop(accelerator, args, X, y):
+    """accelerate's FSDP2 recipe: one prepare of model and optimizer, a
+    prepared dataloader, backward and step."""
+    torch.manual_seed(0)
+    model = Stack(args.width, args.depth)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    loader = accelerator.prepare(DataLoader(TensorDataset(X, y), batch_size=args.batch_size))
+
+    def epoch():
+        for xb, yb in loader:
+            loss = torch.nn.functional.nll_loss(torch.log(model(xb)), yb)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+
+    return epoch
+
+
+def timing(args):
+    """The net's fit of one epoch against the loop's, alternating, FSDP2 both."""
+    accelerator = accelerator_of("fsdp")
+    X, y = data(args, accelerator.num_processes)
+    torch.manual_seed(0)
+    net = make_net(accelerator, args).initialize()
+    loop = hand_written_loop(accelerator, args, X, y)
+    variants = {"accelerate loop": loop, "accel_mixin fit": lambda: net.partial_fit(X, y)}
+
+    def measure(name):
+        barrier()
+        began = time.perf_counter()
+        variants[name]()
+        barrier()
+        return time.perf_counter() - began
+
+    for name in variants:  # warm-up: the first step builds FSDP's buffers
+        measure(name)
+    times = alternate(list(variants), args.repeats, measure)
+    return summarize(times, baseline="accelerate loop")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--variant", choices=("memory", "time"), required=True)
+    parser.add_argument("--kind", choices=("fsdp", "ddp"), default="fsdp")
+    parser.add_argument("--width", type=int, default=3584)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dir", default=None, help="where to write the files")
+    args = parser.parse_args()
+    result = memory(args) if args.variant == "memory" else timing(args)
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, result)
+    write_result(
+        args.out,
+        {
+            "variant": args.variant,
+            "kind": args.kind if args.variant == "memory" else "fsdp",
+            "processes": len(everyone),
+            "width": args.width,
+            "depth": args.depth,
+            "batch_size": args.batch_size,
+            "steps": args.steps,
+            "ranks": everyone,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
