@@ -114,6 +114,17 @@ def test_benchmarks_run_and_report(tmp_path):
     assert merge["records"] == 2000 and all(r["merge_cpu_s"] > 0 for r in merge["ranks"])
     assert (results / "bench_memory.png").read_bytes()[:4] == b"\x89PNG"
 
+    for kind in ("ddp", "fsdp"):
+        sharded = json.loads((results / "raw" / f"sharded_memory_{kind}_2.json").read_text())
+        assert (sharded["kind"], sharded["processes"], len(sharded["ranks"])) == (kind, 2, 2)
+        for rank in sharded["ranks"]:
+            phases = rank["phases"]
+            assert set(phases) == {"initialize", "fit", "save_params", "load_params"}
+            assert all(p["seconds"] > 0 for p in phases.values())
+    timing = json.loads((results / "raw" / "sharded_time_2.json").read_text())
+    assert set(timing["ranks"][0]) == {"accelerate loop", "accel_mixin fit"}
+    assert (results / "bench_sharded.png").read_bytes()[:4] == b"\x89PNG"
+
     table = (results / "bench.md").read_text()
     assert "2,000 x 100, 2 processes: main at most 1.2 x plain skorch" in table
     assert "| batch records | processes |" in table
@@ -126,6 +137,9 @@ def test_benchmarks_run_and_report(tmp_path):
     assert "asynchronous checkpoint: stall" in table
     assert "replica check: at most 1% of an epoch" in table
     assert "save_params, small model" in table
+    assert "**FSDP2 against DDP**" in table
+    assert "FSDP2 fit, 2 processes: peak memory per rank at most 0.6 x DDP's" in table
+    assert "FSDP2 fit, 2 processes: at most 1.05 x a hand-written accelerate FSDP2 loop" in table
     assert "restart to the first batch: flat" in table and "**Inside an epoch**" in table
     assert (results / "bench.png").read_bytes()[:4] == b"\x89PNG"
     text = readme.read_text()

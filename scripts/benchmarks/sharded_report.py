@@ -36,7 +36,7 @@ def _processes(memory):
 
 def sharded_tables(memory, timing, parameters):
     lines = [
-        f"### FSDP2 against DDP ({parameters / 1e6:.1f}M parameters, Adam)",
+        f"**FSDP2 against DDP** ({parameters / 1e6:.1f}M parameters, Adam)",
         "",
         "Each rank's resident memory above what it held before the net was built, "
         "in MB (the largest rank); seconds of rank 0.",
