@@ -33,6 +33,7 @@ from accel_mixin.training.net_objects import (
     prepare_retrainable_modules,
     raw,
     sharded_module,
+    shards_in_place,
     slots,
 )
 from accel_mixin.training.notifications import (
@@ -307,6 +308,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
         # callbacks build on the raw objects (an LR scheduler on the raw
         # optimizer); _begin_training prepares what they built
         self._unwrap_accelerator()
+        shards_in_place(self)
         self._notify_callbacks("on_train_begin", **cb_kwargs)
 
     def _begin_training(self, X, y):
@@ -339,6 +341,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
 
     def _epoch_begins(self, **cb_kwargs):
         partial = begin_epoch(self)
+        shards_in_place(self)  # for callbacks that change parameters (Freezer)
         self._notify_callbacks("on_epoch_begin", **cb_kwargs)
         if partial is not None:
             continue_epoch(self, partial)

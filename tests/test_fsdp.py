@@ -60,6 +60,15 @@ def test_train_step_overrides_callbacks_and_learnable_params_as_under_ddp(fsdp):
         assert value["vs_ddp"] < CLOSE
 
 
+def test_freezer_and_a_new_optimizer_train_as_under_ddp(fsdp):
+    for value in values(fsdp, "freezing_and_a_new_optimizer_as_ddp"):
+        assert value["hidden_moved"] == 0.0  # frozen from the first epoch
+        assert value["moved"] > 0.01
+        assert value["vs_ddp"] < CLOSE
+        # the new Adam steps the shards, as many steps as DDP's
+        assert value["adam_steps"][0] == value["adam_steps"][1] != []
+
+
 def test_mixed_precision_is_fsdps_policy_with_float32_predictions(fsdp):
     for value in values(fsdp, "bf16_is_fsdps_policy"):
         assert value["computed_in"] == ["torch.bfloat16"]

@@ -33,6 +33,7 @@ __all__ = [
     "optimizer_state_by_position",
     "refuse_sharded",
     "replicated",
+    "reshard",
     "shard_like",
     "shard_optimizer_state",
     "sharded",

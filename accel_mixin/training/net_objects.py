@@ -18,6 +18,7 @@ from accel_mixin.distributed.replicas import check_replicas, named_parameters
 from accel_mixin.distributed.sharding import (
     check_shardable,
     replicated,
+    reshard,
     sharded,
     sharded_module_name,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "raw",
     "raw_scheduler",
     "sharded_module",
+    "shards_in_place",
     "slots",
 ]
 
@@ -81,6 +83,17 @@ def sharded_module(net):
     return None if name is None else (name, raw(net, name))
 
 
+def shards_in_place(net):
+    """Under FSDP2, make the sharded module's parameters its shards, those the
+    optimizer holds: after a forward pass FSDP2 leaves the root's gathered
+    parameters in place, which a callback (``Freezer``) or a new optimizer
+    would otherwise take for the module's own."""
+    if sharded(net.accelerator):
+        named = sharded_module(net)
+        if named is not None:
+            reshard(named[1])
+
+
 def check_sharding(net):
     """Under FSDP2, refuse modules and criteria with parameters besides the one sharded."""
     if sharded(net.accelerator):
@@ -98,7 +111,9 @@ def net_modules(net):
 
 @contextmanager
 def bare_modules(net):
-    """Within the block the net's module and criterion attributes hold the raw objects."""
+    """Within the block the net's module and criterion attributes hold the raw
+    objects (a sharded module its shards)."""
+    shards_in_place(net)
     swapped = []
     for name in net._modules + net._criteria:  # pylint: disable=protected-access
         current = getattr(net, name + "_", None)

@@ -25,7 +25,7 @@ from common import (
     report,
 )
 from skorch import NeuralNetClassifier
-from skorch.callbacks import Callback, Checkpoint, EarlyStopping, GradientNormClipping
+from skorch.callbacks import Callback, Checkpoint, EarlyStopping, Freezer, GradientNormClipping
 
 OUT = Path(os.environ.get("ACCEL_RESULTS_DIR", "."))
 BATCH = 16
@@ -160,6 +160,33 @@ def overrides_and_callbacks_as_ddp():
         "batches": [out["fsdp"]["batches"], out["ddp"]["batches"]],
         "bias_untrained": out["fsdp"]["bias"] == out["ddp"]["bias"],
         "vs_ddp": max_diff(out["fsdp"]["weights"], out["ddp"]["weights"]),
+    }
+
+
+@checks
+def freezing_and_a_new_optimizer_as_ddp():
+    """Freezer at every epoch's begin, then another optimizer, which skorch
+    builds anew on the module's parameters (its shards, not the gathered ones
+    a forward pass leaves in the root)."""
+    out = {}
+    start = one_process().initialize().module_.hidden.weight.detach().clone()  # seed 0 alike
+    for kind in ("fsdp", "ddp"):
+        net = accelerated(kind, callbacks=[Freezer("hidden.*")]).fit(X, y)
+        net.optimizer, net.lr = torch.optim.Adam, 0.01
+        net.initialize_optimizer()
+        net.partial_fit(X, y)
+        out[kind] = {
+            "weights": flat_weights(net),
+            "hidden_moved": max_diff(full(net.module_.hidden.weight), start),
+            "adam_steps": sorted(
+                {float(s["step"]) for s in net.optimizer_.state.values() if "step" in s}
+            ),
+        }
+    return {
+        "vs_ddp": max_diff(out["fsdp"]["weights"], out["ddp"]["weights"]),
+        "hidden_moved": out["fsdp"]["hidden_moved"],
+        "adam_steps": [out["fsdp"]["adam_steps"], out["ddp"]["adam_steps"]],
+        "moved": max_diff(out["fsdp"]["weights"], flat_weights(one_process().initialize())),
     }
 
 
