@@ -1379,6 +1379,16 @@ BREAKS = [
         (FSDP + "test_freezer_and_a_new_optimizer_train_as_under_ddp[2-processes]",),
     ),
     launched(
+        "sharding-new-optimizer-prepared-with-the-module",
+        "wrapping",
+        "a new optimizer of a sharded module is prepared again with the module, whose empty "
+        "shards accelerate matches by address",
+        "accel_mixin/training/wrapping.py",
+        "        if self._holds(slot):\n            # a new optimizer of the sharded module",
+        "        if False:\n            # a new optimizer of the sharded module",
+        (FSDP + "test_freezer_and_a_new_optimizer_train_as_under_ddp[3-processes]",),
+    ),
+    launched(
         "sharding-fsdp1-accepted",
         "process_layout",
         "FSDP1 is not refused",

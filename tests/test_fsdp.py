@@ -65,8 +65,10 @@ def test_freezer_and_a_new_optimizer_train_as_under_ddp(fsdp):
         assert value["hidden_moved"] == 0.0  # frozen from the first epoch
         assert value["moved"] > 0.01
         assert value["vs_ddp"] < CLOSE
-        # the new Adam steps the shards, as many steps as DDP's
+        # the new Adam steps the shards, each once, as many steps as DDP's
         assert value["adam_steps"][0] == value["adam_steps"][1] != []
+        assert value["held"][0] == value["held"][1] == [4]
+        assert value["distinct"] == 4
 
 
 def test_mixed_precision_is_fsdps_policy_with_float32_predictions(fsdp):
@@ -111,6 +113,7 @@ REFUSED = {
     "save_state": "save_state is not supported for a module sharded by FSDP2 yet",
     "load_state": "load_state is not supported for a module sharded by FSDP2 yet",
     "pickle": "TypeError: A net whose module_ is sharded by FSDP2 cannot be pickled",
+    "stray_optimizer": "optimizer optimizer_ holds 1 tensor\\(s\\) that are not shards of module_",
 }
 
 

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 import torch
 
 __all__ = [
+    "check_on_shards",
     "check_shardable",
     "full_states",
     "is_sharded",
@@ -96,6 +97,23 @@ def check_shardable(modules, criteria):
                     f"{chosen}_ (one torch.nn.Module holding both), or train with DDP "
                     "(an Accelerator without an FSDP plugin)."
                 )
+
+
+def check_on_shards(optimizer, module, optimizer_attr, module_attr):
+    """Raise ``ValueError`` unless every parameter ``optimizer`` holds is one
+    of the sharded ``module``'s shards."""
+    reshard(module)
+    shards = {id(param) for param in module.parameters()}
+    strays = sum(
+        1 for group in optimizer.param_groups for p in group["params"] if id(p) not in shards
+    )
+    if strays:
+        raise ValueError(
+            f"Under FSDP2 the optimizer {optimizer_attr} holds {strays} tensor(s) that are "
+            f"not shards of {module_attr}, which is sharded already: they would never "
+            "train. Build the optimizer on the net's parameters (net.initialize_optimizer(), "
+            "or set_params(optimizer__...), which use get_all_learnable_params)."
+        )
 
 
 def full_states(module_attr, module, optimizers, attrs, everywhere=False):

@@ -19,7 +19,7 @@ from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import DistributedType
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
-from accel_mixin.distributed.sharding import sharded, sharded_module_name
+from accel_mixin.distributed.sharding import check_on_shards, sharded, sharded_module_name
 from accel_mixin.internals import (
     accelerator_list,
     check_accelerator,
@@ -205,25 +205,34 @@ class PreparedObjects:
             if s.kind == "optimizer"
             and isinstance(self._raw_of(s, getattr(s.owner, s.attr, None)), torch.optim.Optimizer)
         ]
-        held = self._holds(slot)
         fresh = [s for s in optimizers if not self._holds(s)]
-        if held and not fresh:
+        if self._holds(slot):
+            # a new optimizer of the sharded module was built on its shards;
+            # a second prepare would remap them by address, which the empty
+            # shards of small parameters share (3 ranks, 2 rows)
+            module = self._raw_of(slot, getattr(slot.owner, slot.attr, None))
+            for s in fresh:
+                optimizer = getattr(s.owner, s.attr)
+                check_on_shards(optimizer, module, s.key, slot.key)
+                ready = accelerator.prepare_optimizer(optimizer)
+                self._forget_if_known(s.key)
+                self._entries[s.key] = _Entry(s, optimizer, ready, ready)
             return
         # a new module comes with new optimizers (skorch builds them after it)
-        together = [slot, *(fresh if held else optimizers)]
+        together = [slot, *optimizers]
         objects = [self._raw_of(s, getattr(s.owner, s.attr, None)) for s in together]
         for s in together:
-            if s.key in self._entries and not (s is slot and held):
-                self._forget(s.key)
+            self._forget_if_known(s.key)
         pop_marks(objects[0])  # else prepare skips a module prepared before
         trainable = trainability(objects[0])
         prepared = accelerator.prepare(*objects)
         for s, obj, ready in zip(together, objects, prepared):
-            if s.key not in self._entries:
-                # the sharded module is the raw one, changed in place
-                self._entries[s.key] = _Entry(
-                    s, obj, ready, ready, trainable if s is slot else None
-                )
+            # the sharded module is the raw one, changed in place
+            self._entries[s.key] = _Entry(s, obj, ready, ready, trainable if s is slot else None)
+
+    def _forget_if_known(self, key):
+        if key in self._entries:
+            self._forget(key)
 
     def _holds(self, slot):
         entry = self._entries.get(slot.key)

@@ -181,11 +181,15 @@ def freezing_and_a_new_optimizer_as_ddp():
             "adam_steps": sorted(
                 {float(s["step"]) for s in net.optimizer_.state.values() if "step" in s}
             ),
+            "held": [len(group["params"]) for group in net.optimizer_.param_groups],
+            "distinct": len({id(p) for p in sharded_params(net)}),
         }
     return {
         "vs_ddp": max_diff(out["fsdp"]["weights"], out["ddp"]["weights"]),
         "hidden_moved": out["fsdp"]["hidden_moved"],
         "adam_steps": [out["fsdp"]["adam_steps"], out["ddp"]["adam_steps"]],
+        "held": [out["fsdp"]["held"], out["ddp"]["held"]],
+        "distinct": out["fsdp"]["distinct"],
         "moved": max_diff(out["fsdp"]["weights"], flat_weights(one_process().initialize())),
     }
 
@@ -382,6 +386,10 @@ def refusals():
     out["save_state"] = outcome(lambda: net.save_state(str(OUT / "state.pt")))
     out["load_state"] = outcome(lambda: net.load_state(str(OUT / "state.pt")))
     out["pickle"] = outcome(lambda: pickle.dumps(net))
+    stray = torch.nn.Parameter(torch.zeros(3))
+    net.optimizer_ = torch.optim.SGD([stray], lr=0.1)  # not built on the net's parameters
+    out["stray_optimizer"] = outcome(lambda: net.partial_fit(X, y))
+    net.initialize_optimizer()
     # the net still works after every refusal
     out["predicts"] = len(net.predict(X))
     return out
