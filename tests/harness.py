@@ -133,6 +133,22 @@ class Launch:
         return self.ranks
 
 
+class CheckedRanks:
+    """Every rank's checks of ``launch``, read where a test iterates them.
+
+    A launch that crashed (a rank aborted in a collective) then fails each
+    test that reads it, with the launch's output, instead of erroring in the
+    module fixture: ``scripts/breaks.py`` counts only failing tests as a
+    break caught.
+    """
+
+    def __init__(self, launch):
+        self.launch = launch
+
+    def __iter__(self):
+        return iter([rank["checks"] for rank in self.launch.check()])
+
+
 def run_processes(script, *args, nproc=2, timeout=180, cpu_env=True, env=None, launcher_args=()):
     """Run ``script`` under ``nproc`` processes with torchrun.
 

@@ -1,8 +1,8 @@
 """One truth on every rank, in two real processes (launched/sync_checks.py)."""
 
 import pytest
+from harness import CheckedRanks, run_processes
 from harness import check_values as values
-from harness import run_processes
 
 pytestmark = pytest.mark.multiprocess
 
@@ -15,7 +15,7 @@ def launch():
 
 @pytest.fixture(scope="module")
 def ranks(launch):
-    return [r["checks"] for r in launch.check()]
+    return CheckedRanks(launch)
 
 
 def test_history_rows_are_identical_on_every_rank(ranks):
