@@ -1366,7 +1366,7 @@ BREAKS = [
         "accumulation asks the criterion, which FSDP2 does not shard, to hold back its sync",
         "accel_mixin/training/stepping.py",
         '            modules = [m for m in modules if hasattr(m, "set_requires_gradient_sync")]\n',
-        "",
+        "            pass\n",
         (FSDP + "test_gradient_clipping_is_global_and_accumulation_works[2-processes]",),
     ),
     launched(

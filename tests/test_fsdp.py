@@ -9,8 +9,8 @@ CPU with the test-only ``make_fsdp_accelerator`` (``launched/common.py``).
 import re
 
 import pytest
+from harness import CheckedRanks, run_processes
 from harness import check_values as values
-from harness import run_processes
 
 pytestmark = pytest.mark.multiprocess
 
@@ -20,8 +20,8 @@ CLOSE = 1e-5
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2-processes", "3-processes"])
 def fsdp(request):
-    launch = run_processes("fsdp_checks.py", nproc=request.param, timeout=300)
-    return [rank["checks"] for rank in launch.check()]
+    # read in each test: a launch that crashed fails every test reading it
+    return CheckedRanks(run_processes("fsdp_checks.py", nproc=request.param, timeout=300))
 
 
 def test_fsdp2_trains_as_ddp_and_as_one_process_with_n_times_the_batch(fsdp):
@@ -94,6 +94,9 @@ def test_full_files_load_into_a_sharded_net_with_the_optimizer_state(fsdp):
         assert value["moments"] == 0.0
         # Adam's state came back whole: one more epoch each stays equal
         assert value["after_one_more_epoch"] < CLOSE
+        # numbered by position, as optimizer.state_dict() numbers it
+        assert value["optimizer_file_keys"] == [0, 1, 2, 3]
+        assert value["optimizer_file_groups"] == [[0, 1, 2, 3]]
         # and the optimizer file loads into a plain Adam on one process
         assert value["plain_steps"] == [value["plain_steps"][0]] * 4
         assert value["plain_steps"][0] > 0

@@ -266,12 +266,15 @@ def full_files_load_into_a_sharded_net():
     loaded.partial_fit(X, y)
     plain = one_process(optimizer=torch.optim.Adam, lr=0.01).initialize()
     plain.load_params(f_optimizer=files["f_optimizer"], f_params=files["f_params"])
+    saved = torch.load(files["f_optimizer"], weights_only=True)
     return {
         "predictions": predictions,
         "weights": weights,
         "moments": moments,
         "after_one_more_epoch": max_diff(flat_weights(loaded), flat_weights(original)),
         "plain_steps": [float(s["step"]) for s in plain.optimizer_.state.values()],
+        "optimizer_file_keys": sorted(saved["state"]),
+        "optimizer_file_groups": [group["params"] for group in saved["param_groups"]],
     }
 
 
