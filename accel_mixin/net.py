@@ -395,9 +395,10 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
     # --- copies -------------------------------------------------------------
 
     def __getstate__(self):
-        if self.initialized_ and sharded(self.accelerator) and sharded_module(self) is not None:
+        shards = sharded_module(self) if self.initialized_ and sharded(self.accelerator) else None
+        if shards is not None:
             raise TypeError(
-                f"A net whose {sharded_module(self)[0]}_ is sharded by FSDP2 cannot be "
+                f"A net whose {shards[0]}_ is sharded by FSDP2 cannot be "
                 "pickled: each process holds only its shard of the parameters. Save them "
                 "with save_params(f_params=...), which writes the full tensors, and load "
                 "the file into a new net with load_params."

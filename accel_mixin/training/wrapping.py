@@ -190,27 +190,26 @@ class PreparedObjects:
         """FSDP2: the module with parameters and the optimizers are prepared in
         one call, as accelerate requires, where either is new; the module is
         sharded in place, once (a sharded one is left as it is)."""
-        modules = [
-            (slot, getattr(slot.owner, slot.attr, None)) for slot in slots if slot.kind == "module"
-        ]
+        modules = [slot for slot in slots if slot.kind == "module"]
         name = sharded_module_name(
-            (slot.key[:-1], self._raw_of(slot, obj)) for slot, obj in modules
+            (slot.key[:-1], self.raw_or_current(slot.key, slot.owner, slot.attr))
+            for slot in modules
         )
         if name is None:
             return
-        slot = next(slot for slot, _ in modules if slot.key == f"{name}_")
+        slot = next(slot for slot in modules if slot.key == f"{name}_")
         optimizers = [
             s
             for s in slots
             if s.kind == "optimizer"
-            and isinstance(self._raw_of(s, getattr(s.owner, s.attr, None)), torch.optim.Optimizer)
+            and isinstance(self.raw_or_current(s.key, s.owner, s.attr), torch.optim.Optimizer)
         ]
         fresh = [s for s in optimizers if not self._holds(s)]
         if self._holds(slot):
             # a new optimizer of the sharded module was built on its shards;
             # a second prepare would remap them by address, which the empty
             # shards of small parameters share (3 ranks, 2 rows)
-            module = self._raw_of(slot, getattr(slot.owner, slot.attr, None))
+            module = self.raw_or_current(slot.key, slot.owner, slot.attr)
             for s in fresh:
                 optimizer = getattr(s.owner, s.attr)
                 check_on_shards(optimizer, module, s.key, slot.key)
@@ -220,7 +219,7 @@ class PreparedObjects:
             return
         # a new module comes with new optimizers (skorch builds them after it)
         together = [slot, *optimizers]
-        objects = [self._raw_of(s, getattr(s.owner, s.attr, None)) for s in together]
+        objects = [self.raw_or_current(s.key, s.owner, s.attr) for s in together]
         for s in together:
             self._forget_if_known(s.key)
         pop_marks(objects[0])  # else prepare skips a module prepared before
@@ -237,10 +236,6 @@ class PreparedObjects:
     def _holds(self, slot):
         entry = self._entries.get(slot.key)
         return entry is not None and entry.holds(slot.owner, getattr(slot.owner, slot.attr, None))
-
-    def _raw_of(self, slot, current):
-        entry = self._entries.get(slot.key)
-        return entry.raw if entry is not None and entry.holds(slot.owner, current) else current
 
     def wrap(self, accelerator):
         """Put back what was prepared before; never prepares. A slot emptied or
