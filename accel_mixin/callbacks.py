@@ -25,6 +25,7 @@ from accel_mixin.checkpoint.checkpoint_files import (
     checkpoint_positions,
 )
 from accel_mixin.checkpoint.files import remove_temporaries
+from accel_mixin.checkpoint.sharded_state import remove_orphan_shards, remove_training_state
 from accel_mixin.distributed.preemption import NoticeBoard, can_handle, handling_signals
 from accel_mixin.distributed.process_layout import writes_files
 from accel_mixin.errors import CheckpointError, Preempted
@@ -283,6 +284,7 @@ class TrainingCheckpoint(_RunCallback):
     def _written(self):
         """On the writing process, once a file is complete."""
         remove_temporaries(self.run_folder_)  # of killed saves, whose names were this run's
+        remove_orphan_shards(self.run_folder_)
         if self.keep_last is not None:
             ends = [
                 path
@@ -292,10 +294,7 @@ class TrainingCheckpoint(_RunCallback):
             for path in checkpoint_files(self.run_folder_)[: -self.keep_last]:
                 if ends and path == ends[-1]:
                     continue  # the newest epoch's end resumes on any number of processes
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
+                remove_training_state(path)
         self._write_manifest("running")
 
     def _write_manifest(self, status):

@@ -12,25 +12,21 @@ from skorch.exceptions import DeviceWarning
 from accel_mixin.checkpoint.background import join_all
 from accel_mixin.checkpoint.files import write_state
 from accel_mixin.checkpoint.params import SafeParamsMixin
+from accel_mixin.checkpoint.sharded_state import remove_stale_shards
 from accel_mixin.checkpoint.state_values import cpu_snapshot
 from accel_mixin.distributed.process_layout import quiet_unless_main, writes_files
-from accel_mixin.distributed.sharding import full_states, refuse_sharded, sharded
+from accel_mixin.distributed.sharding import full_states, sharded
 from accel_mixin.internals import batch_sampler_owner, check_f_arguments
 from accel_mixin.resume.resuming import resume
 from accel_mixin.resume.training_state import (
     collect_state,
+    save_sharded_entries,
     train_iterator_state,
     warn_if_inside_accumulation,
 )
 from accel_mixin.training.net_objects import raw, sharded_module
 from accel_mixin.training.notifications import stopped_early
 from accel_mixin.training.process_state import process_state
-
-_SHARDED_STATE = (
-    "Checkpoint the net with save_params(f_params=..., f_optimizer=..., f_history=...), "
-    "which writes full files, and restore it with load_params; skorch's Checkpoint "
-    "callback does both."
-)
 
 
 def _files_of(args, kwargs):
@@ -144,6 +140,15 @@ class CheckpointingMixin(SafeParamsMixin):
         callbacks' state, as tensors and plain values only. Every rank must
         call it; the main process writes.
 
+        Under FSDP2 the sharded module's tensors, its optimizers' state and
+        ``EarlyStopping``'s best weights go to a folder beside the file,
+        ``<path>.shards-<token>``, in which every rank writes its own shards
+        with ``torch.distributed.checkpoint`` (nothing is gathered); the
+        file, written last, names it. Such a state loads on any number of
+        processes, sharded or not. The shards are written before
+        ``save_state`` returns, also with ``asynchronous=True``, which then
+        writes the file in the background.
+
         Parameters
         ----------
         path : str or os.PathLike
@@ -166,10 +171,12 @@ class CheckpointingMixin(SafeParamsMixin):
 
         """
 
-        refuse_sharded(self.accelerator, "save_state", _SHARDED_STATE)
+        folder = None
 
         def write(state):
             write_state(state, path)
+            if folder is not None:
+                remove_stale_shards(path, keep=folder)
             if on_written is not None:
                 on_written()
 
@@ -189,6 +196,17 @@ class CheckpointingMixin(SafeParamsMixin):
             if stopped is None:
                 stopped = fit.position is None and stopped_early(self.callbacks_)
             state = collect_state(self, shuffling, stopped=stopped, position=fit.position)
+            named = sharded_module(self) if sharded(self.accelerator) else None
+            if named is not None:
+                optimizers = {name: raw(self, name) for name in self._optimizers}
+                folder = self._coordinator.run(
+                    lambda: save_sharded_entries(
+                        state, path, *named, optimizers, self.accelerator.num_processes
+                    ),
+                    what="save_state",
+                    files=f"the shards of {path}",
+                    io_timeout=self.io_timeout,
+                )
             # after collect_state's collective: an error reaches every rank
             warn_if_inside_accumulation(self.accelerator)
             writes = writes_files(self.accelerator)
@@ -229,7 +247,9 @@ class CheckpointingMixin(SafeParamsMixin):
     def load_state(self, path):
         """Restore a training state that ``save_state`` wrote.
 
-        Every rank reads the file once and restores weights, optimizers,
+        Every rank reads the file once (under FSDP2, and for a state saved
+        under FSDP2, the pieces of its own shards in the folder beside it, on
+        any number of processes) and restores weights, optimizers,
         schedulers, scaler, history, loop and callbacks; the random number
         generators and the shuffling are restored when the next epoch begins,
         and the next ``fit`` or ``partial_fit`` trains only the epochs that
@@ -247,7 +267,6 @@ class CheckpointingMixin(SafeParamsMixin):
           every rank.
 
         """
-        refuse_sharded(self.accelerator, "load_state", _SHARDED_STATE)
         with quiet_unless_main(self.accelerator), self._coordinator.session("load_state"):
             self._coordinator.barrier("load_state")  # before initialize(), as in fit
             self._wait_for_writes_in_flight("load_state")

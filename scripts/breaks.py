@@ -70,6 +70,7 @@ SYNC = "tests/test_sync.py::"
 DIV = "tests/test_divergence.py::"
 SCORES = "tests/test_epoch_scores.py::"
 FSDP = "tests/test_fsdp.py::"
+FSDP_STATE = "tests/test_fsdp_resume.py::"
 
 BREAKS = [
     # --- files -------------------------------------------------------------
@@ -1396,6 +1397,83 @@ BREAKS = [
         "    if kind == DistributedType.FSDP and not sharded(accelerator):",
         "    if False:",
         (FSDP + "test_what_fsdp2_cannot_do_is_refused_naming_it[2-processes-fsdp1]",),
+    ),
+    # --- sharded training states --------------------------------------------
+    launched(
+        "sharded_state-module-shards-not-loaded",
+        "resuming",
+        "load_state leaves the sharded module's weights as they were",
+        "accel_mixin/resume/resuming.py",
+        '            load_sharded_module(module, source, saved[name], name + "_")\n',
+        "            pass\n",
+        (FSDP_STATE + "test_a_run_resumed_at_an_epochs_end_goes_on_exactly",),
+    ),
+    launched(
+        "sharded_state-optimizer-not-loaded",
+        "resuming",
+        "load_state leaves the sharded optimizer's state as it was",
+        "accel_mixin/resume/resuming.py",
+        "            load_sharded_optimizer(\n",
+        "            (lambda *args: None)(\n",
+        (FSDP_STATE + "test_a_run_resumed_inside_an_epoch_goes_on_exactly",),
+    ),
+    launched(
+        "sharded_state-hyperparameters-lost",
+        "sharded_state",
+        "the optimizer's groups keep what torch's loader keeps (a scheduler's initial_lr lost)",
+        "accel_mixin/checkpoint/sharded_state.py",
+        '        group.update((key, value) for key, value in saved.items() if key != "params")\n',
+        "        pass\n",
+        (
+            FSDP_STATE
+            + "test_a_state_saved_on_2_processes_loads_on_another_number[1-process-plain]",
+        ),
+    ),
+    launched(
+        "sharded_state-best-weights-not-loaded",
+        "resuming",
+        "EarlyStopping's best weights in the folder of shards are not read back",
+        "accel_mixin/resume/resuming.py",
+        "        if is_sharded_entry(entry):\n            module = _module_of(",
+        "        if False:\n            module = _module_of(",
+        (FSDP_STATE + "test_early_stoppings_best_weights_other_than_the_current_come_back",),
+    ),
+    launched(
+        "sharded_state-folder-reused",
+        "sharded_state",
+        "every save of a file writes one folder: a failed save overwrites the good one's shards",
+        "accel_mixin/checkpoint/sharded_state.py",
+        "    token = [secrets.token_hex(6)]\n",
+        '    token = ["0" * 12]\n',
+        (FSDP_STATE + "test_a_save_failing_after_the_shards_leaves_the_previous_state",),
+    ),
+    launched(
+        "sharded_state-stale-folders-kept",
+        "checkpointing",
+        "a complete save keeps the folders of the file's earlier and failed saves",
+        "accel_mixin/checkpointing.py",
+        "            if folder is not None:\n"
+        "                remove_stale_shards(path, keep=folder)\n",
+        "",
+        (FSDP_STATE + "test_a_save_failing_after_the_shards_leaves_the_previous_state",),
+    ),
+    launched(
+        "sharded_state-rotation-keeps-folders",
+        "callbacks",
+        "rotation deletes old files but not their folders of shards",
+        "accel_mixin/callbacks.py",
+        "                remove_training_state(path)\n",
+        "                os.unlink(path)\n",
+        (FSDP_STATE + "test_rotation_removes_each_files_folder_of_shards",),
+    ),
+    launched(
+        "sharded_state-gathered-on-main",
+        "checkpointing",
+        "save_state under FSDP2 writes the main process's local shards in the file, no folder",
+        "accel_mixin/checkpointing.py",
+        "            named = sharded_module(self) if sharded(self.accelerator) else None\n",
+        "            named = None\n",
+        (FSDP_STATE + "test_a_run_resumed_at_an_epochs_end_goes_on_exactly",),
     ),
 ]
 

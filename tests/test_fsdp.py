@@ -113,8 +113,6 @@ REFUSED = {
     "second_module": "module module2_ .*shards one module, module_.*Move its parameters",
     "criterion": "criterion criterion_ \\(ParamNLLLoss\\) has 1 parameter",
     "fsdp1": "does not support FSDP1 .*fsdp_version=2",
-    "save_state": "save_state is not supported for a module sharded by FSDP2 yet",
-    "load_state": "load_state is not supported for a module sharded by FSDP2 yet",
     "pickle": "TypeError: A net whose module_ is sharded by FSDP2 cannot be pickled",
     "stray_optimizer": "optimizer optimizer_ holds 1 tensor\\(s\\) that are not shards of module_",
 }

@@ -32,7 +32,6 @@ __all__ = [
     "full_states",
     "is_sharded",
     "optimizer_state_by_position",
-    "refuse_sharded",
     "replicated",
     "reshard",
     "shard_like",
@@ -228,11 +227,3 @@ def shard_optimizer_state(optimizer, state):
             for name, value in values.items()
         }
     return {"state": out, "param_groups": state["param_groups"]}
-
-
-def refuse_sharded(accelerator, what, instead):
-    """Raise ``NotImplementedError`` for ``what`` under FSDP2, naming ``instead``."""
-    if sharded(accelerator):
-        raise NotImplementedError(
-            f"{what} is not supported for a module sharded by FSDP2 yet. {instead}"
-        )

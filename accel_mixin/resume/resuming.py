@@ -21,6 +21,12 @@ from typing import Optional
 from skorch.history import History
 
 from accel_mixin.checkpoint.params import load_optimizer_state
+from accel_mixin.checkpoint.sharded_state import (
+    is_sharded_entry,
+    load_sharded_best_weights,
+    load_sharded_module,
+    load_sharded_optimizer,
+)
 from accel_mixin.checkpoint.state_dict import load_module_state, read_state, strip_wrapper_prefixes
 from accel_mixin.checkpoint.state_values import restore_rng, rng_state
 from accel_mixin.errors import CheckpointError
@@ -93,7 +99,10 @@ def _restore_weights(net, state, source):
                 f"{source} holds no state for {name}_ (it holds {sorted(saved)}): it was "
                 "saved from a net with other modules."
             )
-        load_module_state(module, saved[name], source=source, name=name + "_")
+        if is_sharded_entry(saved[name]):
+            load_sharded_module(module, source, saved[name], name + "_")
+        else:
+            load_module_state(module, saved[name], source=source, name=name + "_")
 
 
 def _restore_training_state(net, state, source):
@@ -102,9 +111,14 @@ def _restore_training_state(net, state, source):
     for name in net._optimizers:  # pylint: disable=protected-access
         if name not in state["optimizers"]:
             raise CheckpointError(f"{source} holds no state for {name}_.")
-        load_optimizer_state(
-            raw(net, name), state["optimizers"][name], source=source, name=name + "_"
-        )
+        saved = state["optimizers"][name]
+        if is_sharded_entry(saved):
+            load_sharded_optimizer(
+                _module_of(net, saved, source), raw(net, name), source, saved, name + "_"
+            )
+        else:
+            load_optimizer_state(raw(net, name), saved, source=source, name=name + "_")
+    _load_sharded_best_weights(net, state["callbacks"], state["modules"], source)
     if state["scaler"] is not None and accelerator.scaler is not None:
         accelerator.scaler.load_state_dict(state["scaler"])
     net.history = History(state["history"])
@@ -141,6 +155,31 @@ def _restore_training_state(net, state, source):
         )
         plan.rng = None
     return plan
+
+
+def _module_of(net, entry, source):
+    """The raw module whose parameters a sharded optimizer entry is over."""
+    name = entry["module"]
+    if name not in net._modules:  # pylint: disable=protected-access
+        raise CheckpointError(
+            f"{source} holds the state of {entry['name']}_ over the parameters of {name}_, "
+            "which this net does not have: it was saved from a net with other modules."
+        )
+    return raw(net, name)
+
+
+def _load_sharded_best_weights(net, callbacks, modules, source):
+    """``EarlyStopping``'s best weights that a state saved under FSDP2 keeps
+    in its folder of shards, read now (rotation may remove the folder before
+    the fit), laid out as the module's own."""
+    name = next((n for n, entry in modules.items() if is_sharded_entry(entry)), None)
+    for cb_name, cb_state in callbacks.items():
+        entry = cb_state.get(BEST_WEIGHTS)
+        if is_sharded_entry(entry):
+            module = _module_of(net, {"module": name, "name": cb_name}, source)
+            cb_state[BEST_WEIGHTS] = load_sharded_best_weights(
+                module, source, entry, f"the best weights of {cb_name}"
+            )
 
 
 @dataclass

@@ -7,6 +7,10 @@ every rank's random number generators, the history, the position of
 training (epochs done, accumulation step, the training data's generators)
 and the callbacks' fitted state. A state saved inside an epoch also holds
 each rank's part of that epoch (``partial_epoch``). ``resuming`` reads it.
+Under FSDP2 the sharded module's tensors, its optimizers' and
+``EarlyStopping``'s best weights are written by every rank into a folder
+beside the file (``save_sharded_entries``, ``checkpoint.sharded_state``),
+and the file names it in their place.
 
 A callback keeps in it what it declares as accelerate's
 ``register_for_checkpointing`` expects (``state_dict()`` and
@@ -30,6 +34,7 @@ from skorch.callbacks import (
 )
 from skorch.callbacks.scoring import ScoringBase
 
+from accel_mixin.checkpoint.sharded_state import SHARDED, save_shards
 from accel_mixin.checkpoint.state_dict import clean_state_dict, strip_wrapper_prefixes
 from accel_mixin.checkpoint.state_values import (
     NOT_PLAIN,
@@ -51,6 +56,7 @@ __all__ = [
     "callback_state",
     "collect_state",
     "restore_callback_state",
+    "save_sharded_entries",
     "train_iterator_state",
     "warn_if_inside_accumulation",
 ]
@@ -222,3 +228,27 @@ def _callback_state(net, name, cb):
         # under the bare module's keys, which fit any process layout
         state[BEST_WEIGHTS] = None if current else strip_wrapper_prefixes(state[BEST_WEIGHTS])
     return state
+
+
+def save_sharded_entries(state, path, module_name, module, optimizers, num_processes):
+    """Under FSDP2, on every rank: write the sharded entries of ``state``
+    (``collect_state``'s) into a new folder beside ``path``, and put markers
+    naming it in their place. ``optimizers`` are the raw ones, by name."""
+    best = {
+        name: cb_state[BEST_WEIGHTS]
+        for name, cb_state in state["callbacks"].items()
+        if cb_state.get(BEST_WEIGHTS) is not None
+    }
+    folder = save_shards(path, module, optimizers, best, num_processes)
+    state["modules"][module_name] = {SHARDED: folder}
+    for name in optimizers:
+        state["optimizers"][name] = {
+            SHARDED: folder,
+            "name": name,
+            "module": module_name,
+            # the hyperparameters, which the plan puts back after the schedulers
+            "param_groups": state["optimizers"][name]["param_groups"],
+        }
+    for name in best:
+        state["callbacks"][name][BEST_WEIGHTS] = {SHARDED: folder, "name": name}
+    return folder

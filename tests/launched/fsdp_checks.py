@@ -386,8 +386,6 @@ def refusals():
     fsdp1 = make_fsdp_accelerator(fsdp_version=1)
     out["fsdp1"] = outcome(lambda: AcceleratedNet(MLP, accelerator=fsdp1).initialize())
     net = accelerated("fsdp", max_epochs=1).fit(X, y)
-    out["save_state"] = outcome(lambda: net.save_state(str(OUT / "state.pt")))
-    out["load_state"] = outcome(lambda: net.load_state(str(OUT / "state.pt")))
     out["pickle"] = outcome(lambda: pickle.dumps(net))
     stray = torch.nn.Parameter(torch.zeros(3))
     net.optimizer_ = torch.optim.SGD([stray], lr=0.1)  # not built on the net's parameters

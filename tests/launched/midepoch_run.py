@@ -32,7 +32,8 @@ attempt) comes last; the report names the scenario under way
 
 Shuffled data with a ragged last batch, dropout, gradient accumulation, a
 CyclicLR stepped per batch and a training score cached per batch all have
-to continue exactly.
+to continue exactly. With ``ACCEL_TEST_FSDP=1`` the module is sharded by
+FSDP2 (the test-only ``make_fsdp_accelerator``).
 """
 
 import os
@@ -43,7 +44,14 @@ import time
 import notice_bound
 import torch
 import torch.distributed as dist
-from common import AcceleratedNet, DropoutMLP, make_accelerator, make_data
+from common import (
+    AcceleratedNet,
+    DropoutMLP,
+    fresh_state,
+    make_accelerator,
+    make_data,
+    make_fsdp_accelerator,
+)
 from midepoch_scenarios import patched, run_scenarios
 from skorch.callbacks import Callback, EpochScoring, LRScheduler
 
@@ -54,6 +62,7 @@ from accel_mixin.distributed.preemption import NoticeBoard
 
 DIRNAME, SCENARIOS = sys.argv[1], sys.argv[2:]
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+SHARDED = os.environ.get("ACCEL_TEST_FSDP") == "1"
 
 
 class CountingDist:
@@ -129,7 +138,11 @@ X, y = make_data(333, noise=0.2, seed=3)
 
 def fit(mode, folder):
     """One fit of the scenario ``mode`` in ``folder``: what the tests compare."""
-    accelerator = make_accelerator(gradient_accumulation_steps=2)
+    if SHARDED:
+        fresh_state()
+        accelerator = make_fsdp_accelerator(gradient_accumulation_steps=2)
+    else:
+        accelerator = make_accelerator(gradient_accumulation_steps=2)
     rank = accelerator.process_index
     callbacks = [
         LRScheduler(
@@ -192,7 +205,7 @@ def fit(mode, folder):
     checkpoint = dict(net.callbacks_).get("TrainingCheckpoint")
     return {
         "history": [{k: v for k, v in row.items() if "dur" not in k} for row in net.history],
-        "params": [p.detach().numpy().tolist() for p in net.module_.parameters()],
+        "params": [full(p).numpy().tolist() for p in net.module_.parameters()],
         "preempted": preempted,
         "stopped_at": stops.last_,
         "train_batches": train_batches,
@@ -206,6 +219,12 @@ def fit(mode, folder):
         "attempt": ATTEMPT,
         "notice_polls": polls.all_reduces,
     }
+
+
+def full(param):
+    """The whole tensor (under FSDP2, gathered from every rank's shard)."""
+    param = param.detach()
+    return param.full_tensor() if hasattr(param, "full_tensor") else param
 
 
 def scenario(name):

@@ -1,0 +1,226 @@
+"""Training states of a module sharded by FSDP2: its shards in a folder that
+``torch.distributed.checkpoint`` (DCP) writes beside the state's file.
+
+Under FSDP2 ``save_state(path)`` writes two things:
+
+- ``<path>.shards-<token>/`` first: DCP's folder, in which every rank writes
+  its own shards of the module, of its optimizers' state and of
+  ``EarlyStopping``'s best weights (``__<rank>_0.distcp``, fsynced), and
+  rank 0 the ``.metadata`` that says where each piece of every tensor lies.
+  Nothing is gathered: each rank holds no more than its shards.
+- ``path`` last, the file that a DDP state is, written by the main process
+  and renamed into place: it holds all the rest, and in place of each
+  sharded entry a marker ``{SHARDED: "<path's name>.shards-<token>"}``
+  naming the folder, relative to the file's own.
+
+The file is the commit point. The token is new for every save (drawn by the
+main process, sent to the others), so the folder that the previous good file
+names is never written over: a save interrupted before its rename leaves
+that file and its folder as they were, and its own folder is an orphan,
+removed by the next complete save of the same file
+(``remove_stale_shards``) and by ``TrainingCheckpoint``'s rotation
+(``remove_orphan_shards``).
+
+DCP reshards when it loads: a state saved on N processes loads into a module
+sharded over any number of processes, or into one that is not sharded (DDP,
+one process), each rank reading the pieces of what it holds. Every rank must
+see the folder: on several machines, a filesystem they share.
+"""
+
+import contextlib
+import copy
+import os
+import re
+import secrets
+import shutil
+import warnings
+
+import torch
+
+from accel_mixin.distributed.sharding import reshard
+from accel_mixin.errors import CheckpointError
+
+__all__ = [
+    "SHARDED",
+    "is_sharded_entry",
+    "load_sharded_best_weights",
+    "load_sharded_module",
+    "load_sharded_optimizer",
+    "remove_orphan_shards",
+    "remove_stale_shards",
+    "remove_training_state",
+    "save_shards",
+    "shards_folder",
+]
+
+SHARDED = "accel_mixin:sharded"
+_SUFFIX = ".shards-"
+_FOLDER_RE = re.compile(r"^(?P<file>.+)\.shards-[0-9a-f]+$")
+
+
+def _dcp():
+    import torch.distributed.checkpoint as dcp  # pylint: disable=import-outside-toplevel
+
+    return dcp
+
+
+def _state_dict_api():
+    # pylint: disable=import-outside-toplevel
+    from torch.distributed.checkpoint import state_dict
+
+    return state_dict
+
+
+def _distributed():
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def is_sharded_entry(value):
+    """Whether ``value`` (an entry of a training state) is a marker that
+    names a folder of shards."""
+    return isinstance(value, dict) and SHARDED in value
+
+
+def shards_folder(path, token):
+    """The name of the folder of ``path``'s shards saved with ``token``."""
+    return f"{os.path.basename(os.fspath(path))}{_SUFFIX}{token}"
+
+
+def new_token(num_processes):
+    """A token for one save, the same on every rank (a collective)."""
+    token = [secrets.token_hex(6)]
+    if num_processes > 1:
+        from accelerate.utils import broadcast_object_list  # pylint: disable=import-outside-toplevel
+
+        broadcast_object_list(token)
+    return token[0]
+
+
+def save_shards(path, module, optimizers, best_weights, num_processes):
+    """Write the shards of ``module``, of ``optimizers`` (``{name: optimizer}``)
+    and of ``best_weights`` (``{callback name: state dict}``) into a new
+    folder beside ``path``; every rank calls it. Returns the folder's name."""
+    api = _state_dict_api()
+    folder = shards_folder(path, new_token(num_processes))
+    target = os.path.join(os.path.dirname(os.path.abspath(path)), folder)
+    reshard(module)  # named_parameters must be the shards the optimizers hold
+    state = {
+        "module": api.get_model_state_dict(module),
+        "optimizers": {
+            name: api.get_optimizer_state_dict(module, optimizer)
+            for name, optimizer in optimizers.items()
+        },
+        "best": best_weights,
+    }
+    _dcp().save(state, checkpoint_id=target, no_dist=not _distributed())
+    # the folder's entries, as the file's rename makes the file's durable
+    fd = os.open(target, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return folder
+
+
+def _folder_of(source, entry, what):
+    folder = os.path.join(os.path.dirname(os.path.abspath(source)), entry[SHARDED])
+    if not os.path.isfile(os.path.join(folder, ".metadata")):
+        rank = torch.distributed.get_rank() if _distributed() else 0
+        raise CheckpointError(
+            f"{source} keeps the shards of {what} in the folder {folder}, which rank {rank} "
+            "cannot read (it is missing, or incomplete). Keep the folder beside the file; on "
+            "several machines, save training states on a filesystem every machine shares."
+        )
+    return folder
+
+
+def _load(target, folder, source, what):
+    """DCP's load of ``target`` (a nested dict of tensors, filled in place);
+    its errors as ``CheckpointError`` naming the file."""
+    try:
+        with warnings.catch_warnings():
+            # one process without a group: DCP says it assumes one process
+            warnings.simplefilter("ignore", UserWarning)
+            _dcp().load(target, checkpoint_id=folder, no_dist=not _distributed())
+    except Exception as exc:  # DCP raises its own CheckpointException on every rank
+        raise CheckpointError(
+            f"{source} does not fit {what}: reading its shards in {folder} failed "
+            f"({type(exc).__name__}: {_first_line(exc)}). The state was saved from a net "
+            "with other parameters: initialize the net as it was when it was saved."
+        ) from exc
+    return target
+
+
+def _first_line(exc):
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def load_sharded_module(module, source, entry, name):
+    """Load the shards that ``entry`` names into ``module``, sharded or not."""
+    api = _state_dict_api()
+    folder = _folder_of(source, entry, name)
+    reshard(module)
+    state = _load({"module": api.get_model_state_dict(module)}, folder, source, name)
+    api.set_model_state_dict(module, state["module"])
+
+
+def load_sharded_optimizer(module, optimizer, source, entry, name):
+    """Load the optimizer state that ``entry`` names into ``optimizer`` over
+    ``module``'s parameters, sharded or not."""
+    api = _state_dict_api()
+    folder = _folder_of(source, entry, name)
+    reshard(module)
+    # a fresh optimizer's state is created here (torch steps it with zero
+    # gradients and a learning rate of 0), so that DCP has tensors to fill
+    target = {"optimizers": {entry["name"]: api.get_optimizer_state_dict(module, optimizer)}}
+    state = _load(target, folder, source, name)
+    api.set_optimizer_state_dict(module, optimizer, state["optimizers"][entry["name"]])
+    # torch's loader keeps only the keys the groups had (a scheduler's
+    # initial_lr is lost); the file has the groups as optimizer.state_dict()
+    for group, saved in zip(optimizer.param_groups, entry["param_groups"]):
+        group.update((key, value) for key, value in saved.items() if key != "params")
+
+
+def load_sharded_best_weights(module, source, entry, name):
+    """``EarlyStopping``'s best weights that ``entry`` names, as a state dict
+    laid out as ``module``'s own (sharded or not), under its bare keys."""
+    folder = _folder_of(source, entry, name)
+    reshard(module)
+    like = {key: copy.deepcopy(value) for key, value in module.state_dict().items()}
+    state = _load({"best": {entry["name"]: like}}, folder, source, name)
+    return state["best"][entry["name"]]
+
+
+def _remove_folder(folder):
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def remove_stale_shards(path, keep):
+    """Remove the folders of ``path``'s earlier saves (and of interrupted
+    ones) but ``keep``; on the writing process, once ``path`` names ``keep``."""
+    directory = os.path.dirname(os.path.abspath(path))
+    prefix = os.path.basename(os.fspath(path)) + _SUFFIX
+    with contextlib.suppress(OSError):
+        for entry in os.listdir(directory):
+            if entry.startswith(prefix) and entry != keep and _FOLDER_RE.match(entry):
+                _remove_folder(os.path.join(directory, entry))
+
+
+def remove_training_state(path):
+    """Remove the training state ``path`` and its folders of shards."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    remove_stale_shards(path, keep=None)
+
+
+def remove_orphan_shards(directory):
+    """Remove the folders of shards in ``directory`` whose file is missing:
+    those of saves interrupted before their file was renamed into place.
+    Only where no save into ``directory`` is in flight."""
+    with contextlib.suppress(OSError):
+        entries = set(os.listdir(directory))
+        for entry in entries:
+            match = _FOLDER_RE.match(entry)
+            if match and match.group("file") not in entries:
+                _remove_folder(os.path.join(directory, entry))
