@@ -119,7 +119,14 @@ def test_benchmarks_run_and_report(tmp_path):
         assert (sharded["kind"], sharded["processes"], len(sharded["ranks"])) == (kind, 2, 2)
         for rank in sharded["ranks"]:
             phases = rank["phases"]
-            assert set(phases) == {"initialize", "fit", "save_params", "load_params"}
+            assert set(phases) == {
+                "initialize",
+                "fit",
+                "save_params",
+                "load_params",
+                "save_state",
+                "load_state",
+            }
             assert all(p["seconds"] > 0 for p in phases.values())
     timing = json.loads((results / "raw" / "sharded_time_2.json").read_text())
     assert set(timing["ranks"][0]) == {"accelerate loop", "accel_mixin fit"}

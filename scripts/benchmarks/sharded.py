@@ -1,6 +1,7 @@
 """FSDP2 against DDP: each rank's memory while a net of a large model fits
-with Adam, and while it saves and loads full files; and the net's fit time
-against a hand-written accelerate FSDP2 loop on the same model.
+with Adam, and while it saves and loads full files and training states; and
+the net's fit time against a hand-written accelerate FSDP2 loop on the same
+model.
 
     ACCELERATE_USE_CPU=true torchrun --nproc_per_node N scripts/benchmarks/sharded.py \\
         --variant memory --kind fsdp|ddp --out ...
@@ -20,8 +21,9 @@ millisecond, with glibc's mmap threshold fixed (``run.py`` sets
 for both kinds alike:
 ``initialize`` (the model is built whole on every rank, then sharded) and
 ``fit`` separately, then ``save_params`` and ``load_params`` of the module
-and optimizer files. Each kind runs in a launch of its own, since a
-process's peak is its own. FSDP2 on CPU is set as the tests set it
+and optimizer files (full ones, gathered), then ``save_state`` and
+``load_state`` (under FSDP2 every rank its own shards). Each kind runs in a
+launch of its own, since a process's peak is its own. FSDP2 on CPU is set as the tests set it
 (``tests/launched/common.py``'s ``make_fsdp_accelerator``).
 """
 
@@ -99,11 +101,14 @@ def memory(args):
     if accelerator.is_main_process:
         workdir.mkdir(parents=True, exist_ok=True)
     files = {"f_params": str(workdir / "params.pt"), "f_optimizer": str(workdir / "opt.pt")}
+    state = str(workdir / "state.pt")
     phases = (
         ("initialize", net.initialize),
         ("fit", lambda: net.fit(X, y)),
         ("save_params", lambda: net.save_params(**files)),
         ("load_params", lambda: net.load_params(**files)),
+        ("save_state", lambda: net.save_state(state)),
+        ("load_state", lambda: net.load_state(state)),
     )
     for phase, fn in phases:
         barrier()

@@ -10,7 +10,7 @@ __all__ = ["load_sharded", "sharded_chart", "sharded_tables", "sharded_targets"]
 # per-rank peak while fitting, FSDP2 against DDP, at most (issue 37)
 MEMORY_TARGETS = {2: 0.6, 4: 0.35}
 TIME_TARGET = 1.05
-PHASES = ("initialize", "fit", "save_params", "load_params")
+PHASES = ("initialize", "fit", "save_params", "load_params", "save_state", "load_state")
 
 
 def load_sharded(raw):
@@ -30,6 +30,11 @@ def _largest(ranks, phase, key="peak_mb"):
     return max(rank[phase][key] for rank in ranks)
 
 
+def _phases(*kinds):
+    """The phases every result of ``kinds`` measured (older ones fewer)."""
+    return [p for p in PHASES if all(p in rank for ranks in kinds for rank in ranks)]
+
+
 def _processes(memory):
     return sorted({n for kind, n in memory if (("ddp", n) in memory and ("fsdp", n) in memory)})
 
@@ -46,7 +51,7 @@ def sharded_tables(memory, timing, parameters):
     ]
     for n in _processes(memory):
         ddp, fsdp = memory[("ddp", n)], memory[("fsdp", n)]
-        for phase in PHASES:
+        for phase in _phases(ddp, fsdp):
             d, f = _largest(ddp, phase), _largest(fsdp, phase)
             lines.append(
                 f"| {n} | {phase} | {d:.0f} | {f:.0f} | {f / d:.2f} | "
@@ -112,10 +117,11 @@ def sharded_chart(memory, path):
     axes = [axes] if len(processes) == 1 else list(axes)
     width = 0.38
     for ax, n in zip(axes, processes):
+        phases = _phases(memory[("ddp", n)], memory[("fsdp", n)])
         for offset, kind, label in ((-width / 2, "ddp", "DDP"), (width / 2, "fsdp", "FSDP2")):
-            peaks = [_largest(memory[(kind, n)], phase) for phase in PHASES]
-            ax.bar([i + offset for i in range(len(PHASES))], peaks, width, label=label)
-        ax.set_xticks(range(len(PHASES)), PHASES, rotation=15)
+            peaks = [_largest(memory[(kind, n)], phase) for phase in phases]
+            ax.bar([i + offset for i in range(len(phases))], peaks, width, label=label)
+        ax.set_xticks(range(len(phases)), phases, rotation=15)
         ax.set_title(f"{n} processes")
         ax.set_ylabel("peak MB per rank (largest rank)")
         ax.legend()
