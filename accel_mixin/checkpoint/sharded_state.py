@@ -112,7 +112,16 @@ def save_shards(path, module, optimizers, best_weights, num_processes):
         },
         "best": best_weights,
     }
-    _dcp().save(state, checkpoint_id=target, no_dist=not _distributed())
+    try:
+        with _one_process_quietly():
+            _dcp().save(state, checkpoint_id=target, no_dist=not _distributed())
+    except _checkpoint_exception() as exc:
+        mine = _failure_of_this_rank(exc)
+        if isinstance(mine, OSError):
+            raise mine from None  # the write's own error (a full disk): its cause, named
+        raise CheckpointError(
+            f"Cannot save the shards of {path} in {target}: {_failures(exc)}."
+        ) from None
     # the folder's entries, as the file's rename makes the file's durable
     fd = os.open(target, os.O_RDONLY)
     try:
@@ -138,22 +147,48 @@ def _load(target, folder, source, what):
     """DCP's load of ``target`` (a nested dict of tensors, filled in place);
     its errors as ``CheckpointError`` naming the file."""
     try:
-        with warnings.catch_warnings():
-            # one process without a group: DCP says it assumes one process
-            warnings.simplefilter("ignore", UserWarning)
+        with _one_process_quietly():
             _dcp().load(target, checkpoint_id=folder, no_dist=not _distributed())
-    except Exception as exc:  # DCP raises its own CheckpointException on every rank
+    except _checkpoint_exception() as exc:  # on every rank, with every rank's failure
         raise CheckpointError(
             f"{source} does not fit {what}: reading its shards in {folder} failed "
-            f"({type(exc).__name__}: {_first_line(exc)}). The state was saved from a net "
-            "with other parameters: initialize the net as it was when it was saved."
-        ) from exc
+            f"({_failures(exc)}). The state was saved from a net with other parameters: "
+            "initialize the net as it was when it was saved."
+        ) from None
     return target
 
 
-def _first_line(exc):
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else ""
+@contextlib.contextmanager
+def _one_process_quietly():
+    """Without a process group DCP warns that it assumes one process: it is one."""
+    with warnings.catch_warnings():
+        if not _distributed():
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
+
+
+def _checkpoint_exception():
+    # a BaseException: ``except Exception`` lets it through
+    from torch.distributed.checkpoint.api import (  # pylint: disable=import-outside-toplevel
+        CheckpointException,
+    )
+
+    return CheckpointException
+
+
+def _failure_of_this_rank(exc):
+    rank = torch.distributed.get_rank() if _distributed() else 0
+    failure = exc.failures.get(rank)
+    return failure[0] if isinstance(failure, tuple) else failure
+
+
+def _failures(exc):
+    """Every rank's failure in a ``CheckpointException``, one line each."""
+    lines = []
+    for rank, failure in sorted(exc.failures.items()):
+        error = failure[0] if isinstance(failure, tuple) else failure
+        lines.append(f"rank {rank}: {type(error).__name__}: {error}")
+    return "; ".join(lines) or str(exc)
 
 
 def load_sharded_module(module, source, entry, name):

@@ -1,0 +1,138 @@
+"""The folder of shards of a training state, in one process: what a save
+writes, what a load reads back, the errors that name the file and the
+folder, and which folders the removals keep.
+
+Without a process group DCP reads and writes as one process, and a module
+that is not sharded stands for one that is: the files are DCP's either way
+(``tests/test_fsdp_resume.py`` runs the sharded layouts on several
+processes).
+"""
+
+import os
+
+import pytest
+import torch
+
+from accel_mixin.checkpoint.sharded_state import (
+    SHARDED,
+    is_sharded_entry,
+    load_sharded_best_weights,
+    load_sharded_module,
+    load_sharded_optimizer,
+    remove_orphan_shards,
+    remove_stale_shards,
+    remove_training_state,
+    save_shards,
+    shards_folder,
+)
+from accel_mixin.errors import CheckpointError
+
+
+def _model(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+
+
+def _trained(seed=0):
+    module = _model(seed)
+    optimizer = torch.optim.Adam(module.parameters(), lr=0.01)
+    for _ in range(2):
+        module(torch.randn(5, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return module, optimizer
+
+
+def _entry(folder, **more):
+    return {SHARDED: folder, **more}
+
+
+def test_a_round_trip_restores_weights_optimizer_and_best_weights(tmp_path):
+    module, optimizer = _trained()
+    best = {key: value + 1 for key, value in module.state_dict().items()}
+    path = tmp_path / "state.pt"
+    folder = save_shards(path, module, {"optimizer": optimizer}, {"stopping": best}, 1)
+    assert folder.startswith("state.pt.shards-") and (tmp_path / folder / ".metadata").is_file()
+
+    loaded, fresh = _model(1), None
+    fresh = torch.optim.Adam(loaded.parameters(), lr=0.5)
+    groups = [dict(group, params=[]) for group in optimizer.state_dict()["param_groups"]]
+    load_sharded_module(loaded, path, _entry(folder), "module_")
+    load_sharded_optimizer(
+        loaded, fresh, path, _entry(folder, name="optimizer", param_groups=groups), "optimizer_"
+    )
+    for key, value in module.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value)
+    saved, restored = optimizer.state_dict(), fresh.state_dict()
+    assert restored["param_groups"][0]["lr"] == 0.01
+    for index, state in saved["state"].items():
+        for name, value in state.items():
+            assert torch.equal(torch.as_tensor(restored["state"][index][name]), value)
+    weights = load_sharded_best_weights(loaded, path, _entry(folder, name="stopping"), "best")
+    assert all(torch.equal(weights[key], value) for key, value in best.items())
+
+
+def test_a_missing_folder_is_named_with_the_file_and_the_fix(tmp_path):
+    path = tmp_path / "state.pt"
+    with pytest.raises(CheckpointError) as info:
+        load_sharded_module(_model(0), path, _entry("state.pt.shards-abc"), "module_")
+    message = str(info.value)
+    assert str(path) in message and "state.pt.shards-abc" in message and "module_" in message
+    assert "rank 0 cannot read" in message and "filesystem every machine shares" in message
+
+
+def test_shards_of_another_model_are_refused_naming_the_file(tmp_path):
+    module, _ = _trained()
+    path = tmp_path / "state.pt"
+    folder = save_shards(path, module, {}, {}, 1)
+    other = torch.nn.Sequential(torch.nn.Linear(4, 2))
+    with pytest.raises(CheckpointError) as info:
+        load_sharded_module(other, path, _entry(folder), "module_")
+    message = str(info.value)
+    assert f"{path} does not fit module_" in message and folder in message
+    assert "rank 0: ValueError: Size mismatch" in message and "module.0.weight" in message
+    assert "initialize the net as it was when it was saved" in message
+
+
+def test_a_failed_write_raises_its_own_error(tmp_path):
+    # DCP wraps every rank's error in a CheckpointException, a BaseException
+    # that `except Exception` lets through: the write's OSError comes out
+    (tmp_path / "a-file").write_bytes(b"")
+    with pytest.raises(OSError):
+        save_shards(tmp_path / "a-file" / "state.pt", _model(0), {}, {}, 1)
+
+
+def test_markers_and_folder_names():
+    assert is_sharded_entry({SHARDED: "x"}) and not is_sharded_entry({"weight": 1})
+    assert not is_sharded_entry(None)
+    assert shards_folder(os.path.join("a", "state.pt"), "0f") == "state.pt.shards-0f"
+
+
+def _folders(directory):
+    return sorted(name for name in os.listdir(directory) if ".shards-" in name)
+
+
+def _make(directory, *names):
+    for name in names:
+        if ".shards-" in name:
+            (directory / name).mkdir()
+            (directory / name / ".metadata").write_bytes(b"")
+        else:
+            (directory / name).write_bytes(b"")
+
+
+def test_a_complete_save_removes_its_files_other_folders_only(tmp_path):
+    _make(tmp_path, "a.pt", "a.pt.shards-01", "a.pt.shards-02", "ab.pt.shards-03", "b.pt.shards-04")
+    remove_stale_shards(tmp_path / "a.pt", keep="a.pt.shards-02")
+    # another file's folders stay, even one whose name begins alike
+    assert _folders(tmp_path) == ["a.pt.shards-02", "ab.pt.shards-03", "b.pt.shards-04"]
+
+
+def test_rotation_removes_a_file_with_its_folders_and_the_orphans(tmp_path):
+    _make(tmp_path, "a.pt", "a.pt.shards-01", "b.pt", "b.pt.shards-02", "c.pt.shards-03")
+    remove_training_state(tmp_path / "a.pt")
+    assert not (tmp_path / "a.pt").exists()
+    assert _folders(tmp_path) == ["b.pt.shards-02", "c.pt.shards-03"]
+    remove_orphan_shards(tmp_path)  # c.pt was never renamed into place
+    assert _folders(tmp_path) == ["b.pt.shards-02"]
+    remove_training_state(tmp_path / "gone.pt")  # nothing to remove: no error
