@@ -2,6 +2,9 @@
 trainable sets that change, data that differ between ranks, and the replica
 check, in one process here and in two real processes."""
 
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
 import torch
 from accelerate import Accelerator
@@ -11,7 +14,13 @@ from harness import run_processes
 from skorch.callbacks import Callback, GradientNormClipping
 
 from accel_mixin import AccelerateMixin
-from accel_mixin.distributed.replicas import fingerprints
+from accel_mixin.distributed import replicas
+from accel_mixin.distributed.replicas import (
+    _length,
+    _sample_digest,
+    check_same_steps,
+    fingerprints,
+)
 
 
 class GradNorms(Callback):
@@ -102,6 +111,46 @@ def test_fingerprints_are_exact_and_order_free():
         assert (fingerprints(nudged) != prints).tolist() == [j == i for j in range(len(base))]
     # the same values laid out otherwise give the same fingerprint
     assert fingerprints([base[0].t().contiguous().t()]) == fingerprints([base[0]])
+
+
+def test_fingerprints_of_complex_and_integer_tensors():
+    number = torch.tensor([1.0 + 2.0j, -0.5j])
+    # a complex tensor is its real and imaginary parts
+    assert fingerprints([number]) == fingerprints([torch.view_as_real(number)])
+    assert fingerprints([number]) != fingerprints([torch.tensor([1.0 + 2.5j, -0.5j])])
+    # integers are summed as they are, wrapping around at 2**32
+    assert fingerprints([torch.tensor([1, 2, 3]), torch.tensor([2**31 - 1, 1])]).tolist() == [
+        6,
+        -(2**31),
+    ]
+
+
+def test_data_without_a_length_or_rows_to_compare_is_compared_by_length_only():
+    assert _length(np.zeros((5, 2))) == 5
+    assert _length(None) == -1
+    assert _length(iter([1, 2])) == -1  # an iterable
+    assert _length({"a": np.zeros(3), "b": np.zeros(4)}) == -1  # inconsistent lengths
+    X = np.arange(20.0).reshape(10, 2)
+    assert _sample_digest(X, None, 10) == _sample_digest(X.copy(), None, 10) >= 0
+    assert _sample_digest(X, None, 10) != _sample_digest(X + 1, None, 10)
+    assert _sample_digest(X, None, 0) == -1  # no rows
+    assert _sample_digest(np.array([1, "a"], dtype=object), None, 2) == -1  # no bytes to hash
+    assert _sample_digest(object(), None, 3) == -1  # nothing skorch can index
+
+
+def test_without_even_batches_a_loader_without_a_length_is_not_counted(monkeypatch):
+    gathered = []
+
+    def everyone(accelerator, values):
+        gathered.append(values)
+        return [values]
+
+    monkeypatch.setattr(replicas, "_everyone", everyone)
+    accelerator = SimpleNamespace(even_batches=False)
+    check_same_steps(accelerator, iter([1, 2, 3]))  # an iterable: nothing to compare
+    assert gathered == []
+    check_same_steps(accelerator, [1, 2, 3])
+    assert gathered == [[3]]
 
 
 def test_replica_check_every_must_be_a_whole_number(data):

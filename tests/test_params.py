@@ -2,6 +2,8 @@
 atomic writes, safe loading, clear errors. The same in several processes:
 test_files.py."""
 
+import errno
+import io
 import os
 import pickle
 import signal
@@ -19,7 +21,15 @@ from harness import ROOT
 from skorch import NeuralNetClassifier
 
 from accel_mixin import CheckpointError, SafeParamsMixin, strip_wrapper_prefixes
-from accel_mixin.checkpoint.state_dict import read_state
+from accel_mixin.checkpoint.state_dict import (
+    clean_state_dict,
+    describe_content,
+    history_error,
+    load_module_state,
+    read_error,
+    read_state,
+    unwrap_module,
+)
 
 
 class SafeNet(SafeParamsMixin, NeuralNetClassifier):
@@ -146,6 +156,16 @@ def test_compiled_net_saves_clean_keys_that_plain_nets_load(data, tmp_path):
     np.testing.assert_allclose(plain.predict_proba(data[0]), net.predict_proba(data[0]), rtol=1e-6)
 
 
+def test_a_data_parallel_module_saves_and_loads_under_clean_keys():
+    inner = MLP()
+    wrapped = torch.nn.DataParallel(inner)  # without GPUs, it holds the module as it is
+    assert unwrap_module(wrapped) is inner
+    state = clean_state_dict(wrapped)
+    assert list(state) == ["hidden.weight", "hidden.bias", "out.weight", "out.bias"]
+    load_module_state(wrapped, prefixed(reference_state(), "module."), source="f", name="module_")
+    torch.testing.assert_close(inner.state_dict(), reference_state())
+
+
 # --- 3. atomic writes ---------------------------------------------------------------
 
 
@@ -263,6 +283,40 @@ def test_a_save_whose_temporary_was_replaced_fails_and_leaves_the_target(tmp_pat
             with open(first, "wb") as f:
                 f.write(b"another save's half")
     assert target.read_bytes() == b"before"
+
+
+def test_a_save_whose_temporary_was_removed_fails_and_leaves_the_target(tmp_path):
+    from accel_mixin.checkpoint.files import atomic_files
+
+    target = tmp_path / "params.pt"
+    target.write_bytes(b"before")
+    with pytest.raises(FileExistsError, match="replaced this save's temporary file"):
+        with atomic_files([target]) as (first,):
+            with open(first, "wb") as f:
+                f.write(b"half")
+            os.unlink(first)  # another save's rotation, where nothing locks
+    assert target.read_bytes() == b"before"
+
+
+def test_without_locks_saves_still_save_and_leftovers_stay(tmp_path, monkeypatch):
+    from accel_mixin.checkpoint import files
+
+    monkeypatch.setattr(files, "fcntl", None)  # Windows, or a filesystem without flock
+    fd, leftover = files._create_temporary(tmp_path / "params.pt")  # pylint: disable=protected-access
+    os.close(fd)  # as a killed save leaves it
+    files.atomic_write(tmp_path / "params.pt", lambda f: f.write(b"saved"))
+    assert (tmp_path / "params.pt").read_bytes() == b"saved"
+    files.remove_temporaries(tmp_path)  # a live save's file cannot be told from it
+    assert stray_files(tmp_path) == [os.path.basename(leftover)]
+
+
+def test_a_leftover_that_cannot_be_opened_is_left_alone(tmp_path):
+    from accel_mixin.checkpoint.files import remove_temporaries
+
+    dangling = tmp_path / ".accel_mixin-tmp-0123456789abcdef-01234567.tmp"
+    dangling.symlink_to(tmp_path / "gone")
+    remove_temporaries(tmp_path)
+    assert dangling.is_symlink()
 
 
 def test_a_failing_save_leaves_the_previous_file(tmp_path, monkeypatch):
@@ -531,6 +585,43 @@ def test_a_safetensors_file_read_as_torch_gets_a_pointer(tmp_path):
     assert _safetensors_hint(tmp_path / "missing") == ""
 
 
+def test_a_truncated_safetensors_file_is_named(tmp_path):
+    net = nets()["plain skorch"]
+    net.save_params(f_params=tmp_path / "p.safetensors", use_safetensors=True)
+    data = (tmp_path / "p.safetensors").read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(
+        CheckpointError, match=r"cut.safetensors is not a complete safetensors file"
+    ):
+        net.load_params(f_params=tmp_path / "cut.safetensors", use_safetensors=True)
+
+
+def test_a_file_object_that_is_no_torch_file_is_a_clear_error():
+    with pytest.raises(
+        CheckpointError, match=r"is not a readable torch file \(corrupt\?\): "
+    ) as exc:
+        read_state(io.BytesIO(b"garbage"))
+    assert "safetensors" not in str(exc.value)
+    with pytest.raises(CheckpointError, match="is not a complete torch file"):
+        read_state(io.BytesIO(b""))
+
+
+def test_an_error_of_the_environment_is_raised_as_it_is(tmp_path, monkeypatch):
+    torch.save({"w": torch.ones(1)}, tmp_path / "params.pt")
+
+    def failing_disk(*args, **kwargs):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(torch, "load", failing_disk)
+    with pytest.raises(OSError, match="Input/output error") as exc:
+        read_state(tmp_path / "params.pt")
+    assert not isinstance(exc.value, CheckpointError)
+    assert read_error("p.pt", MemoryError(), weights_only=True, use_safetensors=True) is None
+    assert history_error("history.json", OSError(errno.EIO, "Input/output error")) is None
+    error = CheckpointError("p.pt is bad")
+    assert read_error("p.pt", error, weights_only=True) is error  # said already
+
+
 def open_descriptors():
     return len(os.listdir("/proc/self/fd"))
 
@@ -665,9 +756,10 @@ def test_a_plain_pickle_that_would_run_code_is_refused_as_such(tmp_path, payload
         read_state(tmp_path / "evil.pkl")
 
 
-def test_a_plain_pickle_names_what_it_would_call(tmp_path):
+@pytest.mark.parametrize("protocol", [0, 4])  # GLOBAL, STACK_GLOBAL
+def test_a_plain_pickle_names_what_it_would_call(tmp_path, protocol):
     with open(tmp_path / "evil.pkl", "wb") as f:
-        pickle.dump({"weight": RunsCode(os.system, "true")}, f, protocol=4)
+        pickle.dump({"weight": RunsCode(os.system, "true")}, f, protocol=protocol)
     with pytest.raises(CheckpointError, match=r"would run code \(it calls posix\.system\)"):
         nets()["plain skorch"].load_params(f_params=tmp_path / "evil.pkl")
 
@@ -687,6 +779,24 @@ def test_a_params_file_that_is_no_state_dict_says_what_it_holds(tmp_path, conten
     for net in nets().values():
         with pytest.raises(CheckpointError, match=rf"params.pt is not a state dict .*{holds}"):
             net.load_params(f_params=tmp_path / "params.pt")
+
+
+def test_keys_of_another_model_are_not_taken_for_a_prefix():
+    with pytest.raises(CheckpointError) as exc:
+        load_module_state(
+            torch.nn.Linear(2, 2),
+            {"w": torch.zeros(2, 2), "b": torch.zeros(2)},
+            source="other.pt",
+            name="module_",
+        )
+    assert str(exc.value) == (
+        "other.pt does not fit module_:\n"
+        "  missing keys (2): 'bias', 'weight'\n"
+        "  unexpected keys (2): 'b', 'w'\n"
+        "  The file was saved from another architecture, or with other module parameters: "
+        "initialize the net as it was when the file was saved."
+    )
+    assert describe_content({"b": 1, "a": 2}) == "a dict with the keys 'a', 'b'"
 
 
 def test_an_optimizer_file_that_is_no_optimizer_state_says_what_it_holds(tmp_path):

@@ -199,6 +199,16 @@ def test_the_resumed_checkpoint_ignores_unfinished_and_foreign_files(tmp_path):
     assert agreed_checkpoint(tmp_path / "missing", accelerator) is None
 
 
+def test_a_folder_of_training_states_that_cannot_be_read_is_a_clear_error(tmp_path):
+    afile = tmp_path / "states"
+    afile.write_text("a file")
+    with pytest.raises(
+        CheckpointError,
+        match=rf"Cannot look for training states in {afile}: rank 0: NotADirectoryError: ",
+    ):
+        agreed_checkpoint(afile, Accelerator(cpu=True))
+
+
 class _RunsCode:
     def __init__(self, marker):
         self.marker = marker

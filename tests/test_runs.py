@@ -33,7 +33,14 @@ from skorch.helper import predefined_split
 
 from accel_mixin import CheckpointError
 from accel_mixin.callbacks import ResumeTraining, TrainingCheckpoint
-from accel_mixin.resume.runs import fingerprint, run_identity
+from accel_mixin.resume.runs import (
+    RunIdentity,
+    describe_differences,
+    differs_from_newest,
+    fingerprint,
+    run_folders,
+    run_identity,
+)
 
 
 class EpochCounter(Callback):
@@ -399,6 +406,22 @@ def test_a_changed_fit_parameter_starts_a_new_run(data, tmp_path):
     heavier[101] = 5.0
     assert [fit(weights), fit(heavier), fit(weights), fit(heavier)] == [3, 3, 0, 0]
     assert lines[0].endswith("in: fit parameter sample_weight (other data)")
+
+
+def test_what_differs_from_the_newest_run_is_said_in_a_few_words(tmp_path):
+    old = {"net": {"class": "Net", "params": {"lr": "0.1", "module__sizes": [8, 8]}}}
+    new = {"net": {"class": "Net", "params": {"lr": "0.1", "module__sizes": [8, 16]}}}
+    assert describe_differences(new, old) == "module__sizes (other value)"
+    many = {"net": {"class": "Net", "params": {key: 1 for key in "abcde"}}}
+    assert describe_differences(many, {"net": {"class": "Net"}}) == (
+        "a: (default) -> 1, b: (default) -> 1, c: (default) -> 1, d: (default) -> 1, and 1 more"
+    )
+    folder = tmp_path / "run-0123456789ab"
+    folder.mkdir()
+    (folder / "manifest.json").write_text("{cut")
+    assert differs_from_newest(RunIdentity(new), run_folders(tmp_path)) == (
+        "it differs from the newest, 0123456789ab, in: an unreadable manifest"
+    )
 
 
 # --- what does not make a run ---------------------------------------------------
