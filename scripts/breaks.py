@@ -1398,6 +1398,18 @@ BREAKS = [
         "    if False:",
         (FSDP + "test_what_fsdp2_cannot_do_is_refused_naming_it[2-processes-fsdp1]",),
     ),
+    launched(
+        "replicas-counts-not-gathered-first",
+        "replicas",
+        "the parameter counts travel with the fingerprints: other models abort the gather",
+        "accel_mixin/distributed/replicas.py",
+        "    counts = gather(count).cpu()[:, 0]\n",
+        "    counts = count.cpu()[:, 0]\n",
+        (
+            "tests/test_divergence.py::"
+            "test_ranks_that_built_other_models_are_named_with_their_parameter_counts",
+        ),
+    ),
     # --- sharded training states --------------------------------------------
     launched(
         "sharded_state-module-shards-not-loaded",

@@ -240,6 +240,15 @@ def test_replica_check_raises_on_every_rank_naming_the_parameter_and_epoch(diver
 
 
 @pytest.mark.multiprocess
+def test_ranks_that_built_other_models_are_named_with_their_parameter_counts(divergence):
+    for value in values(divergence, "other_architectures_on_some_ranks"):
+        assert value["error"] == (
+            "DistributedError: Replica check when training begins: the ranks hold different "
+            "numbers of parameters (rank 0: 4, rank 1: 6); every rank must build the same model."
+        )
+
+
+@pytest.mark.multiprocess
 def test_without_the_replica_check_the_divergence_goes_unnoticed(divergence):
     rank0, rank1 = values(divergence, "replica_check_off")
     assert rank0["error"] is rank1["error"] is None

@@ -172,21 +172,24 @@ def check_replicas(accelerator, named_params, when):
     """Raise ``DistributedError`` on every rank, naming the first parameter that
     differs and when (``'after epoch 3'``), unless all ranks hold the same."""
     names = [name for name, _ in named_params]
+    # the count first, in a gather of its own: a gather of tensors of other
+    # lengths aborts the process, and ranks with other architectures must
+    # not compare by position
+    count = torch.tensor([[len(names)]], dtype=torch.int64, device=accelerator.device)
+    counts = gather(count).cpu()[:, 0]
+    if (counts != counts[0]).any():
+        listed = ", ".join(f"rank {r}: {int(n)}" for r, n in enumerate(counts))
+        raise DistributedError(
+            f"Replica check {when}: the ranks hold different numbers of "
+            f"parameters ({listed}); every rank must build the same model."
+        )
     mine = fingerprints([param for _, param in named_params])
-    # the count first: ranks with other architectures must not compare by position
-    mine = torch.cat([torch.tensor([len(names)], dtype=torch.int64), mine.cpu()])
     everyone = gather(mine.to(accelerator.device)[None]).cpu()
     if (everyone == everyone[0]).all():
         return
-    if (everyone[:, 0] != everyone[0, 0]).any():
-        counts = ", ".join(f"rank {r}: {int(n)}" for r, n in enumerate(everyone[:, 0]))
-        raise DistributedError(
-            f"Replica check {when}: the ranks hold different numbers of "
-            f"parameters ({counts}); every rank must build the same model."
-        )
-    differs = (everyone[:, 1:] != everyone[0, 1:]).any(dim=0)
+    differs = (everyone != everyone[0]).any(dim=0)
     first = int(differs.nonzero()[0])
-    ranks = [r for r in range(1, len(everyone)) if everyone[r, 1 + first] != everyone[0, 1 + first]]
+    ranks = [r for r in range(1, len(everyone)) if everyone[r, first] != everyone[0, first]]
     raise DistributedError(
         f"Replica check {when}: parameter '{names[first]}' differs between "
         f"ranks (rank(s) {ranks} differ from rank 0; {int(differs.sum())} of {len(names)} "

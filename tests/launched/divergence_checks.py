@@ -205,6 +205,21 @@ def weights_changed_on_some_ranks_at_train_begin():
     return error_and_seconds(lambda: make_net(callbacks=[LoadOnRank0()]).fit(X, y))
 
 
+class FrozenExtra(MLP):
+    """A trainable MLP and a frozen layer that only the last rank builds:
+    DDP compares the trainable parameters only."""
+
+    def __init__(self):
+        super().__init__()
+        if rank == accelerator.num_processes - 1:
+            self.extra = torch.nn.Linear(2, 2).requires_grad_(False)
+
+
+@checks
+def other_architectures_on_some_ranks():
+    return error_and_seconds(lambda: make_net(module=FrozenExtra, max_epochs=1).fit(X, y))
+
+
 @checks
 def private_names_present():
     from accel_mixin.internals import missing
