@@ -9,8 +9,8 @@ import pytest
 import torch
 from accelerate import Accelerator
 from common import MLP, AcceleratedNet
+from harness import CheckedRanks, run_processes
 from harness import check_values as values
-from harness import run_processes
 from skorch.callbacks import Callback, GradientNormClipping
 
 from accel_mixin import AccelerateMixin
@@ -170,7 +170,8 @@ def test_replica_check_is_a_parameter(data):
 
 @pytest.fixture(scope="module")
 def divergence():
-    return [r["checks"] for r in run_processes("divergence_checks.py", timeout=300).check()]
+    # read in each test: a launch that crashed fails every test reading it
+    return CheckedRanks(run_processes("divergence_checks.py", timeout=300))
 
 
 def same_on_every_rank(checks, name):
