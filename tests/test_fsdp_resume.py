@@ -60,8 +60,9 @@ def test_a_run_resumed_inside_an_epoch_goes_on_exactly(trained):
 
 def test_a_notice_saves_the_shards_and_the_rerun_goes_on_exactly(trained):
     for value in values(trained, "a_notice_stops_saves_and_the_rerun_resumes_exactly"):
+        assert value["stopped"].startswith("Preempted: Preempted (notice: ")
         # every rank stopped at the batch after the notice, and saved there
-        assert "training stopped after training batch 6 of epoch 2" in value["preempted"]
+        assert "training stopped after training batch 6 of epoch 2" in value["stopped"]
         assert value["resumed_from"] == f"training-state-000001-batch-000006-ranks-{PROCESSES}.pt"
         _exact(value)
 

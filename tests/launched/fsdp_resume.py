@@ -179,12 +179,12 @@ if PHASE == "train":
     reference = net_of().fit(X, y)
     expected = full_files(reference, "reference")
 
-    @checks
-    def epoch_end_resume_is_exact():
-        net, stopped, folder = resumed_run("epochs", StopAt(epoch=2))
+    def against_the_reference(name, stop, **checkpoint):
+        """An interrupted run resumed, compared with the uninterrupted one."""
+        net, stopped, folder = resumed_run(name, stop, **checkpoint)
         return {
             "stopped": stopped,
-            "difference": difference(full_files(net, "epochs"), expected),
+            "difference": difference(full_files(net, name), expected),
             "history": history_of(net) == history_of(reference),
             "resumed_from": net.resumed_from_,
             "best_epoch": [best_epoch(net), best_epoch(reference)],
@@ -193,17 +193,12 @@ if PHASE == "train":
         }
 
     @checks
+    def epoch_end_resume_is_exact():
+        return against_the_reference("epochs", StopAt(epoch=2))
+
+    @checks
     def mid_epoch_resume_is_exact():
-        net, stopped, folder = resumed_run("batches", StopAt(epoch=2, batch=5), every_n_batches=4)
-        return {
-            "stopped": stopped,
-            "difference": difference(full_files(net, "batches"), expected),
-            "history": history_of(net) == history_of(reference),
-            "resumed_from": net.resumed_from_,
-            "best_epoch": [best_epoch(net), best_epoch(reference)],
-            "files": state_files(folder),
-            "folders": shard_folders(folder),
-        }
+        return against_the_reference("batches", StopAt(epoch=2, batch=5), every_n_batches=4)
 
     @checks
     def early_stoppings_best_weights_come_back():
@@ -229,17 +224,9 @@ if PHASE == "train":
         interval = NoticeBoard.max_interval
         NoticeBoard.max_interval = 1
         try:
-            net, preempted, folder = resumed_run("notice", NoticeAt(epoch=2, batch=5))
+            return against_the_reference("notice", NoticeAt(epoch=2, batch=5))
         finally:
             NoticeBoard.max_interval = interval
-        return {
-            "preempted": preempted,
-            "difference": difference(full_files(net, "notice"), expected),
-            "history": history_of(net) == history_of(reference),
-            "resumed_from": net.resumed_from_,
-            "best_epoch": [best_epoch(net), best_epoch(reference)],
-            "files": state_files(folder),
-        }
 
     @checks
     def rotation_removes_folders_with_files():
