@@ -42,7 +42,7 @@ def _sharded_names(files):
     return sorted(name.split(".shards-")[0] for name in files if ".shards-" in name), states
 
 
-def test_a_run_resumed_at_an_epochs_end_goes_on_exactly(trained):
+def test_a_run_resumed_at_an_epochs_end_from_asynchronous_saves_goes_on_exactly(trained):
     for value in values(trained, "epoch_end_resume_is_exact"):
         assert value["stopped"] == "Stop: epoch 2"
         assert value["resumed_from"] == "training-state-000001.pt"  # stopped as epoch 2 began
