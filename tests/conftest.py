@@ -1,8 +1,17 @@
 """Fixtures: a fresh accelerate state per test, data, modules, net classes."""
 
+import json
+import os
 import sys
 from pathlib import Path
 
+# Before torch is imported: one intra-op thread per process, as the launched
+# processes have. The two workers, their launches and the subprocesses (the
+# skorch suite) share two cores; with a thread per core each, their spinning
+# threads took the skorch suite from 28 s alone to 191 s within the suite.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# pylint: disable=wrong-import-position
 import pytest
 from accelerate.state import AcceleratorState, GradientState
 
@@ -10,7 +19,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "launched"))
 # scripts/jobs.py: the repository's tool that stops a launched job for good
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
-# pylint: disable=wrong-import-position
 from common import MLP, LogitMLP, make_data
 
 
@@ -22,7 +30,39 @@ def pytest_addoption(parser):
     )
 
 
+PROFILE = Path(__file__).resolve().parent.parent / "results" / "suite-profile.json"
+
+
+def file_seconds(profile=PROFILE):
+    """Each test file's seconds in the last quiet profile (scripts/suite_profile.py)."""
+    try:
+        tests = json.loads(profile.read_text())["quiet"]["tests"]
+    except (OSError, ValueError, KeyError):
+        return {}
+    seconds = {}
+    for test, spent in tests.items():
+        path = test.split("::", 1)[0]
+        seconds[path] = seconds.get(path, 0.0) + spent
+    return seconds
+
+
+def longest_first(items, seconds):
+    """Sort whole files, longest first; a file the profile lacks counts as the
+    longest, and a file's own tests keep their order."""
+    longest = max(seconds.values(), default=0.0)
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::", 1)[0], longest + 1))
+
+
+def pytest_configure(config):
+    # --dist loadfile hands out whole files, by default the ones with the most
+    # tests first: a two-test file of launches came last and ran alone for
+    # minutes. The collection's order, longest first, is kept instead.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
+    longest_first(items, file_seconds())
     # the benchmarks' own check proves the tooling, not the package: a
     # minute that scripts/test spares, and CI runs on its own
     if config.getoption("--bench"):

@@ -64,6 +64,8 @@ def free_port():
 def launch(script, out, processes, extra, timeout, env_extra=None):
     cmd = [sys.executable, str(HERE / script), "--out", str(out), *extra]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    # a process that aborts (SIGABRT) prints every thread's Python stack
+    env.setdefault("PYTHONFAULTHANDLER", "1")
     env.update(env_extra or {})
     if processes > 1:
         cmd[1:1] = [
