@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "launched"), str(ROOT / "scripts")]
 
 DOC = ROOT / "docs" / "guide" / "testing.md"
+PROFILE = ROOT / "results" / "suite-profile.json"
 BEGIN, END = "<!-- suite-profile: begin -->", "<!-- suite-profile: end -->"
 
 
@@ -125,6 +126,16 @@ def by_file(profile):
 _COLUMNS = ("tests", "seconds", "launches", "launch_seconds", "startup_seconds")
 
 
+def file_seconds(path=PROFILE, label="quiet"):
+    """Each test file's seconds in the saved profile of ``label``; empty
+    without one (the suite's conftest orders the files by them)."""
+    try:
+        profile = json.loads(Path(path).read_text())[label]
+    except (OSError, ValueError, KeyError):
+        return {}
+    return {test_file: row["seconds"] for test_file, row in by_file(profile).items()}
+
+
 def workers(profile):
     """How many workers ran the files side by side, in words ('' for one)."""
     count = profile.get("workers", 1)
@@ -172,7 +183,7 @@ def write_doc(profiles):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=str(ROOT / "results" / "suite-profile.json"))
+    parser.add_argument("--out", default=str(PROFILE))
     parser.add_argument("--label", default="quiet", help="what the machine was doing")
     parser.add_argument("--startup-runs", type=int, default=3)
     parser.add_argument("--table-only", action="store_true", help="rewrite the table only")

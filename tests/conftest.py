@@ -1,6 +1,5 @@
 """Fixtures: a fresh accelerate state per test, data, modules, net classes."""
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "launched"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
 from common import MLP, LogitMLP, make_data
+from suite_profile import file_seconds
 
 
 def pytest_addoption(parser):
@@ -28,22 +28,6 @@ def pytest_addoption(parser):
         action="store_true",
         help="also run the benchmarks at tiny sizes (tests/test_bench.py), as CI does",
     )
-
-
-PROFILE = Path(__file__).resolve().parent.parent / "results" / "suite-profile.json"
-
-
-def file_seconds(profile=PROFILE):
-    """Each test file's seconds in the last quiet profile (scripts/suite_profile.py)."""
-    try:
-        tests = json.loads(profile.read_text())["quiet"]["tests"]
-    except (OSError, ValueError, KeyError):
-        return {}
-    seconds = {}
-    for test, spent in tests.items():
-        path = test.split("::", 1)[0]
-        seconds[path] = seconds.get(path, 0.0) + spent
-    return seconds
 
 
 def longest_first(items, seconds):

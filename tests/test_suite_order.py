@@ -3,7 +3,8 @@
 import json
 from types import SimpleNamespace
 
-from conftest import file_seconds, longest_first
+from conftest import longest_first
+from suite_profile import file_seconds
 
 
 def items(*nodeids):
@@ -31,8 +32,9 @@ def test_a_file_the_profile_lacks_runs_first():
 def test_the_seconds_are_summed_per_file_from_the_quiet_profile(tmp_path):
     profile = tmp_path / "suite-profile.json"
     tests = {"a.py::one": 1.5, "a.py::two[x]": 2.0, "b.py::one": 4.0}
-    busy = {"tests": {"a.py::one": 99.0}}
-    profile.write_text(json.dumps({"quiet": {"tests": tests}, "busy": busy}))
+    quiet = {"tests": tests, "launches": [], "startup": {}}
+    busy = {"tests": {"a.py::one": 99.0}, "launches": [], "startup": {}}
+    profile.write_text(json.dumps({"quiet": quiet, "busy": busy}))
     assert file_seconds(profile) == {"a.py": 3.5, "b.py": 4.0}
 
 
