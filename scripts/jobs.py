@@ -10,7 +10,7 @@ import signal
 
 import psutil  # pip install 'accel_mixin[test]'
 
-__all__ = ["kill_job"]
+__all__ = ["kill_job", "kill_tree"]
 
 
 def kill_job(proc, timeout=10):
@@ -25,18 +25,25 @@ def kill_job(proc, timeout=10):
       Seconds to wait for the killed workers to be gone.
 
     """
+    workers = kill_tree(proc.pid)
+    proc.wait()
+    psutil.wait_procs(workers, timeout=timeout)
+
+
+def kill_tree(pid):
+    """SIGKILL the process group of ``pid`` and every process under ``pid``,
+    which may have left that group; return those under it."""
     try:
-        workers = psutil.Process(proc.pid).children(recursive=True)
+        workers = psutil.Process(pid).children(recursive=True)
     except psutil.NoSuchProcess:
         workers = []
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
         pass
     for worker in workers:
         try:
             worker.kill()
         except psutil.NoSuchProcess:
             pass
-    proc.wait()
-    psutil.wait_procs(workers, timeout=timeout)
+    return workers

@@ -79,10 +79,11 @@ def run_suite(pytest_args):
 
 def layout(launch):
     """A launch's layout, as the table names it."""
+    forked = ", forked" if launch.get("forked") else ""
     if launch["agents"] == 0:
-        return "python"
+        return f"python{forked}"
     agents = f" on {launch['agents']} agents" if launch["agents"] > 1 else ""
-    return f"{launch['processes']} processes{agents}"
+    return f"{launch['processes']} processes{agents}{forked}"
 
 
 def time_startup(launches, runs):
@@ -94,12 +95,15 @@ def time_startup(launches, runs):
         seconds = []
         for _ in range(runs):
             start = time.monotonic()
+            forked = launch.get("forked", False)
             if launch["agents"] == 0:
-                run = run_plain("startup.py", timeout=120)
+                run = run_plain("startup.py", timeout=120, forked=forked)
             elif launch["agents"] > 1:
                 run = run_nodes("startup.py", nodes=launch["agents"], timeout=120)
             else:
-                run = run_processes("startup.py", nproc=launch["processes"], timeout=120)
+                run = run_processes(
+                    "startup.py", nproc=launch["processes"], timeout=120, forked=forked
+                )
             run.check()
             seconds.append(time.monotonic() - start)
         out[layout(launch)] = statistics.median(seconds)

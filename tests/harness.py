@@ -1,13 +1,17 @@
 """Run a script under several real processes, the way users launch them.
 
-``run_processes`` starts ``torchrun`` with ``ACCELERATE_USE_CPU=true`` (DDP
-over gloo on this machine), on a free port, in its own process group. Every
-rank writes its results as JSON through ``launched/common.py``'s ``report``.
-torchrun also writes each rank's stdout and stderr to files of their own
-(``--log-dir``): tests that look at what a rank printed read those, never
-the interleaved stream, whose order differs from run to run. A run that
-exceeds its timeout is killed as a whole, and the test fails with every
-rank's output.
+``run_processes`` runs a script as ``torchrun`` starts it, with
+``ACCELERATE_USE_CPU=true`` (DDP over gloo on this machine), on a free port.
+Its workers are forked from interpreters that imported torch, accelerate and
+skorch already (``prefork``: what torchrun gives a worker, seconds sooner);
+torchrun itself starts them where the test is about torchrun (restarts,
+rendezvous arguments, several agents with ``run_nodes``) or sets variables
+read at start-up. Every rank writes its results as JSON through
+``launched/common.py``'s ``report``, and its stdout and stderr go to files of
+their own (torchrun's ``--log-dir``): tests that look at what a rank printed
+read those, never the interleaved stream, whose order differs from run to
+run. A run that exceeds its timeout is killed as a whole, and the test fails
+with every rank's output.
 """
 
 import json
@@ -21,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import prefork
 import pytest
 from jobs import kill_job  # scripts/jobs.py
 
@@ -149,8 +154,15 @@ class CheckedRanks:
         return iter([rank["checks"] for rank in self.launch.check()])
 
 
-def run_processes(script, *args, nproc=2, timeout=180, cpu_env=True, env=None, launcher_args=()):
-    """Run ``script`` under ``nproc`` processes with torchrun.
+def run_processes(
+    script, *args, nproc=2, timeout=180, cpu_env=True, env=None, launcher_args=(), forked=True
+):
+    """Run ``script`` under ``nproc`` processes, as torchrun starts them.
+
+    Without ``launcher_args``, the workers are forked from interpreters that
+    imported torch, accelerate and skorch already (``prefork``), which
+    is what torchrun would give them, seconds sooner; torchrun itself
+    otherwise, or with ``forked=False``.
 
     Parameters
     ----------
@@ -177,20 +189,30 @@ def run_processes(script, *args, nproc=2, timeout=180, cpu_env=True, env=None, l
       More arguments for torchrun, e.g. ``['--max-restarts=1']``; with a
       ``--rdzv-*`` argument, no ``--master_addr`` and ``--master_port``.
 
+    forked : bool (default=True)
+      Whether the workers may be forked (``prefork.usable`` has the last word).
+
     Returns
     -------
     launch : Launch
 
     """
+    port = free_port()
+    if forked and not launcher_args and prefork.usable(env):
+        return _launch_forked(script, args, nproc, timeout, cpu_env, env, port)
     common = [f"--nproc_per_node={nproc}", *launcher_args]
     if not any(arg.startswith("--rdzv") for arg in launcher_args):
-        common += ["--master_addr=127.0.0.1", f"--master_port={free_port()}"]
+        common += ["--master_addr=127.0.0.1", f"--master_port={port}"]
     return _launch([common], script, args, nproc, timeout, cpu_env, env)
 
 
-def run_plain(script, *args, timeout=180, env=None):
+def run_plain(script, *args, timeout=180, env=None, forked=True):
     """Run ``script`` as ``python script.py``: one process, no launcher, no
-    process group, as a user's single-process run."""
+    process group, as a user's single-process run (forked from an
+    interpreter that imported torch, accelerate and skorch, as
+    ``run_processes``)."""
+    if forked and prefork.usable(env):
+        return _launch_forked(script, args, 1, timeout, False, env, None)
     return _launch([None], script, args, 1, timeout, False, env)
 
 
@@ -229,26 +251,10 @@ def run_nodes(script, *args, nodes=2, timeout=180, env=None, isolated=()):
 
 
 def _launch(launchers, script, args, world_size, timeout, cpu_env, env, isolated=()):
-    script = Path(script)
-    if not script.is_absolute():
-        script = LAUNCHED / script
+    script = _script(script)
     with tempfile.TemporaryDirectory(prefix="accel_mixin_launch_") as tmp:
         tmp = Path(tmp)
-        run_env = dict(os.environ)
-        run_env.pop("ACCELERATE_USE_CPU", None)
-        run_env.update(
-            {
-                "ACCEL_RESULTS_DIR": str(tmp),
-                "OMP_NUM_THREADS": "1",
-                "PYTHONUNBUFFERED": "1",
-                "PYTHONPATH": os.pathsep.join(
-                    [str(ROOT), str(LAUNCHED), run_env.get("PYTHONPATH", "")]
-                ),
-            }
-        )
-        if cpu_env:
-            run_env["ACCELERATE_USE_CPU"] = "true"
-        run_env.update(env or {})
+        run_env = _environment(tmp, cpu_env, env)
         procs, logs = [], []
         started = time.monotonic()
         for k, launcher in enumerate(launchers):
@@ -293,10 +299,7 @@ def _launch(launchers, script, args, world_size, timeout, cpu_env, env, isolated
         )
         plain = launchers == [None]
         _log_launch(script, args, world_size, 0 if plain else len(launchers), started)
-        ranks = []
-        for rank in range(world_size):
-            path = tmp / f"rank{rank}.json"
-            ranks.append(json.loads(path.read_text()) if path.exists() else None)
+        ranks = _reports(tmp, world_size)
         if launchers == [None]:  # no torchrun: one process, one stream
             rank_outputs = [(output, "")]
         else:
@@ -305,7 +308,85 @@ def _launch(launchers, script, args, world_size, timeout, cpu_env, env, isolated
     return Launch(returncode, output, timed_out, ranks, rank_outputs)
 
 
-def _log_launch(script, args, processes, agents, started):
+def _script(script):
+    script = Path(script)
+    return script if script.is_absolute() else LAUNCHED / script
+
+
+def _base_environment():
+    """The environment every launch starts from: this one, one intra-op
+    thread, unbuffered output, and the package and the launched scripts'
+    helpers on the path."""
+    run_env = dict(os.environ)
+    # set per launch; and pytest's, per test, which would start the zygotes again
+    for name in ("ACCELERATE_USE_CPU", "ACCEL_RESULTS_DIR", "PYTEST_CURRENT_TEST"):
+        run_env.pop(name, None)
+    run_env.update(
+        {
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join(
+                [str(ROOT), str(LAUNCHED), run_env.get("PYTHONPATH", "")]
+            ),
+        }
+    )
+    return run_env
+
+
+def _environment(results, cpu_env, env):
+    run_env = dict(_base_environment(), ACCEL_RESULTS_DIR=str(results))
+    if "PYTEST_CURRENT_TEST" in os.environ:
+        run_env["PYTEST_CURRENT_TEST"] = os.environ["PYTEST_CURRENT_TEST"]
+    if cpu_env:
+        run_env["ACCELERATE_USE_CPU"] = "true"
+    run_env.update(env or {})
+    return run_env
+
+
+def _reports(tmp, world_size):
+    """Every rank's JSON report, None where a rank wrote none."""
+    paths = [tmp / f"rank{rank}.json" for rank in range(world_size)]
+    return [json.loads(path.read_text()) if path.exists() else None for path in paths]
+
+
+def _launch_forked(script, args, world_size, timeout, cpu_env, env, port):
+    """``_launch`` with workers forked by ``prefork``: the same ``Launch``,
+    with each rank's output where torchrun's ``--tee=3`` would put it."""
+    script = _script(script)
+    with tempfile.TemporaryDirectory(prefix="accel_mixin_launch_") as tmp:
+        tmp = Path(tmp)
+        started = time.monotonic()
+        returncode, timed_out, _, summary = prefork.launch(
+            [str(script), *map(str, args)],
+            world_size,
+            _base_environment(),
+            _environment(tmp, cpu_env, env),
+            cwd=tmp,
+            log_dir=tmp / "logs0",
+            timeout=timeout,
+            port=port,
+        )
+        _log_launch(script, args, world_size, 0 if port is None else 1, started, forked=True)
+        ranks = _reports(tmp, world_size)
+        if port is None:
+            output = _read(tmp / "logs0" / "prefork" / "attempt_0" / "0" / "stdout.log")
+            return Launch(returncode, output, timed_out, ranks, [(output, "")])
+        rank_outputs = _rank_outputs(tmp, 1, world_size)
+    # torchrun's --tee=3: every line of every rank, prefixed with its rank
+    output = "".join(
+        f"[default{rank}]:{line}\n"
+        for rank, streams in enumerate(rank_outputs)
+        for stream in streams
+        for line in stream.splitlines()
+    )
+    return Launch(returncode, output + summary, timed_out, ranks, rank_outputs)
+
+
+def _read(path):
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def _log_launch(script, args, processes, agents, started, forked=False):
     """Append the launch to ``$ACCEL_MIXIN_LAUNCH_LOG``, if set, one JSON line
     each, for ``scripts/suite_profile.py`` to count launches per test file
     (``agents`` 0: a plain ``python`` process, no torchrun)."""
@@ -319,6 +400,7 @@ def _log_launch(script, args, processes, agents, started):
         "args": [str(a) for a in args],
         "processes": processes,
         "agents": agents,
+        "forked": forked,
         "seconds": round(time.monotonic() - started, 3),
         "workers": int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")),
     }

@@ -10,8 +10,10 @@ from harness import free_port, port_block, run_processes
 
 
 @pytest.mark.multiprocess
-def test_a_hang_is_killed_and_shows_every_rank():
-    launch = run_processes("hang.py", timeout=15)
+@pytest.mark.parametrize("forked", [False, True], ids=["torchrun", "forked"])
+def test_a_hang_is_killed_and_shows_every_rank(forked):
+    # long enough for both ranks to start and print, beside a busy core
+    launch = run_processes("hang.py", timeout=8 if forked else 15, forked=forked)
     assert launch.timed_out
     pids = [
         int(pid)
@@ -31,10 +33,11 @@ def test_a_hang_is_killed_and_shows_every_rank():
 
 
 @pytest.mark.multiprocess
-def test_a_hung_check_ends_its_launch_at_its_own_deadline_naming_the_case():
-    launch = run_processes("hung_check.py", timeout=120)
+@pytest.mark.parametrize("forked", [False, True], ids=["torchrun", "forked"])
+def test_a_hung_check_ends_its_launch_at_its_own_deadline_naming_the_case(forked):
+    launch = run_processes("hung_check.py", timeout=120, forked=forked)
     assert not launch.timed_out, "the launch ran to the harness's timeout"
-    assert launch.returncode != 0  # torchrun's own status: 1 for any failed worker
+    assert launch.returncode == 1  # torchrun's own status for any failed worker
     assert f"exitcode  : {HUNG_STATUS}" in launch.output, "no rank ended as hung"
     assert launch.hung == {0: ("stuck", 3), 1: ("stuck", 3)}
     for rank, report in enumerate(launch.ranks):
