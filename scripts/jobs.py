@@ -31,16 +31,17 @@ def kill_job(proc, timeout=10):
 
 
 def kill_tree(pid):
-    """SIGKILL the process group of ``pid`` and every process under ``pid``,
-    which may have left that group; return those under it."""
+    """SIGKILL ``pid``, its process group and every process under it, which
+    may have left that group; return those under it."""
     try:
         workers = psutil.Process(pid).children(recursive=True)
     except psutil.NoSuchProcess:
         workers = []
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    for send in (os.kill, os.killpg):
+        try:
+            send(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
     for worker in workers:
         try:
             worker.kill()

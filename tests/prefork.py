@@ -54,9 +54,10 @@ PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "numpy", "accelerate",
 #: What torchrun's agent forwards to its workers when it gets it.
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
-#: Variables read when an interpreter or torch starts: a launch that sets
-#: one needs fresh interpreters.
-START_UP = ("PYTHON", "TORCH", "OMP_", "MKL_", "KMP_", "LD_", "MALLOC", "GLIBC")
+#: What a launch may set and still fork: variables read when the script
+#: runs, not when an interpreter or torch starts (``PYTHON*``, ``TORCH*``,
+#: ``OMP_*``, ``TMPDIR``, ...), which need fresh interpreters.
+RUN_TIME = ("ACCEL_", "ACCELERATE_", "LIVENESS_")
 
 #: Seconds between a worker's SIGTERM and its SIGKILL (torchrun's default).
 STOP_GRACE = 30
@@ -67,14 +68,14 @@ __all__ = ["STOP_GRACE", "launch", "rank_environment", "usable"]
 def usable(env):
     """Whether a launch whose extra environment is ``env`` may fork its
     workers: not with ``ACCEL_MIXIN_LAUNCHER=torchrun``, not while coverage
-    follows processes (it starts with each interpreter), and not with a
-    variable read at start-up."""
+    follows processes (it starts with each interpreter), and only with
+    variables of ``RUN_TIME``."""
     if os.environ.get("ACCEL_MIXIN_LAUNCHER", "prefork") != "prefork":
         return False
     coverage = sys.modules.get("coverage")
     if coverage is not None and coverage.Coverage.current() is not None:
         return False
-    return not any(name.startswith(START_UP) for name in env or {})
+    return all(name.startswith(RUN_TIME) for name in env or {})
 
 
 def rank_environment(rank, world_size, port):
@@ -95,7 +96,6 @@ def rank_environment(rank, world_size, port):
         "TORCHELASTIC_MAX_RESTARTS": "0",
         "TORCHELASTIC_RUN_ID": "none",
         "TORCHELASTIC_USE_AGENT_STORE": "True",
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
     }
 
 
@@ -132,13 +132,18 @@ def serve():
 
     for sig in FORWARDED:
         signal.signal(sig, lambda signum, _frame: tell({"signal": signum}))
+    tell({"ready": os.getpid()})
     for line in sys.stdin:
         request = json.loads(line)
+        current["id"] = request["id"]
+        # a signal between the fork and the worker's own handlers would run
+        # this zygote's handler in the worker: held until the worker has its own
+        signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
         pid = os.fork()
         if pid == 0:
             channel.close()
             _become_worker(request, imports_output)  # never returns
-        current["id"] = request["id"]
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
         tell({"pid": pid})
         _, status = os.waitpid(pid, 0)
         tell({"exit": os.waitstatus_to_exitcode(status)})
@@ -151,6 +156,7 @@ def _become_worker(request, imports_output):
     os.setsid()
     for sig in FORWARDED:
         signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
@@ -209,6 +215,7 @@ class _Zygote:
             start_new_session=True,
         )
         self.buffer = b""
+        self.ready = False
 
     def send(self, request):
         self.proc.stdin.write((json.dumps(request) + "\n").encode())
@@ -221,7 +228,16 @@ class _Zygote:
             return None
         self.buffer += chunk
         *lines, self.buffer = self.buffer.split(b"\n")
-        return [json.loads(line) for line in lines]
+        messages = [json.loads(line) for line in lines]
+        self.ready = self.ready or any("ready" in message for message in messages)
+        return messages
+
+    def kill(self):
+        """SIGKILL the zygote and whatever it forked, which has a session of its own."""
+        from jobs import kill_tree  # scripts/jobs.py
+
+        kill_tree(self.proc.pid)
+        self.proc.wait()
 
     def close(self):
         try:
@@ -231,8 +247,7 @@ class _Zygote:
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            self.kill()
 
 
 _pool = {"env": None, "zygotes": [], "launches": 0}
@@ -282,6 +297,7 @@ def launch(argv, world_size, base_env, launch_env, cwd, log_dir, timeout, port=N
         # torchrun's agent hosts the store its workers rendezvous on
         store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     zygotes = _zygotes(base_env, world_size)
+    _await_ready(zygotes)
     for rank, zygote in enumerate(zygotes):
         logs = Path(log_dir) / "prefork" / "attempt_0" / str(rank)
         logs.mkdir(parents=True)
@@ -291,6 +307,8 @@ def launch(argv, world_size, base_env, launch_env, cwd, log_dir, timeout, port=N
             stderr = stdout
         else:
             env.update(rank_environment(rank, world_size, port))
+            env["TORCHELASTIC_ERROR_FILE"] = str(logs / "error.json")
+            env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         zygote.send(
             {
                 "id": _pool["launches"],
@@ -307,6 +325,28 @@ def launch(argv, world_size, base_env, launch_env, cwd, log_dir, timeout, port=N
         del store
 
 
+def _await_ready(zygotes, timeout=600):
+    """Wait for the zygotes' imports: a launch's timeout, as torchrun's
+    workers', starts when the workers do."""
+    selector = selectors.DefaultSelector()
+    for zygote in zygotes:
+        if not zygote.ready:
+            selector.register(zygote.proc.stdout, selectors.EVENT_READ, zygote)
+    deadline = time.monotonic() + timeout
+    while selector.get_map():
+        events = selector.select(timeout=max(deadline - time.monotonic(), 0))
+        if not events:
+            _close_pool()
+            raise RuntimeError(f"the zygotes did not import {PRELOAD} within {timeout} s")
+        for key, _ in events:
+            if key.data.read() is None:
+                _close_pool()
+                raise RuntimeError(f"a zygote ended while importing {PRELOAD}: see stderr")
+            if key.data.ready:
+                selector.unregister(key.fileobj)
+    selector.close()
+
+
 def _watch(zygotes, timeout, plain, script):
     """Follow a launch's workers to their ends, as torchrun's agent does."""
     launch_id = _pool["launches"]
@@ -317,15 +357,16 @@ def _watch(zygotes, timeout, plain, script):
     deadline = time.monotonic() + timeout
     kill_at = None  # when the workers still running get SIGKILL
     timed_out = signalled = False
+    pending = {}  # rank: the signal for its worker, not forked yet
 
     def stop(sig):
-        for rank, zygote in enumerate(zygotes):
+        for rank in range(len(zygotes)):
             if rank in codes:
                 continue
             if rank in pids:
                 _signal_worker(pids[rank], sig)
-            elif sig == signal.SIGKILL:  # not forked yet: it never will be
-                zygote.proc.kill()
+            else:
+                pending[rank] = sig
 
     while len(codes) < len(zygotes):
         now = time.monotonic()
@@ -341,8 +382,10 @@ def _watch(zygotes, timeout, plain, script):
         for key, _ in selector.select(timeout=max(until - now, 0.01)):
             rank = key.data
             messages = zygotes[rank].read()
-            if messages is None:  # the zygote is gone, and so its worker
+            if messages is None:  # the zygote is gone: its worker goes too
                 selector.unregister(key.fileobj)
+                if rank in pids:
+                    _signal_worker(pids[rank], signal.SIGKILL)
                 codes.setdefault(rank, -signal.SIGKILL)
                 continue
             for message in messages:
@@ -350,6 +393,8 @@ def _watch(zygotes, timeout, plain, script):
                     continue  # a signal the zygote got between launches
                 if "pid" in message:
                     pids[rank] = message["pid"]
+                    if rank in pending:
+                        _signal_worker(pids[rank], pending.pop(rank))
                 elif "exit" in message:
                     codes[rank] = message["exit"]
                 elif "signal" in message and not timed_out:
@@ -362,7 +407,7 @@ def _watch(zygotes, timeout, plain, script):
     selector.close()
     if len(codes) < len(zygotes):
         for zygote in zygotes:
-            zygote.proc.kill()
+            zygote.kill()
         _close_pool()
     if timed_out:
         returncode = -signal.SIGKILL
@@ -381,14 +426,16 @@ def _watch(zygotes, timeout, plain, script):
 
 
 def _signal_worker(pid, sig):
-    """``sig`` to a worker's session, as torchrun sends it; SIGKILL also to
-    every process under the worker, which may have left its session."""
+    """``sig`` to a worker's session, as torchrun sends it, and to the worker
+    itself, whose session may not be made yet; SIGKILL also to every process
+    under it, which may have left its session."""
     if sig == signal.SIGKILL:
         from jobs import kill_tree  # scripts/jobs.py
 
         kill_tree(pid)
         return
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
+    for send in (os.kill, os.killpg):
+        try:
+            send(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass

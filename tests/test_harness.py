@@ -3,6 +3,7 @@
 import re
 import socket
 
+import prefork
 import psutil
 import pytest
 from common import HUNG_STATUS
@@ -13,7 +14,8 @@ from harness import free_port, port_block, run_processes
 @pytest.mark.parametrize("forked", [False, True], ids=["torchrun", "forked"])
 def test_a_hang_is_killed_and_shows_every_rank(forked):
     # long enough for both ranks to start and print, beside a busy core
-    launch = run_processes("hang.py", timeout=8 if forked else 15, forked=forked)
+    fork = forked and prefork.usable(None)
+    launch = run_processes("hang.py", timeout=8 if fork else 15, forked=forked)
     assert launch.timed_out
     pids = [
         int(pid)
