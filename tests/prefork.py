@@ -155,7 +155,8 @@ def _become_worker(request, imports_output):
     it, run the script, and end this process as its interpreter would."""
     os.setsid()
     for sig in FORWARDED:
-        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+        handler = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
+        signal.signal(sig, signal.SIG_IGN if sig in request["ignored"] else handler)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
     os.environ.clear()
     os.environ.update(request["env"])
@@ -185,6 +186,10 @@ def _become_worker(request, imports_output):
         sys.excepthook(type(exc), exc, exc.__traceback__.tb_next)
         raise SystemExit(1) from None
     raise SystemExit(0)
+
+
+def _ignored_here(sig):
+    return signal.getsignal(sig) == signal.SIG_IGN
 
 
 def _redirect(fd, path, flags):
@@ -298,6 +303,10 @@ def launch(argv, world_size, base_env, launch_env, cwd, log_dir, timeout, port=N
         store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     zygotes = _zygotes(base_env, world_size)
     _await_ready(zygotes)
+    # an interpreter started with a signal ignored keeps it ignored (a job in
+    # the background of a shell ignores SIGINT): so does a plain run's; under
+    # torchrun, whose agent handles them all, none is
+    ignored = [] if port is not None else [s for s in FORWARDED if _ignored_here(s)]
     for rank, zygote in enumerate(zygotes):
         logs = Path(log_dir) / "prefork" / "attempt_0" / str(rank)
         logs.mkdir(parents=True)
@@ -312,6 +321,7 @@ def launch(argv, world_size, base_env, launch_env, cwd, log_dir, timeout, port=N
         zygote.send(
             {
                 "id": _pool["launches"],
+                "ignored": ignored,
                 "argv": argv,
                 "env": env,
                 "cwd": str(cwd),

@@ -1,5 +1,7 @@
 """Forked launches (tests/prefork.py) give a worker what torchrun gives it."""
 
+import signal
+
 import pytest
 from harness import run_plain, run_processes
 
@@ -70,10 +72,21 @@ def test_a_failed_worker_stops_the_others_and_fails_the_launch(launcher):
 
 
 @pytest.mark.multiprocess
-def test_a_forked_plain_run_is_a_plain_python_run():
-    plain, forked = (
-        run_plain("launch_view.py", "view", forked=forked, timeout=120) for forked in (False, True)
+@pytest.mark.parametrize("sigint", ["handled", "ignored"])
+def test_a_forked_plain_run_is_a_plain_python_run(sigint):
+    # a test run in the background of a shell ignores SIGINT, and so does
+    # every interpreter it starts
+    previous = signal.signal(
+        signal.SIGINT, signal.SIG_IGN if sigint == "ignored" else signal.default_int_handler
     )
+    try:
+        plain, forked = (
+            run_plain("launch_view.py", "view", forked=forked, timeout=120)
+            for forked in (False, True)
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert without_drawn(forked.check()[0]) == without_drawn(plain.check()[0])
+    assert forked.check()[0]["sigint_default"] == (sigint == "handled")
     assert forked.check()[0]["variables"]["RANK"] is None
     assert forked.output == plain.output == "rank 0 out\nrank 0 err\n"
