@@ -356,7 +356,7 @@ def _launch_forked(script, args, world_size, timeout, cpu_env, env, port):
     with tempfile.TemporaryDirectory(prefix="accel_mixin_launch_") as tmp:
         tmp = Path(tmp)
         started = time.monotonic()
-        returncode, timed_out, _, summary = prefork.launch(
+        returncode, timed_out, summary = prefork.launch(
             [str(script), *map(str, args)],
             world_size,
             _base_environment(),
@@ -368,10 +368,10 @@ def _launch_forked(script, args, world_size, timeout, cpu_env, env, port):
         )
         _log_launch(script, args, world_size, 0 if port is None else 1, started, forked=True)
         ranks = _reports(tmp, world_size)
-        if port is None:
-            output = _read(tmp / "logs0" / "prefork" / "attempt_0" / "0" / "stdout.log")
-            return Launch(returncode, output, timed_out, ranks, [(output, "")])
         rank_outputs = _rank_outputs(tmp, 1, world_size)
+    if port is None:  # one process, one stream (its stderr went to stdout.log)
+        output = rank_outputs[0][0]
+        return Launch(returncode, output, timed_out, ranks, [(output, "")])
     # torchrun's --tee=3: every line of every rank, prefixed with its rank
     output = "".join(
         f"[default{rank}]:{line}\n"
@@ -380,10 +380,6 @@ def _launch_forked(script, args, world_size, timeout, cpu_env, env, port):
         for line in stream.splitlines()
     )
     return Launch(returncode, output + summary, timed_out, ranks, rank_outputs)
-
-
-def _read(path):
-    return path.read_text(errors="replace") if path.exists() else ""
 
 
 def _log_launch(script, args, processes, agents, started, forked=False):

@@ -290,10 +290,10 @@ def launch(argv, world_size, base_env, launch_env, cwd, log_dir, timeout, port=N
     whole environment before torchrun's variables. Each rank's output goes to
     ``log_dir/prefork/attempt_0/<rank>/{stdout,stderr}.log``.
 
-    Returns ``(returncode, timed_out, pids, summary)``: the launch's status
+    Returns ``(returncode, timed_out, summary)``: the launch's status
     (torchrun's: 1 when a worker failed or the launch was signalled; with
     ``port`` None, the process's own), whether it was killed at ``timeout``,
-    the workers' pids, and torchrun's failure summary, '' if none failed.
+    and torchrun's failure summary, '' if none failed.
     """
     store = None
     if port is not None:
@@ -432,7 +432,7 @@ def _watch(zygotes, timeout, plain, script):
             f"[{rank}]:\n  rank      : {rank} (local_rank: {rank})\n"
             f"  exitcode  : {code} (pid: {pids.get(rank)})\n"
         )
-    return returncode, timed_out, [pids.get(rank) for rank in range(len(zygotes))], summary
+    return returncode, timed_out, summary
 
 
 def _signal_worker(pid, sig):
