@@ -124,18 +124,20 @@ def test_training_states_hold_best_weights_only_where_needed_under_clean_keys(la
     assert not any(key.startswith("module.") for key in later["best_model_weights_"])
 
 
-@pytest.fixture
 def state_checks(launched):
+    # called in the tests, not a fixture: a launch that fails (a break that
+    # makes every rank save, say) then fails the test instead of erroring
+    # at set-up, which scripts/breaks.py would not count as caught
     _, _, resumed_checks = launched(2)  # state_checks.py, after the resumes
     return resumed_checks
 
 
 @multiprocess
-def test_save_state_and_load_state(state_checks):
+def test_save_state_and_load_state(launched):
     # the main process writes, in the background too; the other returns
-    writes = [value["writes"] for value in values(state_checks, "round_trip")]
-    assert writes == [["asynchronous.pt", "state.pt"], []]
-    for value in values(state_checks, "round_trip"):
+    round_trips = values(state_checks(launched), "round_trip")
+    assert [value["writes"] for value in round_trips] == [["asynchronous.pt", "state.pt"], []]
+    for value in round_trips:
         assert value["same_predictions"] and value["epochs"] == 2
         assert value["keys"] == [
             "callbacks",
@@ -154,8 +156,8 @@ def test_save_state_and_load_state(state_checks):
 
 
 @multiprocess
-def test_mismatched_states_raise_clearly_on_every_rank(state_checks):
-    for value in values(state_checks, "mismatch_raises_on_every_rank"):
+def test_mismatched_states_raise_clearly_on_every_rank(launched):
+    for value in values(state_checks(launched), "mismatch_raises_on_every_rank"):
         assert (
             "'hidden.weight' has shape (32, 20) in the file but (64, 20)" in value["architecture"]
         )
@@ -164,10 +166,9 @@ def test_mismatched_states_raise_clearly_on_every_rank(state_checks):
 
 
 @multiprocess
-def test_a_failed_asynchronous_write_raises_on_every_rank(state_checks):
-    rank0, rank1 = (
-        v["error"] for v in values(state_checks, "asynchronous_failure_reaches_every_rank")
-    )
+def test_a_failed_asynchronous_write_raises_on_every_rank(launched):
+    failures = values(state_checks(launched), "asynchronous_failure_reaches_every_rank")
+    rank0, rank1 = (v["error"] for v in failures)
     assert re.match(
         r"FileNotFoundError: Cannot save to vanishing/run-\w{12}/training-state-000002.pt", rank0
     )
@@ -177,8 +178,8 @@ def test_a_failed_asynchronous_write_raises_on_every_rank(state_checks):
 
 
 @multiprocess
-def test_loads_wait_for_asynchronous_saves_in_flight(state_checks):
-    for value in values(state_checks, "load_right_after_an_asynchronous_save"):
+def test_loads_wait_for_asynchronous_saves_in_flight(launched):
+    for value in values(state_checks(launched), "load_right_after_an_asynchronous_save"):
         assert value == {"other_net": True, "same_net": True, "params_waited": True}
 
 
