@@ -1055,10 +1055,10 @@ BREAKS = [
         "describe",
         "a Dataset's rows are read with the generators as they are: an augmenting Dataset "
         "fingerprints differently on every rank and takes draws from training",
-        "accel_mixin/resume/describe.py",
-        "            with fixed_random_state(describer.dataset_generators.values()):\n",
-        "            with contextlib.nullcontext():\n",
-        ("tests/test_runs.py", "-m", "not multiprocess"),
+        "accel_mixin/training/sample_rows.py",
+        "        with fixed_random_state(generators):\n",
+        "        with contextlib.nullcontext():\n",
+        ("tests/test_runs.py", "tests/test_sample_rows.py", "-m", "not multiprocess"),
     ),
     Break(
         "describe-dataset-generators-by-state",
@@ -1500,6 +1500,40 @@ BREAKS = [
         (
             FSDP_STATE
             + "test_a_run_resumed_at_an_epochs_end_from_asynchronous_saves_goes_on_exactly",
+        ),
+    ),
+    # --- issue 46: augmenting data ---------------------------------------------
+    Break(
+        "sample-rows-generators-not-found",
+        "sample_rows",
+        "the generators a Dataset holds (in transforms, closures, partials) are not found, so "
+        "rows are read with each rank's own seeds of them",
+        "accel_mixin/training/sample_rows.py",
+        "    return list(found.values())\n",
+        "    return []\n",
+        ("tests/test_sample_rows.py", "tests/test_runs.py", "-m", "not multiprocess"),
+    ),
+    Break(
+        "sample-rows-read-once",
+        "sample_rows",
+        "rows are read once: rows drawn from the OS's entropy are compared and hashed, so "
+        "the ranks never agree and the run identity differs at every fit",
+        "accel_mixin/training/sample_rows.py",
+        "    return digests[0] if digests[0] == digests[1] else None\n",
+        "    return digests[0]\n",
+        ("tests/test_sample_rows.py",),
+    ),
+    launched(
+        "replicas-rows-read-by-chance",
+        "replicas",
+        "the replica check reads rows with each rank's random state: an augmenting Dataset "
+        "cannot train on 2 processes",
+        "accel_mixin/distributed/replicas.py",
+        "        digest = repeatable_digest((X, y), read, _hashed)\n",
+        "        digest = _hashed(read())\n",
+        (
+            "tests/test_sample_rows.py",
+            "tests/test_runs.py::test_a_dataset_that_augments_at_random_resumes_exactly",
         ),
     ),
 ]

@@ -9,7 +9,9 @@ error on every rank: the length of the data and the values of 64 of its
 rows when training begins, the number of batches without even batches (DDP
 would hang), and after an epoch a fingerprint of every parameter (the sum
 of its bit patterns modulo 2**32: exact, order-free, changed by any
-element; buffers are DDP's, from rank 0).
+element; buffers are DDP's, from rank 0). Rows are read with every random
+generator at a fixed seed (``training.sample_rows``): a Dataset that
+augments at random is the same data on every rank.
 """
 
 import hashlib
@@ -22,6 +24,7 @@ from skorch.dataset import get_len
 from skorch.utils import multi_indexing
 
 from accel_mixin.errors import DistributedError
+from accel_mixin.training.sample_rows import repeatable_digest
 
 __all__ = [
     "check_replicas",
@@ -64,20 +67,31 @@ def _feed(digest, data):
     return data is None
 
 
-def _sample_digest(X, y, n):
-    """A 63-bit digest of the same rows of ``X`` and ``y`` on every rank, or
-    -1 where they cannot be hashed alike."""
-    if n <= 0:
-        return -1
-    rows = np.unique(np.linspace(0, n - 1, min(n, _SAMPLED_ROWS)).astype(np.int64))
+def _hashed(sampled):
     digest = hashlib.blake2b(digest_size=8)
-    try:
-        sampled = [None if data is None else multi_indexing(data, rows) for data in (X, y)]
-    except Exception:  # pylint: disable=broad-except
-        return -1  # a dataset type skorch does not index: only lengths are compared
     if not all(_feed(digest, data) for data in sampled):
         return -1
     return int.from_bytes(digest.digest(), "little") >> 1
+
+
+def _sample_digest(X, y, n):
+    """A 63-bit digest of the same rows of ``X`` and ``y`` on every rank, or
+    -1 where they cannot be hashed alike: rows are read as
+    ``sample_rows.repeatable_digest`` reads them, so a Dataset that augments
+    at random, with each rank's own seeds, gives the same digest on every
+    rank, and one whose rows differ at every reading gives -1."""
+    if n <= 0:
+        return -1
+    rows = np.unique(np.linspace(0, n - 1, min(n, _SAMPLED_ROWS)).astype(np.int64))
+
+    def read():
+        return [None if data is None else multi_indexing(data, rows) for data in (X, y)]
+
+    try:
+        digest = repeatable_digest((X, y), read, _hashed)
+    except Exception:  # pylint: disable=broad-except
+        return -1  # a dataset type skorch does not index: only lengths are compared
+    return -1 if digest is None else digest
 
 
 def _everyone(accelerator, values):

@@ -15,31 +15,29 @@ A description never depends on chance. Random generators are described by
 their state, except inside a ``Dataset``, where they are described by class
 only: a Dataset that augments from a generator of its own (seeded per rank,
 or not at all) is the same data on every rank and in every launch. A
-Dataset's rows are read with Python's, NumPy's and torch's global (CPU)
-generators and every generator the Dataset holds set to a fixed seed, and
-all of them put back afterwards, so that reading them neither depends on
-nor changes the random number streams of training.
+Dataset's rows are read as ``training.sample_rows`` reads them, with every
+generator set to a fixed seed and put back afterwards, so that reading them
+neither depends on nor changes the random number streams of training.
 """
 
-import contextlib
 import enum
 import functools
 import hashlib
 import inspect
 import json
-import random
 
 import numpy as np
 import torch
 from skorch.dataset import get_len
 from torch.utils.data import Dataset, IterableDataset
 
+from accel_mixin.training.sample_rows import generator_state, is_generator, repeatable_digest
+
 __all__ = [
     "MAX_DEPTH",
     "MAX_VALUES",
     "Describer",
     "fingerprint",
-    "fixed_random_state",
     "init_defaults",
     "name_of",
 ]
@@ -50,7 +48,8 @@ _SAMPLE_ROWS = 64
 _CHUNK = 64 * 2**20
 _PLAIN = (type(None), bool, int, float, str)
 _DEFAULT = object()
-_ROWS_SEED = 0  # the seed of every generator while a Dataset's rows are read
+# what stands for the rows of a Dataset that reads other rows every time
+_UNREPEATABLE = "rows drawn anew at every reading"
 
 
 def name_of(obj):
@@ -92,9 +91,6 @@ class Describer:
 
     def __init__(self):
         self.refusals = []
-        # the random generators met inside Datasets, by id: set to a fixed
-        # state while the Datasets' rows are read (``fingerprint``)
-        self.dataset_generators = {}
         self._values = 0
         self._path_ids = set()
         self._inside_datasets = 0
@@ -278,13 +274,12 @@ class Describer:
 
     def _special(self, value, path, depth):
         """Objects whose content is not in their attributes."""
-        if _is_generator(value):
+        if is_generator(value):
             if self._inside_datasets:
                 # a Dataset's generator draws its augmentations: its state
                 # differs by rank and by launch, not what is trained
-                self.dataset_generators[id(value)] = value
                 return {}
-            return {"state": self(_generator_state(value), path, depth)}
+            return {"state": self(generator_state(value), path, depth)}
         if hasattr(value, "tocsr") and hasattr(value, "nnz"):  # scipy.sparse
             csr = value.tocsr()
             arrays = [csr.data, csr.indices, csr.indptr]
@@ -297,65 +292,6 @@ class Describer:
             out["index"] = self(np.asarray(value.index), path, depth)
             return out
         return None
-
-
-def _is_generator(value):
-    return isinstance(value, (np.random.RandomState, np.random.Generator, torch.Generator)) or (
-        isinstance(value, random.Random) and not isinstance(value, random.SystemRandom)
-    )
-
-
-def _generator_state(generator):
-    if isinstance(generator, np.random.RandomState):
-        return generator.get_state(legacy=False)
-    if isinstance(generator, np.random.Generator):
-        return generator.bit_generator.state
-    if isinstance(generator, torch.Generator):
-        return generator.get_state()
-    return generator.getstate()
-
-
-def _set_generator_state(generator, state):
-    if isinstance(generator, np.random.RandomState):
-        generator.set_state(state)
-    elif isinstance(generator, np.random.Generator):
-        generator.bit_generator.state = state
-    elif isinstance(generator, torch.Generator):
-        generator.set_state(state)
-    else:
-        generator.setstate(state)
-
-
-def _seed_generator(generator):
-    if isinstance(generator, np.random.Generator):
-        bits = generator.bit_generator
-        bits.state = type(bits)(_ROWS_SEED).state
-    elif isinstance(generator, torch.Generator):
-        generator.manual_seed(_ROWS_SEED)
-    else:  # RandomState, random.Random
-        generator.seed(_ROWS_SEED)
-
-
-@contextlib.contextmanager
-def fixed_random_state(generators=()):
-    """Python's, NumPy's and torch's global CPU generators and ``generators``
-    seeded with a constant, all put back as they were on leaving. CUDA's
-    generators are left alone: a Dataset's rows are read on the CPU."""
-    saved = [(generator, _generator_state(generator)) for generator in generators]
-    python, numpy = random.getstate(), np.random.get_state()
-    with torch.random.fork_rng(devices=[]):
-        try:
-            random.seed(_ROWS_SEED)
-            np.random.seed(_ROWS_SEED)
-            torch.default_generator.manual_seed(_ROWS_SEED)  # not CUDA's, as manual_seed would
-            for generator, _ in saved:
-                _seed_generator(generator)
-            yield
-        finally:
-            random.setstate(python)
-            np.random.set_state(numpy)
-            for generator, state in reversed(saved):  # one held twice: its first state
-                _set_generator_state(generator, state)
 
 
 def _attributes(value):
@@ -382,8 +318,10 @@ def fingerprint(data, describer=None, path="X"):
     changes when any row does: every byte of its arrays and tensors, every
     value of a list, a ``Dataset``'s attributes and 64 of its rows evenly
     spaced (rows read from elsewhere cannot all be read at every fit), read
-    under ``fixed_random_state``: the same on every rank and in every launch
-    for a Dataset that augments at random, and no draw taken from training."""
+    as ``sample_rows.repeatable_digest`` reads them: the same on every rank
+    and in every launch for a Dataset that augments at random, and no draw
+    taken from training. Rows that a second reading gives otherwise (drawn
+    from the operating system's entropy) are left out."""
     if data is None:
         return None
     describer = Describer() if describer is None else describer
@@ -420,10 +358,13 @@ def _stream(data, digest, describer, path):
         if isinstance(data, Dataset) and not isinstance(data, IterableDataset):
             n = len(data)
             rows = np.unique(np.linspace(0, n - 1, min(n, _SAMPLE_ROWS)).round().astype(np.int64))
-            with fixed_random_state(describer.dataset_generators.values()):
-                sample = [data[int(i)] for i in rows]
-            described = [
-                described,
-                [describer(row, f"{path}[{i}]") for i, row in zip(rows, sample)],
-            ]
+            # the second reading is described apart: its refusals would count twice
+            describers = iter([describer, Describer()])
+
+            def rows_described(sample):
+                describe = next(describers)
+                return [describe(row, f"{path}[{i}]") for i, row in zip(rows, sample)]
+
+            sampled = repeatable_digest(data, lambda: [data[int(i)] for i in rows], rows_described)
+            described = [described, _UNREPEATABLE if sampled is None else sampled]
         digest.update(json.dumps(described, sort_keys=True).encode())

@@ -1,11 +1,11 @@
 """Training on a Dataset that augments at random, crashed and resumed
 (``runs_interrupted.py`` runs it, in its launches' phases).
 
-SEEDING  unseeded: the augmentation draws from NumPy's global generator,
-         seeded by the OS (another state in every process and on every
-         rank), and from torch's, wherever the launch left it;
-         per_rank: both seeded with the rank, as scripts that want each
-         rank to augment differently do
+SEEDING  unseeded: the augmentation draws from NumPy's and Python's global
+         generators, seeded by the OS (another state in every process and
+         on every rank), and from torch's, wherever the launch left it;
+         per_rank: all three seeded with the rank, as scripts that want
+         each rank to augment differently do
 
 ``crash`` trains 5 epochs without checkpoints (the reference, kept in
 DIRNAME/reference-rank<r>.json), puts the random number generators back as
@@ -13,13 +13,16 @@ they were before it, and trains again with TrainingCheckpoint and
 ResumeTraining, stopped when epoch 3 begins; ``resume``, in another launch,
 resumes there.
 
-The run identity reads rows of the Dataset: it must neither tell the ranks or
+The replica check and the run identity read rows of the Dataset, whose rows
+and targets are tensors they can hash: they must neither tell the ranks or
 the launches apart by their random draws, nor take draws from training, so
-that the resumed history and weights equal the reference's bit for bit.
+that the fit trains and the resumed history and weights equal the
+reference's bit for bit.
 """
 
 import json
 import os
+import random
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +38,8 @@ RANK = int(os.environ.get("RANK", "0"))
 
 
 class Augmenting(torch.utils.data.Dataset):
-    """Rows with noise from NumPy's and torch's global generators."""
+    """Rows with noise from Python's, NumPy's and torch's global generators,
+    and tensors for targets, as torchvision-style transforms give."""
 
     def __init__(self, X, y):
         self.X, self.y = X, y
@@ -46,7 +50,7 @@ class Augmenting(torch.utils.data.Dataset):
     def __getitem__(self, i):
         x = torch.as_tensor(self.X[i])
         noise = torch.randn(x.shape) + torch.as_tensor(np.random.normal(size=x.shape))
-        return x + 0.1 * noise.float(), self.y[i]
+        return x + 0.1 * noise.float() * random.random(), torch.as_tensor(self.y[i])
 
 
 class Preemption(Callback):
@@ -88,6 +92,7 @@ def seeded(seeding):
     if seeding == "per_rank":
         torch.manual_seed(RANK + 1)
         np.random.seed(RANK + 1)
+        random.seed(RANK + 1)
 
 
 def checkpoints(dirname):
