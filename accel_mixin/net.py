@@ -25,6 +25,7 @@ from accel_mixin.resume.resuming import begin_epoch, continue_epoch
 from accel_mixin.training.epochs import EpochBatches, end_epoch
 from accel_mixin.training.net_objects import (
     bare_modules,
+    check_device,
     check_net_replicas,
     check_optimizers,
     check_params,
@@ -167,6 +168,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
         if self._process.keep_loaded:
             return self  # fit after load_state: skorch's fit goes on from it
         self._process.forget_loaded_state()  # a fresh start
+        check_device(self)  # skorch's initialize moves the module first
         with quiet_unless_main(self.accelerator):
             super().initialize()
             try:

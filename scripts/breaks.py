@@ -1536,6 +1536,29 @@ BREAKS = [
             "tests/test_runs.py::test_a_dataset_that_augments_at_random_resumes_exactly",
         ),
     ),
+    # --- issue 46: settings honoured or refused ----------------------------------
+    launched(
+        "layout-fsdp-asked-not-selected-trains-ddp",
+        "process_layout",
+        "FSDP asked for (plugin or ACCELERATE_USE_FSDP) on CPU trains unsharded DDP silently",
+        "accel_mixin/distributed/process_layout.py",
+        '    if kind == DistributedType.FSDP or not parse_flag_from_env("ACCELERATE_USE_FSDP"):\n',
+        "    if True:\n",
+        (
+            "tests/test_mixin.py::test_fsdp_asked_for_in_one_process_on_cpu_is_refused",
+            FSDP + "test_fsdp_asked_for_on_cpu_is_refused_naming_why",
+        ),
+    ),
+    Break(
+        "net-device-checked-after-skorch-moves",
+        "net",
+        "device is checked after skorch's initialize moved the module: device='cuda' without "
+        "CUDA fails in torch",
+        "accel_mixin/net.py",
+        "        check_device(self)  # skorch's initialize moves the module first\n",
+        "",
+        ("tests/test_mixin.py", "-k", "device"),
+    ),
 ]
 
 

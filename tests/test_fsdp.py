@@ -10,6 +10,7 @@ import re
 
 import pytest
 from harness import CheckedRanks, run_processes
+from harness import check_errors as errors
 from harness import check_values as values
 
 pytestmark = pytest.mark.multiprocess
@@ -130,3 +131,20 @@ def test_skorchs_checkpoint_and_early_stopping_restore_the_best_weights(fsdp):
         assert value["checkpoint_epochs"][-1] == value["best_epoch"]
         # the weights in place after fit are those of the best epoch's file
         assert value["loaded_best"] == 0.0
+
+
+# --- FSDP asked for where accelerate does not select it ----------------------
+
+
+@pytest.mark.parametrize("route", ["plugin", "env"])
+def test_fsdp_asked_for_on_cpu_is_refused_naming_why(route):
+    """On CPU accelerate selects DDP whatever the plugin says; skorch.hf then
+    trains unsharded silently, ours refuses at initialize."""
+    env = {"ACCELERATE_USE_FSDP": "true"} if route == "env" else None
+    launch = run_processes("fsdp_asked.py", route, env=env, timeout=300).check()
+    for value in values(launch, "incumbent"):
+        assert value["distributed_type"] == "DistributedType.MULTI_CPU"
+    for error in errors(launch, "ours"):
+        assert error.startswith("ValueError: FSDP was asked for")
+        assert "distributed_type=DistributedType.MULTI_CPU on 2 process(es)" in error
+        assert "without fsdp_plugin" in error and "Launch it on GPUs" in error

@@ -44,6 +44,37 @@ def test_device_must_be_left_to_the_accelerator(mlp):
         net.initialize()
 
 
+@pytest.mark.parametrize("Net", [ours(), incumbent("torch's CUDA assertion, from to_device")])
+@pytest.mark.parametrize("device", ["cuda", "cuda:1", torch.device("mps")])
+def test_any_device_gets_the_message_before_anything_moves(Net, device, mlp):
+    """On a machine without CUDA, device='cuda' failed inside skorch's
+    to_device with "Torch not compiled with CUDA enabled"."""
+    net = Net(mlp, accelerator=Accelerator(cpu=True), device=device, verbose=0)
+    with pytest.raises(ValueError, match=r"device=.* was given.*set device=None"):
+        net.initialize()
+    assert not hasattr(net, "module_")  # raised before skorch built and moved it
+
+
+def test_a_device_is_taken_where_the_user_places_the_net(mlp, data):
+    accelerator = Accelerator(cpu=True, device_placement=False)
+    net = AcceleratedNet(mlp, accelerator=accelerator, device="cpu", max_epochs=1, verbose=0)
+    assert net.fit(*data).device == "cpu"
+
+
+def test_fsdp_asked_for_in_one_process_on_cpu_is_refused(mlp, monkeypatch):
+    """The plugin sets ACCELERATE_USE_FSDP in the environment, put back after
+    the test; accelerate selects no FSDP in one CPU process."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    net = make_net(AcceleratedNet, mlp, accelerator=Accelerator(cpu=True, fsdp_plugin=plugin))
+    with pytest.raises(
+        ValueError, match=r"FSDP was asked for .* distributed_type=DistributedType.NO on 1 "
+    ):
+        net.initialize()
+
+
 def test_closure_optimizer_trains_as_in_skorch(mlp, data):
     kwargs = dict(optimizer=torch.optim.LBFGS, lr=0.1, batch_size=-1, max_epochs=3)
     torch.manual_seed(0)

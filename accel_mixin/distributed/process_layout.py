@@ -8,7 +8,7 @@ import functools
 import os
 import warnings
 
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, parse_flag_from_env
 
 from accel_mixin.distributed.sharding import sharded
 
@@ -75,9 +75,33 @@ def check_not_a_child_of_a_rank():
     )
 
 
+def check_fsdp_selected(accelerator):
+    """Raise ``ValueError`` where FSDP was asked for and accelerate did not
+    select it: it would train unsharded, without a word.
+
+    ``Accelerator(fsdp_plugin=...)`` sets ``ACCELERATE_USE_FSDP=true``, as
+    ``accelerate launch --use_fsdp`` does; accelerate then selects FSDP only
+    for several processes on GPUs and other accelerators, never on CPU.
+    """
+    kind = accelerator.distributed_type
+    if kind == DistributedType.FSDP or not parse_flag_from_env("ACCELERATE_USE_FSDP"):
+        return
+    raise ValueError(
+        f"FSDP was asked for (an FSDP plugin passed to the Accelerator, or "
+        f"ACCELERATE_USE_FSDP=true, which `accelerate launch --use_fsdp` and the plugin set), "
+        f"but accelerate selected distributed_type={kind} on {accelerator.num_processes} "
+        f"process(es) of device {accelerator.device}: accelerate shards with FSDP only "
+        "across several processes on GPUs (or other accelerators), never on CPU, so this "
+        "net would train unsharded without a word. Launch it on GPUs to shard, or, to "
+        "train unsharded (DDP), create the Accelerator without fsdp_plugin and launch "
+        "without --use_fsdp (ACCELERATE_USE_FSDP unset)."
+    )
+
+
 def check_supported(accelerator):
     """Raise ``ValueError``, naming the backend, for the backends this mixin
-    cannot train with."""
+    cannot train with, and where FSDP was asked for but not selected."""
+    check_fsdp_selected(accelerator)
     kind = accelerator.distributed_type
     if kind == DistributedType.FSDP and not sharded(accelerator):
         raise ValueError(

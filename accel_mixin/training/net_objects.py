@@ -28,6 +28,7 @@ from accel_mixin.training.wrapping import Slot, requires_closure
 
 __all__ = [
     "bare_modules",
+    "check_device",
     "check_net_replicas",
     "check_optimizers",
     "check_params",
@@ -128,10 +129,22 @@ def bare_modules(net):
             setattr(net, attr, current)
 
 
+def check_device(net):
+    """Refuse a ``device`` where the accelerator places the net: before skorch
+    moves anything (``device='cuda'`` without CUDA would fail in torch)."""
+    accelerator = net.accelerator
+    if accelerator.device_placement and net.device is not None:
+        raise ValueError(
+            f"device={net.device!r} was given, but the accelerator places the modules and "
+            f"the data itself (on {accelerator.device}). When device placement is performed "
+            "by the accelerator, set device=None; to place them yourself, create the "
+            "accelerator with Accelerator(device_placement=False)."
+        )
+
+
 def check_params(net):
     """Refuse parameters that contradict the accelerator or the mixin."""
-    if net.accelerator.device_placement and (net.device is not None):
-        raise ValueError("When device placement is performed by the accelerator, set device=None")
+    check_device(net)
     adopt_history(net)
     every = net.replica_check_every
     if every is not None and (not isinstance(every, int) or every < 0):
