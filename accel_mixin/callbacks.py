@@ -23,6 +23,8 @@ from accel_mixin.checkpoint.checkpoint_files import (
     checkpoint_files,
     checkpoint_name,
     checkpoint_positions,
+    describe_position,
+    position_of,
 )
 from accel_mixin.checkpoint.files import remove_temporaries
 from accel_mixin.checkpoint.sharded_state import remove_orphan_shards, remove_training_state
@@ -324,12 +326,17 @@ class ResumeTraining(_RunCallback):
     At the start of training, computes the run's identity as
     ``TrainingCheckpoint`` does and loads the newest complete file in the
     run's folder; ``fit`` then trains only the epochs that remain up to
-    ``max_epochs`` (none after ``EarlyStopping``). A fit with other data or
+    ``max_epochs`` (none after ``EarlyStopping``), and one line names the
+    file and the position it continues after. A fit with other data or
     hyperparameters (another fold, another candidate of a search) is another
     run and starts afresh, and one line says what differs from the newest
-    run in the folder. A fit with a value that the identity cannot describe
-    by content and no ``run_name`` is never resumed, and a warning on the
-    main process says which value, once. Where machines keep their own
+    run in the folder (another run's, or states outside run folders). A
+    warning on the main process says where the net's ``TrainingCheckpoint``
+    writes to another folder (a rerun would never resume this fit), and
+    where the net has none and nothing was resumed (the callback did
+    nothing). A fit with a value that the identity cannot describe by
+    content and no ``run_name`` is never resumed, and a warning on the main
+    process says which value, once. Where machines keep their own
     copies (``save_on_each_node``), every rank resumes from the newest epoch
     that all of them have, and all raise a ``CheckpointError`` if some have
     files and others none of those.
@@ -351,8 +358,9 @@ class ResumeTraining(_RunCallback):
       several other runs share raises: pass the id of one of them.
 
     sink : callable (default=print)
-      Where the line about a new run next to older ones goes; silent when
-      the net's ``verbose`` is 0.
+      Where the line about what training resumed from, or about a new run
+      next to other runs' states, goes: on the main process only, and
+      nowhere when the net's ``verbose`` is 0.
 
     Attributes
     ----------
@@ -399,19 +407,75 @@ class ResumeTraining(_RunCallback):
                 RuntimeWarning,
                 stacklevel=2,
             )
+        if net.accelerator.is_main_process:
+            self._check_writer(net)
         # every rank gets here before the ranks compare their files, or
         # raises if a callback before this one failed on some rank
         net.wait_for_everyone("ResumeTraining")
-        path = agreed_checkpoint(own, net.accelerator)
+        path, what = agreed_checkpoint(own, net.accelerator), f"resuming run {identity.key}"
         if path is None and source is not None:
             path = agreed_checkpoint(source, net.accelerator)
+            what = f"run {identity.key} continues run {wanted}"
         if path is not None:
             net.load_state(path)
             self.resumed_from_ = path
+            if self._speaks(net):
+                where = describe_position(position_of(path))
+                self.sink(f"ResumeTraining: {what} from {path} (after {where})")
             return
-        others = {key: folder for key, folder in runs.items() if key != identity.key}
-        if others and net.verbose and not identity.described.get("unique"):
-            self.sink(
-                f"ResumeTraining: run {identity.key} starts afresh in {self.dirname}, next to "
-                f"{len(others)} other run(s); {differs_from_newest(identity, others)}"
+        if net.accelerator.is_main_process and not self._writers(net):
+            warnings.warn(
+                f"ResumeTraining: {self.dirname} holds no training state of this fit's run, "
+                "and the net has no TrainingCheckpoint: nothing is resumed, and no state is "
+                "saved for a rerun to resume. Add TrainingCheckpoint with the same dirname to "
+                "the callbacks.",
+                UserWarning,
+                stacklevel=2,
             )
+        # not for a fit that is never resumed: a warning said why
+        if self._speaks(net) and not identity.described.get("unique"):
+            line = _fresh_start(identity, self.dirname, runs)
+            if line:
+                self.sink(line)
+
+    @staticmethod
+    def _speaks(net):
+        return net.verbose and net.accelerator.is_main_process
+
+    @staticmethod
+    def _writers(net):
+        return [cb for _, cb in net.callbacks_ if isinstance(cb, TrainingCheckpoint)]
+
+    def _check_writer(self, net):
+        """Warn where the net's TrainingCheckpoints write elsewhere: a rerun
+        would then never resume what this fit saves (a misspelt folder)."""
+        written = sorted({os.fspath(cb.dirname) for cb in self._writers(net)})
+        if written and _same_folder(self.dirname) not in {_same_folder(d) for d in written}:
+            warnings.warn(
+                f"ResumeTraining resumes from {self.dirname}, but the net's TrainingCheckpoint "
+                f"writes to {', '.join(written)}: a rerun never resumes what this fit saves. "
+                "Give both the same dirname.",
+                UserWarning,
+                stacklevel=3,
+            )
+
+
+def _same_folder(dirname):
+    return os.path.normcase(os.path.realpath(os.fspath(dirname)))
+
+
+def _fresh_start(identity, dirname, runs):
+    """The line of a run that starts afresh next to other runs' training
+    states (run folders, or files outside them), or None."""
+    others = {key: folder for key, folder in runs.items() if key != identity.key}
+    loose = checkpoint_files(dirname)
+    line = f"ResumeTraining: run {identity.key} starts afresh in {dirname}"
+    if others:
+        line += f", next to {len(others)} other run(s); {differs_from_newest(identity, others)}"
+    if loose:
+        line += (
+            f"; the {len(loose)} training state(s) there outside run folders were written "
+            "before run folders existed and are never resumed (load one with "
+            "net.load_state(path))"
+        )
+    return line if others or loose else None

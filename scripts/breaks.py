@@ -71,6 +71,7 @@ DIV = "tests/test_divergence.py::"
 SCORES = "tests/test_epoch_scores.py::"
 FSDP = "tests/test_fsdp.py::"
 FSDP_STATE = "tests/test_fsdp_resume.py::"
+RESUME = "tests/test_resume.py::"
 
 BREAKS = [
     # --- files -------------------------------------------------------------
@@ -703,7 +704,7 @@ BREAKS = [
         "net_objects",
         "accept device= while the accelerator places the objects",
         "accel_mixin/training/net_objects.py",
-        "    if net.accelerator.device_placement and (net.device is not None):",
+        "    if accelerator.device_placement and net.device is not None:",
         "    if False:",
         ("tests/test_mixin.py",),
     ),
@@ -1558,6 +1559,71 @@ BREAKS = [
         "        check_device(self)  # skorch's initialize moves the module first\n",
         "",
         ("tests/test_mixin.py", "-k", "device"),
+    ),
+    # --- issue 46: resumes say what they did ------------------------------------
+    launched(
+        "resume-says-nothing-on-resume",
+        "callbacks",
+        "a resume prints no line naming its file and where it continues",
+        "accel_mixin/callbacks.py",
+        '                self.sink(f"ResumeTraining: {what} from {path} (after {where})")\n',
+        "                pass\n",
+        (RESUME + "test_a_resume_names_the_file_and_where_it_continues",),
+    ),
+    launched(
+        "resume-ignores-states-outside-run-folders",
+        "callbacks",
+        "a fresh start next to training states outside run folders says nothing of them",
+        "accel_mixin/callbacks.py",
+        "    loose = checkpoint_files(dirname)\n",
+        "    loose = []\n",
+        (RESUME + "test_a_fresh_start_next_to_other_runs_states_says_so",),
+    ),
+    launched(
+        "resume-misspelt-folder-silent",
+        "callbacks",
+        "ResumeTraining in another folder than TrainingCheckpoint's warns nothing",
+        "accel_mixin/callbacks.py",
+        "        if written and _same_folder(self.dirname) not in "
+        "{_same_folder(d) for d in written}:\n",
+        "        if False:\n",
+        (RESUME + "test_a_resume_folder_that_no_checkpoint_writes_to_warns",),
+    ),
+    launched(
+        "resume-without-checkpoint-silent",
+        "callbacks",
+        "ResumeTraining without TrainingCheckpoint and nothing to resume warns nothing",
+        "accel_mixin/callbacks.py",
+        "        if net.accelerator.is_main_process and not self._writers(net):\n",
+        "        if False:\n",
+        (RESUME + "test_a_resume_folder_that_no_checkpoint_writes_to_warns",),
+    ),
+    Break(
+        "resume-folders-compared-as-strings",
+        "callbacks",
+        "one folder spelt two ways ('ckpt/', './ckpt') warns as two folders",
+        "accel_mixin/callbacks.py",
+        "    return os.path.normcase(os.path.realpath(os.fspath(dirname)))\n",
+        "    return os.fspath(dirname)\n",
+        ("tests/test_runs.py::test_one_folder_spelt_two_ways_is_one_folder",),
+    ),
+    launched(
+        "resume-says-it-on-every-rank",
+        "callbacks",
+        "ResumeTraining's lines go to the sink of every rank, not the main process's only",
+        "accel_mixin/callbacks.py",
+        "        return net.verbose and net.accelerator.is_main_process\n",
+        "        return net.verbose\n",
+        (RESUME + "test_nothing_is_said_on_other_ranks",),
+    ),
+    launched(
+        "resume-says-it-at-verbose-0",
+        "callbacks",
+        "ResumeTraining's lines are printed with verbose=0",
+        "accel_mixin/callbacks.py",
+        "        return net.verbose and net.accelerator.is_main_process\n",
+        "        return net.accelerator.is_main_process\n",
+        (RESUME + "test_a_resume_names_the_file_and_where_it_continues",),
     ),
 ]
 

@@ -560,3 +560,124 @@ def test_on_a_plain_skorch_net_the_callbacks_say_why_not(callback, data, tmp_pat
     net = NeuralNetClassifier(MLP, max_epochs=1, verbose=0, callbacks=[cls(tmp_path)])
     with pytest.raises(TypeError, match="AccelerateMixin in front"):
         net.fit(*data)
+
+
+# --- what ResumeTraining says ----------------------------------------------------
+
+
+def said(launch, rank):
+    """The lines about ResumeTraining in the rank's own stdout and stderr
+    (a plain run has one stream), by scenario of ``announced_run.py``."""
+    parts, name = {}, None
+    for stream in launch.rank_outputs[rank]:
+        for line in stream.splitlines():
+            if line.startswith("=== "):
+                name = line[4:]
+                parts.setdefault(name, [])
+            elif "ResumeTraining" in line:
+                parts.setdefault(name, []).append(line)
+    return parts
+
+
+@pytest.fixture(scope="module")
+def announced(tmp_path_factory):
+    """Per layout, one launch of every scenario (``announced_run.py``):
+    its folder, every rank's checks and the launch."""
+
+    def launch(nproc):
+        dirname = tmp_path_factory.mktemp(f"announced{nproc}")
+        if nproc == 1:  # as `python script.py` runs it
+            done = run_plain("announced_run.py", dirname, timeout=300)
+        else:
+            done = run_processes("announced_run.py", dirname, nproc=nproc, timeout=300)
+        return dirname, [rank["checks"] for rank in done.check()], done
+
+    return once_per_layout(launch)
+
+
+def resumed_line(dirname, checks, scenario, after):
+    """The line of a resume, from the file that every rank resumed from."""
+    (resumed_from,) = {rank["resumed_from"] for rank in values(checks, scenario)}
+    key = Path(resumed_from).parent.name[len("run-") :]
+    path = dirname / resumed_from
+    return f"ResumeTraining: resuming run {key} from {path} (after {after})"
+
+
+@multiprocess
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_resume_names_the_file_and_where_it_continues(announced, nproc):
+    dirname, checks, launch = announced(nproc)
+    lines = said(launch, 0)
+    assert lines["first"] == [] and lines["interrupted"] == []  # nothing to resume
+    assert lines["resumed"] == [resumed_line(dirname, checks, "resumed", "epoch 2")]
+    # inside an epoch: the state of batch 2 of epoch 2, saved on nproc processes
+    (line,) = lines["midepoch"]
+    assert line == resumed_line(dirname, checks, "midepoch", "batch 2 of epoch 2")
+    assert line.endswith(
+        f"training-state-000001-batch-000002-ranks-{nproc}.pt (after batch 2 of epoch 2)"
+    )
+    # through the sink given, a logger here
+    assert lines["logged-again"] == [
+        "LOG " + resumed_line(dirname, checks, "logged-again", "epoch 2")
+    ]
+    # ResumeTraining alone, resuming what another fit saved: no warning
+    assert lines["reader"] == [resumed_line(dirname, checks, "reader", "epoch 4")]
+    assert lines["quiet"] == []  # verbose=0
+    for rank in values(checks, "quiet"):
+        assert rank["resumed_from"].endswith("training-state-000003.pt")
+
+
+@multiprocess
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_fresh_start_next_to_other_runs_states_says_so(announced, nproc):
+    dirname, _, launch = announced(nproc)
+    lines = said(launch, 0)
+    runs = {p.name[4:] for p in (dirname / "first").glob("run-*")}
+    (line,) = lines["other"]
+    assert re.fullmatch(
+        rf"ResumeTraining: run (\w+) starts afresh in {dirname}/first, next to 1 other "
+        r"run\(s\); it differs from the newest, (\w+), in: lr: 0.1 -> 0.05",
+        line,
+    )
+    (line,) = lines["logged"]
+    assert line.startswith("LOG ResumeTraining: run ") and "next to 2 other run(s)" in line
+    assert line.endswith("in: lr: 0.05 -> 0.2") and len(runs) == 3
+    # a folder holding a state outside run folders, as before run folders existed
+    (line,) = lines["legacy"]
+    assert line.startswith("ResumeTraining: run ") and line.endswith(
+        f"starts afresh in {dirname}/legacy; the 1 training state(s) there outside run "
+        "folders were written before run folders existed and are never resumed (load one "
+        "with net.load_state(path))"
+    )
+
+
+@multiprocess
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_resume_folder_that_no_checkpoint_writes_to_warns(announced, nproc):
+    dirname, checks, launch = announced(nproc)
+    lines = said(launch, 0)
+    (warning,) = lines["misspelt"]
+    assert warning.endswith(
+        f"UserWarning: ResumeTraining resumes from {dirname}/mispelt, but the net's "
+        f"TrainingCheckpoint writes to {dirname}/misspelt: a rerun never resumes what this "
+        "fit saves. Give both the same dirname."
+    )
+    (warning,) = lines["unsaved"]
+    assert warning.endswith(
+        f"UserWarning: ResumeTraining: {dirname}/unsaved holds no training state of this "
+        "fit's run, and the net has no TrainingCheckpoint: nothing is resumed, and no state "
+        "is saved for a rerun to resume. Add TrainingCheckpoint with the same dirname to the "
+        "callbacks."
+    )
+    assert not [line for line in lines["reader"] if "Warning" in line]
+    for rank in values(checks, "misspelt"):
+        assert rank == {"resumed_from": None, "epochs": 2}
+
+
+@multiprocess
+def test_nothing_is_said_on_other_ranks(announced):
+    _, checks, launch = announced(2)
+    values(checks, "reader")  # every scenario ran, on both ranks
+    assert [line for lines in said(launch, 0).values() for line in lines]
+    # the logger's handler writes to rank 1's stdout, fit or no fit
+    assert said(launch, 1) == {name: [] for name in said(launch, 0)}

@@ -8,6 +8,7 @@ import inspect
 import json
 import os
 import random
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -195,8 +196,14 @@ def test_a_deliberate_continuation_of_another_run(data, tmp_path):
     first = make_net(tmp_path).fit(*data)
     (original,) = runs_in(tmp_path)
     # a lower learning rate from where the first run ended: another run
-    tuned = make_net(tmp_path, run=original[4:], lr=0.01, max_epochs=5).fit(*data)
+    lines = []
+    tuned = make_net(tmp_path, run=original[4:], lr=0.01, max_epochs=5, lines=lines).fit(*data)
     assert trained(tuned) == 2 and len(tuned.history) == 5
+    tuned_key = dict(tuned.callbacks_)["TrainingCheckpoint"].run_.key
+    assert lines == [
+        f"ResumeTraining: run {tuned_key} continues run {original[4:]} from "
+        f"{tmp_path / original / 'training-state-000003.pt'} (after epoch 3)"
+    ]
     assert dict(tuned.callbacks_)["ResumeTraining"].resumed_from_.startswith(
         str(tmp_path / original)
     )
@@ -210,6 +217,16 @@ def test_a_deliberate_continuation_of_another_run(data, tmp_path):
     again = make_net(tmp_path, run=original[4:], lr=0.01, max_epochs=6).fit(*data)
     assert trained(again) == 1
     assert str(tmp_path / continued) in dict(again.callbacks_)["ResumeTraining"].resumed_from_
+
+
+def test_one_folder_spelt_two_ways_is_one_folder(data, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    net = make_net("ckpt/", verbose=0)
+    net.callbacks[2] = ResumeTraining(Path(".") / "ckpt")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="ResumeTraining")
+        net.fit(*data)
+    assert runs_in("ckpt") == [Path(dict(net.callbacks_)["TrainingCheckpoint"].run_folder_).name]
 
 
 def test_the_manifest_says_what_went_into_the_run_and_how_it_ended(data, tmp_path):
@@ -467,7 +484,9 @@ def test_an_upgrade_that_adds_defaulted_parameters_resumes(data, tmp_path):
     assert fit(Net, Scaled(scale=2.0)) == 3
     Net = upgraded("Net", AcceleratedNet, new_option="auto")
     Scaled = upgraded("Scaled", Holding, clip=None)
-    assert fit(Net, Scaled(scale=2.0)) == 0 and not lines
+    assert fit(Net, Scaled(scale=2.0)) == 0
+    (line,) = lines  # the resume's, none of a new run
+    assert line.startswith("ResumeTraining: resuming run ") and "(after epoch 3)" in line
     assert fit(Net, Scaled(scale=2.0), new_option="manual") == 3
     assert lines[-1].endswith("in: new_option: (default) -> manual")
 
@@ -522,8 +541,17 @@ def test_a_named_run_on_other_data_is_a_run_of_its_own(data, tmp_path, resume_fi
     assert counts == [3, 3, 0, 0]
     first, second = runs_in(tmp_path)
     assert first.startswith("run-baseline-") and second.startswith("run-baseline-")
-    (line,) = lines
-    assert line.endswith("in: X (other data)") and "it differs from the newest, baseline-" in line
+    afresh, *resumed = lines
+    assert (
+        afresh.endswith("in: X (other data)") and "it differs from the newest, baseline-" in afresh
+    )
+    # the third fit resumes the run on other data, the fourth the first run
+    other_data = afresh.split()[2]
+    (original,) = {first[4:], second[4:]} - {other_data}
+    assert [line.split(" from ")[0] for line in resumed] == [
+        f"ResumeTraining: resuming run {other_data}",
+        f"ResumeTraining: resuming run {original}",
+    ]
 
 
 def test_a_fit_that_fails_before_its_first_epoch_leaves_no_run_folder(data, tmp_path):

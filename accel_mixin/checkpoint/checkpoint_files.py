@@ -33,6 +33,13 @@ def describe_position(position):
     return f"epoch {epoch}" if not batch else f"batch {batch} of epoch {epoch + 1}"
 
 
+def position_of(path):
+    """The ``(epoch, batch)`` of a training-state file by its name, None
+    for a name that ``checkpoint_name`` does not give."""
+    match = _CHECKPOINT_RE.match(os.path.basename(path))
+    return (int(match.group(1)), int(match.group(2) or 0)) if match else None
+
+
 def _describe_positions(positions):
     ends = [epoch for epoch, batch in positions if not batch]
     return ", ".join([f"epochs {ends}"] + [describe_position(p) for p in positions if p[1]])
