@@ -1527,9 +1527,10 @@ BREAKS = [
     launched(
         "faq-tokenizer-trained-on-every-rank",
         "docs",
-        "the FAQ's recipe trains the tokenizer on every rank instead of the main process only",
+        "the FAQ's recipe trains a tokenizer on every rank and shares none",
         "docs/guide/faq.md",
-        "trained = [tokenizer.fit(X).fast_tokenizer_ if accelerator.is_main_process else None]",
+        "trained = [tokenizer.fit(X).fast_tokenizer_ if accelerator.is_main_process else None]\n"
+        "broadcast_object_list(trained)",
         "trained = [tokenizer.fit(X).fast_tokenizer_]",
         (EXAMPLES + "test_the_faqs_recipe_gives_every_rank_the_tokenizer_of_the_main_process",),
     ),
