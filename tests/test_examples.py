@@ -98,17 +98,17 @@ def test_preemption_example(tmp_path):
     assert "uninterrupted and the elastic run identical: True" in out.stdout
 
 
+def environment(**variables):
+    """This environment with ``variables``, the checkout first on the path."""
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    return dict(os.environ, PYTHONPATH=path, **variables)
+
+
 def start_example(script, *args, logs):
     """``script`` under torchrun on two CPU processes, not waited for (the
     test sends the launcher its notice); each rank's output goes to a file of
     its own under ``logs``."""
-    env = dict(
-        os.environ,
-        ACCELERATE_USE_CPU="true",
-        OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    )
+    env = environment(ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     launcher = [
         "--nproc_per_node=2",
         "--master_addr=127.0.0.1",
@@ -219,12 +219,7 @@ for _ in range(6):
 
 def test_a_tokenizer_trained_again_on_the_same_texts_has_another_vocabulary():
     pytest.importorskip("tokenizers")
-    env = dict(
-        os.environ,
-        RAYON_NUM_THREADS="1",
-        TOKENIZERS_PARALLELISM="false",
-        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    )
+    env = environment(RAYON_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     out = subprocess.run(
         [sys.executable, "-c", TRAIN_AGAIN],
         capture_output=True,
