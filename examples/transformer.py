@@ -175,9 +175,10 @@ FITS = []  # what each fit of this launch did (module-level: the search clones i
 
 
 class Progress(Callback):
-    """Records, and says on the main process, where each fit starts: afresh
-    or from a saved training state (``ResumeTraining``, listed before it,
-    loaded it), and how many epochs it trains."""
+    """Says on the main process where each fit starts: afresh or from a
+    saved training state (which ``ResumeTraining``, listed before it,
+    loaded); records that and the epochs of its history when it begins and
+    ends."""
 
     in_run_identity = False  # it only reports: not part of what is trained
 
