@@ -5,13 +5,22 @@
 
 The workload skorch.hf exists for, with nothing downloaded: a WordPiece
 tokenizer (skorch's ``HuggingfaceTokenizer``) trained on the example's own
-generated text, once, by the main process, and loaded by every rank into
-the pipeline (``HuggingfacePretrainedTokenizer``), and a small BERT built
-from its config, randomly initialised. bf16 autocast, gradient accumulation
-2, a grid search over two learning rates, then the best net's parameters
-saved and loaded into a plain skorch net, which predicts the same under the
-same autocast. Needs the examples extra (``pip install '.[examples]'`` in a
-checkout: transformers, tokenizers).
+generated text, once, by the main process, saved in ``--dir`` and loaded by
+every rank into the pipeline (``HuggingfacePretrainedTokenizer``), and a
+small BERT built from its config, randomly initialised. bf16 autocast,
+gradient accumulation 2, a grid search over two learning rates, then the
+best net's parameters saved and loaded into a plain skorch net, which
+predicts the same under the same autocast. Needs the examples extra
+(``pip install '.[examples]'`` in a checkout: transformers, tokenizers).
+
+It resumes: every fit of the search writes training states to
+``--dir``/checkpoints (``TrainingCheckpoint``, every 2 batches too), and a
+preemption notice (SIGTERM to the launcher) stops every rank at one batch,
+saves and exits non-zero. The same command again loads the saved tokenizer
+(so the token ids, and with them the runs, are the ones of the first
+launch), the fits that had finished resume finished, the one that was
+stopped goes on where it stopped, and the search ends as an uninterrupted
+one does. Each fit says, on the main process, where it starts.
 
 Each rank pads its batches to their own longest sequence, so the ranks see
 batches of different lengths. Only the main process prints.
@@ -21,6 +30,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 
 import numpy as np
 import torch
@@ -29,6 +39,7 @@ from accelerate.utils import set_seed
 from sklearn.model_selection import GridSearchCV
 from sklearn.pipeline import Pipeline
 from skorch import NeuralNetClassifier
+from skorch.callbacks import Callback
 from skorch.hf import HuggingfacePretrainedTokenizer, HuggingfaceTokenizer
 from tokenizers import Tokenizer
 from tokenizers.models import WordPiece
@@ -37,7 +48,8 @@ from tokenizers.pre_tokenizers import Whitespace
 from tokenizers.trainers import WordPieceTrainer
 from transformers import BertConfig, BertForSequenceClassification
 
-from accel_mixin import AccelerateMixin
+from accel_mixin import AccelerateMixin, Preempted
+from accel_mixin.callbacks import ResumeTraining, TrainingCheckpoint
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # forked DataLoader workers, grid search
 VOCAB, MAX_LENGTH = 300, 40
@@ -67,8 +79,12 @@ class Classifier(torch.nn.Module):
     """A 2-layer BERT, hidden size 64, from its config; it returns the model's
     ``ModelOutput``, whose logits the net reads."""
 
-    def __init__(self, hidden_size=64, layers=2):
+    def __init__(self, hidden_size=64, layers=2, seed=0):
         super().__init__()
+        # Every fit starts from the same random state: a rerun whose first
+        # fits resume finished (and draw nothing) trains the next ones as
+        # the uninterrupted search did.
+        torch.manual_seed(seed)
         config = BertConfig(
             vocab_size=VOCAB,
             hidden_size=hidden_size,
@@ -113,7 +129,8 @@ NET = {
 }
 
 
-def train_tokenizer(texts):
+def word_piece_tokenizer():
+    """skorch's ``HuggingfaceTokenizer`` of WordPiece, not trained yet."""
     # a trainer, not trainer__* settings: skorch's get_params leaves those out,
     # so clones would train with the defaults (a progress bar, no [PAD] token)
     trainer = WordPieceTrainer(
@@ -125,19 +142,56 @@ def train_tokenizer(texts):
         pre_tokenizer=Whitespace(),
         trainer=trainer,
         max_length=MAX_LENGTH,
-    ).fit(texts)
+    )
 
 
 def shared_tokenizer(accelerator, texts, dirname):
-    """A tokenizer trained once, by the main process, and loaded from its file
-    by every rank: its training is not deterministic (the vocabulary's order
-    differs from process to process), so tokenizers trained on each rank
-    would give the ranks other token ids for the same text."""
+    """The tokenizer of ``dirname``: trained by the main process in the first
+    launch, saved there, and loaded from there by every rank, in that launch
+    and every rerun; and whether this launch trained it.
+
+    Its training is not deterministic (its vocabulary differs from one
+    training to the next, in one process or several, with one thread or
+    many: huggingface/tokenizers#1794): tokenizers trained on each rank can
+    give the ranks other token ids for the same text, and one trained again
+    by a rerun other ids than the saved training states were trained on, so
+    that ``ResumeTraining`` sees other data and starts afresh.
+    """
     path = os.path.join(dirname, "tokenizer")
-    if accelerator.is_main_process:
-        train_tokenizer(texts).fast_tokenizer_.save_pretrained(path)
+    trained = not os.path.isdir(path)
+    accelerator.wait_for_everyone()  # every rank looked before the main process writes
+    if accelerator.is_main_process and trained:
+        # saved to a folder of its own and renamed into place when complete:
+        # a launch stopped while saving leaves no half tokenizer to load
+        partial = f"{path}.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        word_piece_tokenizer().fit(texts).fast_tokenizer_.save_pretrained(partial)
+        os.replace(partial, path)
     accelerator.wait_for_everyone()
-    return HuggingfacePretrainedTokenizer(tokenizer=path, max_length=MAX_LENGTH)
+    return HuggingfacePretrainedTokenizer(tokenizer=path, max_length=MAX_LENGTH), trained
+
+
+FITS = []  # what each fit of this launch did (module-level: the search clones its callbacks)
+
+
+class Progress(Callback):
+    """Says on the main process where each fit starts: afresh or from a
+    saved training state (which ``ResumeTraining``, listed before it,
+    loaded); records that and the epochs of its history when it begins and
+    ends."""
+
+    in_run_identity = False  # it only reports: not part of what is trained
+
+    def on_train_begin(self, net, **kwargs):
+        state = dict(net.callbacks_)["ResumeTraining"].resumed_from_
+        where = state and os.path.join(*state.split(os.sep)[-2:])  # run-<id>/<file>
+        FITS.append({"resumed_from": where, "epochs_before": len(net.history)})
+        net.accelerator.print(
+            f"fit {len(FITS)}: " + (f"resumed from {where}" if where else "started afresh")
+        )
+
+    def on_train_end(self, net, **kwargs):
+        FITS[-1]["epochs"] = len(net.history)
 
 
 def digest(module):
@@ -151,12 +205,31 @@ def main(dirname):
     set_seed(0)
     X, y = make_text(320, seed=1)
     X_test, y_test = make_text(200, seed=2)
-    tokenizer = shared_tokenizer(accelerator, X, dirname)
-    pipe = Pipeline(
-        [("tokenizer", tokenizer), ("net", AcceleratedNet(accelerator=accelerator, **NET))]
+    tokenizer, trained = shared_tokenizer(accelerator, X, dirname)
+    say(f"tokenizer {'trained and saved to' if trained else 'loaded from'} {dirname}")
+    checkpoints = os.path.join(dirname, "checkpoints")
+    callbacks = [
+        TrainingCheckpoint(checkpoints, every_n_batches=2),
+        ResumeTraining(checkpoints),
+        Progress(),
+    ]
+    net = AcceleratedNet(accelerator=accelerator, callbacks=callbacks, **NET)
+    pipe = Pipeline([("tokenizer", tokenizer), ("net", net)])
+    # error_score="raise": by default a search records a fit's exception as
+    # a failed fit and goes on with the next, Preempted included
+    search = GridSearchCV(
+        pipe,
+        {"net__lr": [1e-3, 3e-3]},
+        cv=2,
+        scoring="accuracy",
+        refit=True,
+        error_score="raise",
     )
-    search = GridSearchCV(pipe, {"net__lr": [1e-3, 3e-3]}, cv=2, scoring="accuracy", refit=True)
-    search.fit(X, y)
+    try:
+        search.fit(X, y)
+    except Preempted as exc:
+        say(str(exc))
+        raise
     net = search.best_estimator_.named_steps["net"]
     accuracy = search.best_estimator_.score(X_test, y_test)
     best_lr = search.best_params_["net__lr"]
@@ -176,6 +249,9 @@ def main(dirname):
     return {
         "accuracy": float(accuracy),
         "best_lr": best_lr,
+        "cv_scores": [float(s) for s in search.cv_results_["mean_test_score"]],
+        "tokenizer_trained": trained,
+        "fits": FITS,
         "same_predictions": same,
         "digest": digest(net.module_),
         "processes": accelerator.num_processes,
@@ -187,7 +263,7 @@ if __name__ == "__main__":
     parser.add_argument(
         "--dir",
         default="transformer-example",
-        help="where to save the parameters, seen by every rank",
+        help="where the tokenizer, the checkpoints and the parameters go, seen by every rank",
     )
     parser.add_argument("--report", help="a folder for each rank's outcome, as JSON (the tests')")
     args = parser.parse_args()

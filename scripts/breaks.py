@@ -72,6 +72,7 @@ SCORES = "tests/test_epoch_scores.py::"
 FSDP = "tests/test_fsdp.py::"
 FSDP_STATE = "tests/test_fsdp_resume.py::"
 RESUME = "tests/test_resume.py::"
+EXAMPLES = "tests/test_examples.py::"
 
 BREAKS = [
     # --- files -------------------------------------------------------------
@@ -1624,6 +1625,37 @@ BREAKS = [
         "        return net.verbose and net.accelerator.is_main_process\n",
         "        return net.accelerator.is_main_process\n",
         (RESUME + "test_a_resume_names_the_file_and_where_it_continues",),
+    ),
+    # --- issue 46: the transformer example resumes ---
+    launched(
+        "transformer-example-tokenizer-trained-every-launch",
+        "examples",
+        "every launch trains a new tokenizer instead of loading the saved one",
+        "examples/transformer.py",
+        '    path = os.path.join(dirname, "tokenizer")\n',
+        '    path = os.path.join(dirname, "tokenizer")\n'
+        "    if accelerator.is_main_process:\n"
+        "        shutil.rmtree(path, ignore_errors=True)\n",
+        (EXAMPLES + "test_transformer_example_preempted_and_rerun_ends_as_an_uninterrupted_run",),
+    ),
+    launched(
+        "transformer-example-search-swallows-preempted",
+        "examples",
+        "the search keeps scikit-learn's error_score (nan): Preempted is a failed fit",
+        "examples/transformer.py",
+        '        error_score="raise",\n',
+        "",
+        (EXAMPLES + "test_transformer_example_preempted_and_rerun_ends_as_an_uninterrupted_run",),
+    ),
+    launched(
+        "faq-tokenizer-trained-on-every-rank",
+        "docs",
+        "the FAQ's recipe trains a tokenizer on every rank and shares none",
+        "docs/guide/faq.md",
+        "trained = [tokenizer.fit(X).fast_tokenizer_ if accelerator.is_main_process else None]\n"
+        "broadcast_object_list(trained)",
+        "trained = [tokenizer.fit(X).fast_tokenizer_]",
+        (EXAMPLES + "test_the_faqs_recipe_gives_every_rank_the_tokenizer_of_the_main_process",),
     ),
 ]
 
