@@ -1057,7 +1057,7 @@ BREAKS = [
         "describe",
         "a Dataset's rows are read with the generators as they are: an augmenting Dataset "
         "fingerprints differently on every rank and takes draws from training",
-        "accel_mixin/training/sample_rows.py",
+        "accel_mixin/distributed/sample_rows.py",
         "        with fixed_random_state(generators):\n",
         "        with contextlib.nullcontext():\n",
         ("tests/test_runs.py", "tests/test_sample_rows.py", "-m", "not multiprocess"),
@@ -1510,7 +1510,7 @@ BREAKS = [
         "sample_rows",
         "the generators a Dataset holds (in transforms, closures, partials) are not found, so "
         "rows are read with each rank's own seeds of them",
-        "accel_mixin/training/sample_rows.py",
+        "accel_mixin/distributed/sample_rows.py",
         "    return list(found.values())\n",
         "    return []\n",
         ("tests/test_sample_rows.py", "tests/test_runs.py", "-m", "not multiprocess"),
@@ -1520,7 +1520,7 @@ BREAKS = [
         "sample_rows",
         "rows are read once: rows drawn from the OS's entropy are compared and hashed, so "
         "the ranks never agree and the run identity differs at every fit",
-        "accel_mixin/training/sample_rows.py",
+        "accel_mixin/distributed/sample_rows.py",
         "    return digests[0] if digests[0] == digests[1] else None\n",
         "    return digests[0]\n",
         ("tests/test_sample_rows.py",),

@@ -8,8 +8,8 @@ import numpy as np
 import torch
 
 from accel_mixin.distributed.replicas import _sample_digest
+from accel_mixin.distributed.sample_rows import generators_in, repeatable_digest
 from accel_mixin.resume.describe import fingerprint
-from accel_mixin.training.sample_rows import generators_in, repeatable_digest
 
 
 class Noise:

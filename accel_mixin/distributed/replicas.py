@@ -10,7 +10,7 @@ rows when training begins, the number of batches without even batches (DDP
 would hang), and after an epoch a fingerprint of every parameter (the sum
 of its bit patterns modulo 2**32: exact, order-free, changed by any
 element; buffers are DDP's, from rank 0). Rows are read with every random
-generator at a fixed seed (``training.sample_rows``): a Dataset that
+generator at a fixed seed (``distributed.sample_rows``): a Dataset that
 augments at random is the same data on every rank.
 """
 
@@ -23,8 +23,8 @@ from accelerate.utils import gather
 from skorch.dataset import get_len
 from skorch.utils import multi_indexing
 
+from accel_mixin.distributed.sample_rows import repeatable_digest
 from accel_mixin.errors import DistributedError
-from accel_mixin.training.sample_rows import repeatable_digest
 
 __all__ = [
     "check_replicas",

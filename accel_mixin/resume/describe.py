@@ -15,7 +15,7 @@ A description never depends on chance. Random generators are described by
 their state, except inside a ``Dataset``, where they are described by class
 only: a Dataset that augments from a generator of its own (seeded per rank,
 or not at all) is the same data on every rank and in every launch. A
-Dataset's rows are read as ``training.sample_rows`` reads them, with every
+Dataset's rows are read as ``distributed.sample_rows`` reads them, with every
 generator set to a fixed seed and put back afterwards, so that reading them
 neither depends on nor changes the random number streams of training.
 """
@@ -31,7 +31,7 @@ import torch
 from skorch.dataset import get_len
 from torch.utils.data import Dataset, IterableDataset
 
-from accel_mixin.training.sample_rows import generator_state, is_generator, repeatable_digest
+from accel_mixin.distributed.sample_rows import generator_state, is_generator, repeatable_digest
 
 __all__ = [
     "MAX_DEPTH",
