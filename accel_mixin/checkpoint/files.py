@@ -238,5 +238,13 @@ def write_error(paths, exc):
     return OSError(
         code,
         f"Cannot save {names}: {cause.format(dir=directory)}; {fix}. The files that were "
-        f"there before are unchanged. ({type(exc).__name__}: {exc})",
+        f"there before are unchanged. ({_without_name(exc)})",
     )
+
+
+def _without_name(exc):
+    """``exc`` as its type and text, less the file it names: a temporary
+    file's name, which the user never chose, would only confuse."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{type(exc).__name__}: [Errno {exc.errno}] {exc.strerror}"
+    return f"{type(exc).__name__}: {exc}"
