@@ -9,7 +9,7 @@ import warnings
 import torch
 from skorch.exceptions import DeviceWarning
 
-from accel_mixin.checkpoint.background import join_all
+from accel_mixin.checkpoint.background import in_flight, join_all
 from accel_mixin.checkpoint.files import write_state
 from accel_mixin.checkpoint.params import SafeParamsMixin
 from accel_mixin.checkpoint.sharded_state import remove_stale_shards
@@ -242,7 +242,9 @@ class CheckpointingMixin(SafeParamsMixin):
             join_all()
             self._process.background_writer().wait()
 
-        self._coordinator.run(finish, what=f"{what}: asynchronous saves in flight")
+        # a failure there (a rank gone) is the load's own unless a save is in flight
+        label = f"{what}: asynchronous saves in flight" if in_flight() else what
+        self._coordinator.run(finish, what=label)
 
     def load_state(self, path):
         """Restore a training state that ``save_state`` wrote.
