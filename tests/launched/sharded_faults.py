@@ -8,6 +8,10 @@ files may not grow: ``RLIMIT_FSIZE``) and one that fails on a full disk
 ``python sharded_faults.py damaged``: a state whose shard file is deleted,
 truncated or corrupted is named as damaged on every rank, with the older
 state beside it that is intact; a state of other parameters is named so.
+
+``python sharded_faults.py hold DIR`` and ``second DIR``: a job that writes
+training states into ``DIR`` and waits there, and a second job of the same run
+started meanwhile, which is refused at its first epoch, naming the first.
 """
 
 import os
@@ -15,6 +19,7 @@ import resource
 import shutil
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -28,8 +33,9 @@ from common import (
     outcome,
     report,
 )
+from skorch.callbacks import Callback
 
-from accel_mixin.callbacks import TrainingCheckpoint
+from accel_mixin.callbacks import ResumeTraining, TrainingCheckpoint
 
 PHASE = sys.argv[1]
 OUT = Path(os.environ.get("ACCEL_RESULTS_DIR", "."))
@@ -175,8 +181,61 @@ elif PHASE == "damaged":
         checks.run(damaged, f"a_{kind}_shard_is_named_with_the_intact_state")
 
     @checks
+    def with_the_older_state_damaged_too_none_is_named():
+        (older,) = [run_folder / name for name in shard_folders(run_folder) if "000001" in name]
+        if RANK == 0:
+            for folder in (older, shards):
+                shutil.copy(folder / "__1_0.distcp", OUT / f"kept-{folder.name}")
+                os.truncate(folder / "__1_0.distcp", 10)
+        net.wait_for_everyone()
+        try:
+            return load(newest)
+        finally:
+            net.wait_for_everyone()
+            if RANK == 0:
+                for folder in (older, shards):
+                    shutil.copy(OUT / f"kept-{folder.name}", folder / "__1_0.distcp")
+            net.wait_for_everyone()
+
+    @checks
     def a_state_of_other_parameters_is_named_so():
         return {"error": load(newest, WiderMLP), "intact": load(newest)}
+
+elif PHASE in ("hold", "second"):
+    # two jobs of one run writing one folder: "hold" saves its first epoch,
+    # then waits for the file "release"; "second" is the requeued job
+    dirname = Path(sys.argv[2])
+
+    class Hold(Callback):
+        in_run_identity = False  # the requeued job is the same run
+
+        def on_epoch_begin(self, net, **kwargs):
+            if len(net.history) == 2:  # the second epoch begins: the first is saved
+                if RANK == 0:
+                    (dirname / "ready").touch()
+                deadline = time.monotonic() + 120
+                while not (dirname / "release").exists() and time.monotonic() < deadline:
+                    time.sleep(0.1)
+
+    def saving(*callbacks):
+        net = net_of(max_epochs=2, callbacks=[TrainingCheckpoint(str(dirname)), *callbacks])
+        return net, outcome(lambda: net.fit(X, y))
+
+    if PHASE == "hold":
+
+        @checks
+        def the_job_writing_there_goes_on():
+            net, failed = saving(("hold", Hold()))
+            folder = Path(dict(net.callbacks_)["TrainingCheckpoint"].run_folder_)
+            net.wait_for_everyone()  # the main process's fit ended
+            return {"failed": failed, "files": sorted(p.name for p in folder.iterdir())}
+
+    else:
+
+        @checks
+        def a_second_job_is_refused():
+            net, failed = saving(("resume", ResumeTraining(str(dirname))))
+            return {"failed": failed, "resumed": dict(net.callbacks_)["resume"].resumed_from_}
 
 
 report({"checks": checks.results, "world_size": int(os.environ.get("WORLD_SIZE", "1"))})
