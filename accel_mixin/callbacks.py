@@ -317,6 +317,7 @@ class TrainingCheckpoint(_RunCallback):
         net.wait_for_saves()
         if writes_files(net.accelerator):
             self._write_manifest("preempted")
+        self._give_up(net)
         name = signal.Signals(received).name if received else "a signal to another rank"
         raise Preempted(
             f"Preempted (notice: {name}): training stopped {where}, and its state is saved in "
@@ -348,7 +349,12 @@ class TrainingCheckpoint(_RunCallback):
         if self.asynchronous:
             net.wait_for_saves()
         self._record_end(net)
-        if self._claiming:  # every rank returns from fit once the folder is given up
+        self._give_up(net)
+
+    def _give_up(self, net):
+        """Give the run folder up; every rank returns from fit once it is,
+        so that none sees the marker afterwards."""
+        if self._claiming:
             self._claiming = False
             self._release()
             if net.accelerator.num_processes > 1:
