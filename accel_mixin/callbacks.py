@@ -16,6 +16,7 @@ import signal
 import warnings
 from contextlib import contextmanager
 
+from accelerate.utils import gather_object
 from skorch.callbacks import Callback
 
 from accel_mixin.checkpoint.checkpoint_files import (
@@ -27,6 +28,7 @@ from accel_mixin.checkpoint.checkpoint_files import (
     position_of,
 )
 from accel_mixin.checkpoint.files import remove_temporaries
+from accel_mixin.checkpoint.folder_claim import claim, release
 from accel_mixin.checkpoint.sharded_state import remove_orphan_shards, remove_training_state
 from accel_mixin.distributed.preemption import NoticeBoard, can_handle, handling_signals
 from accel_mixin.distributed.process_layout import writes_files
@@ -87,6 +89,13 @@ class TrainingCheckpoint(_RunCallback):
     file is named after its epoch (``training-state-000012.pt``) and renamed
     into place when complete, so ``ResumeTraining`` never picks a
     half-written one.
+
+    One job at a time writes a run folder: while its fit runs, the main
+    process holds a lock on ``.accel_mixin-writer`` in it (the kernel drops
+    it when the process ends), and a second job of the same run (a requeued
+    job while the first still runs) raises a ``CheckpointError`` on every
+    rank when its first epoch begins, naming the first job
+    (``accel_mixin.checkpoint.folder_claim``).
 
     On a preemption notice (one of ``signals``, on any rank), every rank
     stops at the same batch (at the next optimizer step under gradient
@@ -180,6 +189,8 @@ class TrainingCheckpoint(_RunCallback):
         self._notices = None
         self._stop = False
         self._folder_due = False  # the run folder is to be made at the next epoch's begin
+        self._claimed = None  # the run folder this process holds (folder_claim)
+        self._claiming = False  # this fit claimed it, on every rank
         self.run_ = None
         self.run_folder_ = None
         return self
@@ -206,6 +217,31 @@ class TrainingCheckpoint(_RunCallback):
                 f"Cannot create the run folder {self.run_folder_} ({type(exc).__name__}: {exc}); "
                 "give TrainingCheckpoint a dirname this process can write to."
             ) from exc
+        self._claim(net)
+
+    def _claim(self, net):
+        """Hold the run folder while this fit writes there; every rank raises
+        where another live job writes there (its main process holds it)."""
+        holder, self._claiming = None, True
+        if net.accelerator.is_main_process:
+            holder = claim(self.run_folder_)
+            if holder is None:
+                self._claimed = self.run_folder_
+        if net.accelerator.num_processes > 1:
+            net.wait_for_everyone("TrainingCheckpoint")  # each arrived: the gather is safe
+            holder = next(filter(None, gather_object([holder])), None)
+        if holder is not None:
+            raise CheckpointError(
+                f"TrainingCheckpoint: another job writes training states into "
+                f"{self.run_folder_}: {holder}. Two jobs writing one run folder delete each "
+                "other's states. Wait until that job ends, or stop it, then run this one "
+                "again: ResumeTraining resumes from its newest state."
+            )
+
+    def _release(self):
+        if self._claimed is not None:
+            release(self._claimed)
+            self._claimed = None
 
     @contextmanager
     def during_fit(self, net):
@@ -214,8 +250,12 @@ class TrainingCheckpoint(_RunCallback):
         watching = can_handle(self.signals)
         self._notices = notices = NoticeBoard(net.accelerator, watching=watching)
         self._stop, self._inside = False, None
-        with handling_signals(self.signals, notices.note):
-            yield
+        try:
+            with handling_signals(self.signals, notices.note):
+                yield
+        finally:
+            self._claiming = False
+            self._release()  # the run folder, for the next job (also where fit raised)
         if notices.received is not None:
             # a notice that came too late to stop training: the previous
             # handler (the default ends the process) gets it after all
@@ -277,6 +317,7 @@ class TrainingCheckpoint(_RunCallback):
         net.wait_for_saves()
         if writes_files(net.accelerator):
             self._write_manifest("preempted")
+        self._give_up(net)
         name = signal.Signals(received).name if received else "a signal to another rank"
         raise Preempted(
             f"Preempted (notice: {name}): training stopped {where}, and its state is saved in "
@@ -307,6 +348,19 @@ class TrainingCheckpoint(_RunCallback):
             self._notices.close()
         if self.asynchronous:
             net.wait_for_saves()
+        self._record_end(net)
+        self._give_up(net)
+
+    def _give_up(self, net):
+        """Give the run folder up; every rank returns from fit once it is,
+        so that none sees the marker afterwards."""
+        if self._claiming:
+            self._claiming = False
+            self._release()
+            if net.accelerator.num_processes > 1:
+                net.wait_for_everyone("TrainingCheckpoint")
+
+    def _record_end(self, net):
         if self.run_ is None or not writes_files(net.accelerator):
             return
         if self._folder_due and not os.path.isdir(self.run_folder_):

@@ -4,18 +4,24 @@ process: files hold the keys of the unwrapped modules, the main process (with
 the files are complete, or raises if any process failed.
 """
 
+import os
 import warnings
 
 import torch
 from skorch.exceptions import DeviceWarning
 
-from accel_mixin.checkpoint.background import join_all
+from accel_mixin.checkpoint.background import in_flight, join_all
 from accel_mixin.checkpoint.files import write_state
 from accel_mixin.checkpoint.params import SafeParamsMixin
-from accel_mixin.checkpoint.sharded_state import remove_stale_shards
+from accel_mixin.checkpoint.sharded_state import (
+    agree_on_the_save,
+    remove_shards,
+    remove_stale_shards,
+)
 from accel_mixin.checkpoint.state_values import cpu_snapshot
 from accel_mixin.distributed.process_layout import quiet_unless_main, writes_files
 from accel_mixin.distributed.sharding import full_states, sharded
+from accel_mixin.errors import DistributedError, Stalled
 from accel_mixin.internals import batch_sampler_owner, check_f_arguments
 from accel_mixin.resume.resuming import resume
 from accel_mixin.resume.training_state import (
@@ -147,7 +153,9 @@ class CheckpointingMixin(SafeParamsMixin):
         file, written last, names it. Such a state loads on any number of
         processes, sharded or not. The shards are written before
         ``save_state`` returns, also with ``asynchronous=True``, which then
-        writes the file in the background.
+        writes the file in the background. A save that fails raises the
+        same ``CheckpointError`` on every rank, naming every rank's
+        failure, and removes its folder; the previous state stays intact.
 
         Parameters
         ----------
@@ -173,12 +181,22 @@ class CheckpointingMixin(SafeParamsMixin):
 
         folder = None
 
-        def write(state):
-            write_state(state, path)
+        def write(state, caught=()):
+            """Write the file, then tidy; returns the write's error of the
+            kinds ``caught``, with this save's shards removed."""
+            try:
+                write_state(state, path)
+            except BaseException as exc:
+                if folder is not None:  # no file names it: retries on a full disk pile none up
+                    remove_shards(path, folder)
+                if isinstance(exc, caught) and not isinstance(exc, (DistributedError, Stalled)):
+                    return exc
+                raise
             if folder is not None:
                 remove_stale_shards(path, keep=folder)
             if on_written is not None:
                 on_written()
+            return None
 
         with (
             self._unwrapped(),
@@ -210,7 +228,11 @@ class CheckpointingMixin(SafeParamsMixin):
             # after collect_state's collective: an error reaches every rank
             warn_if_inside_accumulation(self.accelerator)
             writes = writes_files(self.accelerator)
-            if not asynchronous:
+            if not asynchronous and folder is not None:
+                self._write_sharded(
+                    path, lambda: write(state, caught=(OSError, RuntimeError)), folder
+                )
+            elif not asynchronous:
                 self._coordinator.run(
                     lambda: write(state),
                     what="save_state",
@@ -222,6 +244,20 @@ class CheckpointingMixin(SafeParamsMixin):
                 # the previous write is done: its snapshot's memory is free
                 copy = self._process.snapshot = cpu_snapshot(state, reuse=self._process.snapshot)
                 self._process.background_writer().submit(lambda: write(copy))
+
+    def _write_sharded(self, path, write, folder):
+        """Write the file of a state whose shards are in ``folder`` (``write()``
+        returns its error); where it fails, every rank raises the same
+        ``CheckpointError``."""
+        failed = self._coordinator.run(
+            write,
+            what="save_state",
+            files=str(path),
+            here=writes_files(self.accelerator),
+            io_timeout=self.io_timeout,
+        )
+        target = os.path.join(os.path.dirname(os.path.abspath(path)), folder)
+        agree_on_the_save(path, failed, self.accelerator.num_processes, target, f"writing {path}")
 
     def wait_for_saves(self):
         """Wait for an asynchronous ``save_state`` to finish, on every rank.
@@ -242,7 +278,9 @@ class CheckpointingMixin(SafeParamsMixin):
             join_all()
             self._process.background_writer().wait()
 
-        self._coordinator.run(finish, what=f"{what}: asynchronous saves in flight")
+        # a failure there (a rank gone) is the load's own unless a save is in flight
+        label = f"{what}: asynchronous saves in flight" if in_flight() else what
+        self._coordinator.run(finish, what=label)
 
     def load_state(self, path):
         """Restore a training state that ``save_state`` wrote.

@@ -73,6 +73,7 @@ FSDP = "tests/test_fsdp.py::"
 FSDP_STATE = "tests/test_fsdp_resume.py::"
 RESUME = "tests/test_resume.py::"
 EXAMPLES = "tests/test_examples.py::"
+FAULTS = "tests/test_sharded_faults.py::"
 
 BREAKS = [
     # --- files -------------------------------------------------------------
@@ -1656,6 +1657,88 @@ BREAKS = [
         "broadcast_object_list(trained)",
         "trained = [tokenizer.fit(X).fast_tokenizer_]",
         (EXAMPLES + "test_the_faqs_recipe_gives_every_rank_the_tokenizer_of_the_main_process",),
+    ),
+    # --- issue 46: FSDP2 training states under faults ----------------------
+    launched(
+        "sharded_faults-save-outcome-not-gathered",
+        "sharded_state",
+        "a failed save raises on each rank what that rank saw, not one error naming every rank's",
+        "accel_mixin/checkpoint/sharded_state.py",
+        "        everyone = gather_object([mine])\n",
+        "        everyone = [mine]\n",
+        (FAULTS + "test_a_write_failing_on_one_rank_raises_one_error_on_every_rank",),
+    ),
+    launched(
+        "sharded_faults-partial-folder-kept",
+        "sharded_state",
+        "a failed save leaves its partial folder of shards: retries on a full disk pile them up",
+        "accel_mixin/checkpoint/sharded_state.py",
+        "    if rank == 0:\n        _remove_folder(target)\n",
+        "    if rank == 0 and False:\n        _remove_folder(target)\n",
+        (FAULTS + "test_a_write_failing_on_one_rank_raises_one_error_on_every_rank",),
+    ),
+    launched(
+        "sharded_faults-file-write-not-agreed",
+        "checkpointing",
+        "a failed write of a sharded state's file raises an OSError on the main process only",
+        "accel_mixin/checkpointing.py",
+        "            if not asynchronous and folder is not None:\n",
+        "            if False:\n",
+        (FAULTS + "test_a_full_disk_raises_one_error_on_every_rank_and_piles_up_no_folders",),
+    ),
+    launched(
+        "sharded_faults-damage-taken-for-other-parameters",
+        "sharded_state",
+        "a deleted, truncated or corrupted shard is reported as a net of other parameters",
+        "accel_mixin/checkpoint/sharded_state.py",
+        "        if _damage().is_damage(exc):\n",
+        "        if False:\n",
+        (FAULTS + "test_a_damaged_shard_is_named_with_the_newest_intact_state",),
+    ),
+    launched(
+        "sharded_faults-intact-unchecked",
+        "shard_damage",
+        "the state named as intact beside a damaged one is any older file, damaged or not",
+        "accel_mixin/checkpoint/shard_damage.py",
+        "            if os.path.abspath(path) != source and intact(path):\n",
+        "            if os.path.abspath(path) != source:\n",
+        (FAULTS + "test_where_no_state_beside_it_is_intact_none_is_named",),
+    ),
+    Break(
+        "folder_claim-no-lock",
+        "folder_claim",
+        "a run folder's claim takes no lock: a second live job writes there too",
+        "accel_mixin/checkpoint/folder_claim.py",
+        "            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n",
+        "            pass\n",
+        (FAULTS + "test_a_claim_ends_with_its_process_however_it_ends",),
+    ),
+    launched(
+        "folder_claim-refused-on-main-only",
+        "callbacks",
+        "a second job is refused on its main process only; the other ranks learn it second-hand",
+        "accel_mixin/callbacks.py",
+        "            holder = next(filter(None, gather_object([holder])), None)\n",
+        "            pass\n",
+        (FAULTS + "test_a_second_job_writing_the_run_folder_is_refused_naming_the_first",),
+    ),
+    launched(
+        "checkpointing-in-flight-label-always",
+        "checkpointing",
+        "a load's failure is labelled a wait for asynchronous saves even with none in flight",
+        "accel_mixin/checkpointing.py",
+        '        label = f"{what}: asynchronous saves in flight" if in_flight() else what\n',
+        '        label = f"{what}: asynchronous saves in flight"\n',
+        ("tests/test_liveness.py::test_the_surviving_machine_raises_naming_the_rank_that_is_gone",),
+    ),
+    Break(
+        "files-temporary-named",
+        "files",
+        "a failed write's message names the temporary file written in the target's place",
+        "accel_mixin/checkpoint/files.py",
+        '        f"({without_name(exc)})",\n',
+        '        f"({type(exc).__name__}: {exc})",\n',
+        ("tests/test_params.py::test_a_read_only_filesystem_is_named",),
     ),
 ]
 

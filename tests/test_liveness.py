@@ -50,12 +50,14 @@ def survivor(launch, call):
     return rank0[call]["value"]  # error_and_seconds: the call's error, never its own
 
 
-@pytest.mark.parametrize("what", ["save_params", "inference"])
+@pytest.mark.parametrize("what", ["save_params", "inference", "load_params"])
 @pytest.mark.parametrize("mode", ["kill", "raise"])
 def test_the_surviving_machine_raises_naming_the_rank_that_is_gone(dead_rank, mode, what):
     outcome = survivor(dead_rank(mode), what)
     assert outcome["error"].startswith(f"DistributedError: {what}"), outcome
     assert "rank 1 is gone" in outcome["error"] and "last seen after fit" in outcome["error"]
+    # the phase that failed: no save was in flight
+    assert "in flight" not in outcome["error"], outcome
     assert outcome["seconds"] < 30  # the process group's timeout is 30 minutes
 
 

@@ -78,7 +78,8 @@ def test_a_missing_folder_is_named_with_the_file_and_the_fix(tmp_path):
         load_sharded_module(_model(0), path, _entry("state.pt.shards-abc"), "module_")
     message = str(info.value)
     assert str(path) in message and "state.pt.shards-abc" in message and "module_" in message
-    assert "rank 0 cannot read" in message and "filesystem every machine shares" in message
+    assert "rank 0 finds no" in message and "filesystem every machine shares" in message
+    assert "is damaged or unreadable (it is missing;" in message
 
 
 def test_shards_of_another_model_are_refused_naming_the_file(tmp_path):
@@ -94,12 +95,16 @@ def test_shards_of_another_model_are_refused_naming_the_file(tmp_path):
     assert "initialize the net as it was when it was saved" in message
 
 
-def test_a_failed_write_raises_its_own_error(tmp_path):
+def test_a_failed_write_raises_a_checkpoint_error_naming_its_cause(tmp_path):
     # DCP wraps every rank's error in a CheckpointException, a BaseException
-    # that `except Exception` lets through: the write's OSError comes out
+    # that `except Exception` lets through: the write's OSError is named
     (tmp_path / "a-file").write_bytes(b"")
-    with pytest.raises(OSError):
-        save_shards(tmp_path / "a-file" / "state.pt", _model(0), {}, {}, 1)
+    path = tmp_path / "a-file" / "state.pt"
+    with pytest.raises(CheckpointError) as info:
+        save_shards(path, _model(0), {}, {}, 1)
+    message = str(info.value)
+    assert message.startswith(f"Cannot save the training state {path}: writing its shards")
+    assert "failed on rank 0: NotADirectoryError: [Errno 20] Not a directory." in message
 
 
 def test_markers_and_folder_names():

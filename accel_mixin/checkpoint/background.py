@@ -15,6 +15,12 @@ def join_all():
         writer.join()
 
 
+def in_flight():
+    """Whether a writer of this process has a job running, or one whose
+    error is yet to be raised."""
+    return any(writer.busy for writer in list(_WRITERS))
+
+
 class BackgroundWriter:
     """Runs one job at a time in a thread: ``submit`` waits for the previous
     job, ``wait`` raises what the last one raised, once. Not a daemon: a write
@@ -36,6 +42,12 @@ class BackgroundWriter:
             job()
         except BaseException as exc:  # pylint: disable=broad-except
             self._error = exc
+
+    @property
+    def busy(self):
+        """Whether a job runs, or failed and its error is yet to be raised."""
+        thread = self._thread
+        return self._error is not None or (thread is not None and thread.is_alive())
 
     def join(self):
         """Wait for the current job, keeping what it raised for ``wait``."""

@@ -220,12 +220,11 @@ _WRITE_CAUSES = {
 }
 
 
-def write_error(paths, exc):
-    """An ``OSError`` naming ``paths``, the cause of ``exc`` and the fix; None
-    where ``exc`` says it already."""
+def write_cause(directory, exc):
+    """``(errno, "cause; fix")`` of a failed write into ``directory``, or
+    None where ``exc`` is no error of the filesystem this knows."""
     if isinstance(exc, CheckpointError) or not isinstance(exc, (OSError, RuntimeError)):
         return None
-    directory = _directory(paths[0]) if paths else "."
     code = getattr(exc, "errno", None)
     if code is None:  # torch's C++ writer reports a full disk without an errno
         with contextlib.suppress(OSError):
@@ -234,9 +233,28 @@ def write_error(paths, exc):
     if code not in _WRITE_CAUSES:
         return None
     cause, fix = _WRITE_CAUSES[code]
+    return code, f"{cause.format(dir=directory)}; {fix}"
+
+
+def write_error(paths, exc):
+    """An ``OSError`` naming ``paths``, the cause of ``exc`` and the fix; None
+    where ``exc`` says it already."""
+    directory = _directory(paths[0]) if paths else "."
+    found = write_cause(directory, exc)
+    if found is None:
+        return None
+    code, cause = found
     names = ", ".join(os.fspath(p) for p in paths)
     return OSError(
         code,
-        f"Cannot save {names}: {cause.format(dir=directory)}; {fix}. The files that were "
-        f"there before are unchanged. ({type(exc).__name__}: {exc})",
+        f"Cannot save {names}: {cause}. The files that were there before are unchanged. "
+        f"({without_name(exc)})",
     )
+
+
+def without_name(exc):
+    """``exc`` as its type and text, less the file it names: a temporary
+    file's name, which the user never chose, would only confuse."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{type(exc).__name__}: [Errno {exc.errno}] {exc.strerror}"
+    return f"{type(exc).__name__}: {exc}"

@@ -16,10 +16,13 @@ Under FSDP2 ``save_state(path)`` writes two things:
 The file is the commit point. The token is new for every save (drawn by the
 main process, sent to the others), so the folder that the previous good file
 names is never written over: a save interrupted before its rename leaves
-that file and its folder as they were, and its own folder is an orphan,
-removed by the next complete save of the same file
-(``remove_stale_shards``) and by ``TrainingCheckpoint``'s rotation
-(``remove_orphan_shards``).
+that file and its folder as they were. A save that fails gathers every
+rank's outcome (``agree_on_the_save``), removes its own folder and raises one
+``CheckpointError`` on every rank; a killed save's folder is an orphan,
+removed by the next complete save of the same file (``remove_stale_shards``)
+and by ``TrainingCheckpoint``'s rotation (``remove_orphan_shards``). A load
+that fails tells a damaged folder from a net of other parameters
+(``shard_damage``).
 
 DCP reshards when it loads: a state saved on N processes loads into a module
 sharded over any number of processes, or into one that is not sharded (DDP,
@@ -37,16 +40,19 @@ import warnings
 
 import torch
 
+from accel_mixin.checkpoint.files import without_name, write_cause
 from accel_mixin.distributed.sharding import reshard
 from accel_mixin.errors import CheckpointError
 
 __all__ = [
     "SHARDED",
+    "agree_on_the_save",
     "is_sharded_entry",
     "load_sharded_best_weights",
     "load_sharded_module",
     "load_sharded_optimizer",
     "remove_orphan_shards",
+    "remove_shards",
     "remove_stale_shards",
     "remove_training_state",
     "save_shards",
@@ -115,20 +121,58 @@ def save_shards(path, module, optimizers, best_weights, num_processes):
     try:
         with _one_process_quietly():
             _dcp().save(state, checkpoint_id=target, no_dist=not _distributed())
-    except _checkpoint_exception() as exc:
-        mine = _failure_of_this_rank(exc)
-        if isinstance(mine, OSError):
-            raise mine from None  # the write's own error (a full disk): its cause, named
-        raise CheckpointError(
-            f"Cannot save the shards of {path} in {target}: {_failures(exc)}."
-        ) from None
-    # the folder's entries, as the file's rename makes the file's durable
-    fd = os.open(target, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        # the folder's entries, as the file's rename makes the file's durable
+        fd = os.open(target, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except (OSError, _checkpoint_exception()) as exc:
+        failure = exc
+    else:
+        failure = None
+    agree_on_the_save(path, failure, num_processes, target, f"writing its shards into {target}")
     return folder
+
+
+def agree_on_the_save(path, failure, num_processes, target, step):
+    """Every rank's outcome of the save of ``path`` (``failure``: this rank's
+    exception, or None), gathered (a collective): where any failed, rank 0
+    removes the folder of shards ``target`` and every rank raises one
+    ``CheckpointError`` naming ``step`` and every rank's failure."""
+    rank = torch.distributed.get_rank() if _distributed() else 0
+    directory = os.path.dirname(target)
+    mine = None if failure is None else ""  # "": failed, on another rank
+    if isinstance(failure, _checkpoint_exception()):  # DCP's: every rank's, on every rank
+        failure = _failure_of(failure, rank)
+    if failure is not None:  # its cause looked up before the partial folder frees the space
+        mine = f"rank {rank}: {without_name(failure)}"
+        cause = write_cause(directory, failure)
+        if cause and cause[1] not in mine:
+            mine += f" ({cause[1]})"
+    everyone = [mine]
+    if num_processes > 1:
+        from accelerate.utils import (  # pylint: disable=import-outside-toplevel
+            broadcast_object_list,
+            gather_object,
+        )
+
+        everyone = gather_object([mine])
+    if all(item is None for item in everyone):
+        return
+    failures = [item for item in everyone if item] or ["a rank that reported no error"]
+    if rank == 0:
+        _remove_folder(target)
+    left = [os.path.isdir(target)]
+    if num_processes > 1:
+        broadcast_object_list(left)  # what rank 0 removed
+    partial = "could not be removed: remove it" if left[0] else "is removed"
+    before = "the state saved there before is intact" if os.path.exists(path) else "none was"
+    raise CheckpointError(
+        f"Cannot save the training state {path}: {step} failed on {'; '.join(failures)}. "
+        f"{path} was not written ({before}); this save's folder of shards "
+        f"{os.path.basename(target)} {partial}."
+    )
 
 
 def _folder_of(source, entry, what):
@@ -136,11 +180,22 @@ def _folder_of(source, entry, what):
     if not os.path.isfile(os.path.join(folder, ".metadata")):
         rank = torch.distributed.get_rank() if _distributed() else 0
         raise CheckpointError(
-            f"{source} keeps the shards of {what} in the folder {folder}, which rank {rank} "
-            "cannot read (it is missing, or incomplete). Keep the folder beside the file; on "
-            "several machines, save training states on a filesystem every machine shares."
+            _damage().damaged_message(
+                source,
+                folder,
+                f"rank {rank} finds no {os.path.join(folder, '.metadata')}, which keeps the "
+                f"shards of {what}; on several machines, save training states on a "
+                "filesystem every machine shares",
+            )
         )
     return folder
+
+
+def _damage():
+    # pylint: disable-next=import-outside-toplevel,cyclic-import
+    from accel_mixin.checkpoint import shard_damage
+
+    return shard_damage
 
 
 def _load(target, folder, source, what):
@@ -150,6 +205,10 @@ def _load(target, folder, source, what):
         with _one_process_quietly():
             _dcp().load(target, checkpoint_id=folder, no_dist=not _distributed())
     except _checkpoint_exception() as exc:  # on every rank, with every rank's failure
+        if _damage().is_damage(exc):
+            raise CheckpointError(
+                _damage().damaged_message(source, folder, _failures(exc))
+            ) from None
         raise CheckpointError(
             f"{source} does not fit {what}: reading its shards in {folder} failed "
             f"({_failures(exc)}). The state was saved from a net with other parameters: "
@@ -176,8 +235,7 @@ def _checkpoint_exception():
     return CheckpointException
 
 
-def _failure_of_this_rank(exc):
-    rank = torch.distributed.get_rank() if _distributed() else 0
+def _failure_of(exc, rank):
     failure = exc.failures.get(rank)
     return failure[0] if isinstance(failure, tuple) else failure
 
@@ -229,6 +287,12 @@ def load_sharded_best_weights(module, source, entry, name):
 
 def _remove_folder(folder):
     shutil.rmtree(folder, ignore_errors=True)
+
+
+def remove_shards(path, folder):
+    """Remove ``path``'s folder of shards ``folder``: that of a save whose
+    file was not written."""
+    _remove_folder(os.path.join(os.path.dirname(os.path.abspath(path)), folder))
 
 
 def remove_stale_shards(path, keep):

@@ -4,8 +4,8 @@ Usage: torchrun ... dead_rank.py MODE, MODE one of
   kill    rank 1 is SIGKILLed after fit
   raise   rank 1 ends with an uncaught exception after fit
 
-Rank 0 then calls save_params and predict in turn, each a check of its own
-(``save_params``, ``inference``): every call looks for the gone rank anew,
+Rank 0 then calls save_params, predict and load_params in turn, each a check of its own
+(``save_params``, ``inference``, ``load_params``): every call looks for the gone rank anew,
 so one end serves both. The accelerator keeps the process group's default
 timeout (30 minutes): the surviving rank must not depend on it. It reports
 what each call raised and how long it waited.
@@ -37,6 +37,8 @@ if rank == 1:
 checks = Checks(deadline=60)
 checks.run(lambda: error_and_seconds(lambda: net.save_params(f_params="params.pt")), "save_params")
 checks.run(lambda: error_and_seconds(lambda: net.predict(X)), "inference")
+# no save in flight: the error names the load, not a wait for saves
+checks.run(lambda: error_and_seconds(lambda: net.load_params(f_params="params.pt")), "load_params")
 out = os.environ.get("ACCEL_RESULTS_DIR", ".")
 # the process group cannot be torn down with a peer gone: report, then end
 # as a script whose error nobody caught would (a job that failed)

@@ -1,0 +1,120 @@
+"""Damaged folders of shards: told apart from a net of other parameters,
+and the newest intact training state beside them.
+
+A load of shards (DCP's) fails in its ``plan`` step where the net does not
+fit the state (a key missing, another shape) or the folder's ``.metadata``
+is unreadable, and in its ``read`` step where a shard file is missing,
+shorter than ``.metadata`` says or not a tensor's bytes. A state is intact
+where its file loads and every shard file it names is there, as long as
+``.metadata`` says: a deleted or truncated shard is found without reading
+the tensors (DCP keeps no checksums, so bytes changed inside a tensor are
+not).
+"""
+
+import contextlib
+import os
+
+import torch
+
+from accel_mixin.checkpoint.checkpoint_files import checkpoint_files
+from accel_mixin.checkpoint.sharded_state import SHARDED
+
+__all__ = ["damaged_message", "is_damage"]
+
+
+def is_damage(exc):
+    """Whether the failed load ``exc`` (DCP's ``CheckpointException``) is
+    about the folder's files rather than a net of other parameters."""
+    if not exc.args or exc.args[0] != "plan":
+        return True
+    for failure in exc.failures.values():
+        error = failure[0] if isinstance(failure, tuple) else failure
+        # the planner's own: "Missing key in checkpoint", "Size mismatch"
+        if isinstance(error, (OSError, AssertionError, EOFError)) or not isinstance(
+            error, (ValueError, RuntimeError, KeyError)
+        ):
+            return True
+    return False
+
+
+def _problems(folder):
+    """What is wrong with ``folder``'s files: its ``.metadata`` unreadable, or
+    shard files it names missing or shorter than it says; [] if nothing."""
+    from torch.distributed.checkpoint import FileSystemReader  # pylint: disable=import-outside-toplevel
+
+    try:
+        metadata = FileSystemReader(folder).read_metadata()
+    except Exception as exc:  # pylint: disable=broad-except
+        return [f".metadata is unreadable ({type(exc).__name__})"]
+    needed = {}
+    for info in (metadata.storage_data or {}).values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    problems = []
+    for name, size in sorted(needed.items()):
+        try:
+            actual = os.path.getsize(os.path.join(folder, name))
+        except OSError:
+            problems.append(f"{name} is missing")
+            continue
+        if actual < size:
+            problems.append(f"{name} is truncated ({actual} of {size} bytes)")
+    return problems
+
+
+def _folders(value, found):
+    """The folders of shards that markers in ``value`` name."""
+    if isinstance(value, dict):
+        if SHARDED in value:
+            found.add(value[SHARDED])
+        for item in value.values():
+            _folders(item, found)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _folders(item, found)
+    return found
+
+
+def intact(path):
+    """Whether the training state ``path`` loads and its shards are complete."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # pylint: disable=broad-except
+        return False
+    directory = os.path.dirname(os.path.abspath(path))
+    return not any(_problems(os.path.join(directory, name)) for name in _folders(state, set()))
+
+
+def newest_intact(source):
+    """The newest training state beside ``source``, but it, that is intact."""
+    source = os.path.abspath(source)
+    with contextlib.suppress(OSError):
+        for path in reversed(checkpoint_files(os.path.dirname(source))):
+            if os.path.abspath(path) != source and intact(path):
+                return path
+    return None
+
+
+def damaged_message(source, folder, detail):
+    """What to say of ``source``, whose folder of shards ``folder`` is
+    damaged (``detail``: what failed), and what to do."""
+    found = _problems(folder) if os.path.isdir(folder) else ["it is missing"]
+    if found:
+        detail = f"{'; '.join(found)}; {detail}"
+    other = newest_intact(source)
+    if other is None:
+        advice = (
+            "No other training state beside it is intact: restore the folder from a copy, "
+            "or train afresh."
+        )
+    else:
+        advice = (
+            f"The newest intact state beside it is {other}: load it with "
+            f"net.load_state({other!r}), or delete {source} and its folder so that "
+            "ResumeTraining resumes from it."
+        )
+    return (
+        f"{source} cannot be loaded: its folder of shards {folder} is damaged or unreadable "
+        f"({detail}); a shard file was deleted, truncated or overwritten since it was saved. "
+        f"{advice}"
+    )
