@@ -1502,6 +1502,16 @@ BREAKS = [
             + "test_a_run_resumed_at_an_epochs_end_from_asynchronous_saves_goes_on_exactly",
         ),
     ),
+    # --- issue 46: FSDP2 memory on CPU ---
+    launched(
+        "sharding-replaced-module-kept",
+        "wrapping",
+        "a sharded module replaced by a new fit stays, with its shards, until a full collection",
+        "accel_mixin/training/wrapping.py",
+        "        if replaced:\n            # a sharded module",
+        "        if False:\n            # a sharded module",
+        (FSDP + "test_refitting_frees_the_replaced_module_at_once[2-processes]",),
+    ),
 ]
 
 
