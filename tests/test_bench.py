@@ -114,20 +114,29 @@ def test_benchmarks_run_and_report(tmp_path):
     assert merge["records"] == 2000 and all(r["merge_cpu_s"] > 0 for r in merge["ranks"])
     assert (results / "bench_memory.png").read_bytes()[:4] == b"\x89PNG"
 
-    for kind in ("ddp", "fsdp"):
-        sharded = json.loads((results / "raw" / f"sharded_memory_{kind}_2.json").read_text())
-        assert (sharded["kind"], sharded["processes"], len(sharded["ranks"])) == (kind, 2, 2)
-        for rank in sharded["ranks"]:
-            phases = rank["phases"]
-            assert set(phases) == {
-                "initialize",
-                "fit",
-                "save_params",
-                "load_params",
-                "save_state",
-                "load_state",
-            }
-            assert all(p["seconds"] > 0 for p in phases.values())
+    # each kind, the net's and a hand-written loop's, under each allocator
+    for allocator, malloc in (("default", {}), ("tuned", {"MALLOC_MMAP_THRESHOLD_": "65536"})):
+        for kind in ("ddp", "fsdp"):
+            name = f"sharded_memory_{kind}_2_{allocator}.json"
+            sharded = json.loads((results / "raw" / name).read_text())
+            assert (sharded["kind"], sharded["processes"], len(sharded["ranks"])) == (kind, 2, 2)
+            assert (sharded["allocator"], sharded["loop"]) == (malloc, False)
+            for rank in sharded["ranks"]:
+                phases = rank["phases"]
+                assert set(phases) == {
+                    "initialize",
+                    "fit",
+                    "save_params",
+                    "load_params",
+                    "save_state",
+                    "load_state",
+                }
+                assert all(p["seconds"] > 0 for p in phases.values())
+                assert all(p["malloc_free_mb"] >= 0 for p in phases.values())
+            name = f"sharded_memory_{kind}_loop_2_{allocator}.json"
+            loop = json.loads((results / "raw" / name).read_text())
+            assert (loop["kind"], loop["allocator"], loop["loop"]) == (kind, malloc, True)
+            assert all(set(rank["phases"]) == {"fit"} for rank in loop["ranks"])
     timing = json.loads((results / "raw" / "sharded_time_2.json").read_text())
     assert set(timing["ranks"][0]) == {"accelerate loop", "accel_mixin fit"}
     assert (results / "bench_sharded.png").read_bytes()[:4] == b"\x89PNG"
@@ -145,7 +154,11 @@ def test_benchmarks_run_and_report(tmp_path):
     assert "replica check: at most 1% of an epoch" in table
     assert "save_params, small model" in table
     assert "**FSDP2 against DDP**" in table
-    assert "FSDP2 fit, 2 processes: peak memory per rank at most 0.6 x DDP's" in table
+    for allocator in ("glibc's default malloc", "MALLOC_MMAP_THRESHOLD_=65536"):
+        target = f"FSDP2 fit, 2 processes, {allocator}: peak memory per rank at most 0.6 x DDP's"
+        assert target in table
+        assert f"| 2 | {allocator} | fit |" in table
+    assert "| loop FSDP2 / DDP |" in table
     assert "FSDP2 fit, 2 processes: at most 1.05 x a hand-written accelerate FSDP2 loop" in table
     assert "restart to the first batch: flat" in table and "**Inside an epoch**" in table
     assert (results / "bench.png").read_bytes()[:4] == b"\x89PNG"

@@ -110,6 +110,15 @@ def test_rewrapping_after_training_shards_nothing_again(fsdp):
         assert value["epochs"] == 6
 
 
+def test_refitting_frees_the_replaced_module_at_once(fsdp):
+    # a sharded module is in a reference cycle with its FSDP2 state: held
+    # until a full collection, the replaced one's shards and gradients
+    # stayed resident through the next fit
+    for value in values(fsdp, "refitting_frees_the_replaced_module"):
+        assert value["new_module"]
+        assert not value["replaced_module_alive"] and not value["replaced_shard_alive"]
+
+
 REFUSED = {
     "second_module": "module module2_ .*shards one module, module_.*Move its parameters",
     "criterion": "criterion criterion_ \\(ParamNLLLoss\\) has 1 parameter",

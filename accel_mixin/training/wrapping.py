@@ -220,8 +220,14 @@ class PreparedObjects:
         # a new module comes with new optimizers (skorch builds them after it)
         together = [slot, *optimizers]
         objects = [self.raw_or_current(s.key, s.owner, s.attr) for s in together]
+        replaced = slot.key in self._entries
         for s in together:
             self._forget_if_known(s.key)
+        if replaced:
+            # a sharded module and its FSDP2 state reference each other: the
+            # one replaced (skorch's fit builds a new one) would hold its
+            # shards and gradients until the interpreter's next full collection
+            gc.collect()
         pop_marks(objects[0])  # else prepare skips a module prepared before
         trainable = trainability(objects[0])
         prepared = accelerator.prepare(*objects)

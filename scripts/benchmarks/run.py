@@ -1,7 +1,7 @@
 """Run every benchmark, each in its own launch, then write the report.
 
 python scripts/benchmarks/run.py [--quick] [--only timing|memory|sharded] [--out results]
-    [--readme README.md]
+    [--readme README.md] [--allocator default|tuned|both]
 """
 
 import argparse
@@ -61,12 +61,22 @@ def free_port():
         return sock.getsockname()[1]
 
 
-def launch(script, out, processes, extra, timeout, env_extra=None):
+# glibc's allocator for the FSDP2 memory runs (sharded.py): its defaults,
+# or its mmap threshold fixed at 64 KiB, so that a freed tensor is returned
+# to the system instead of staying in the heap
+ALLOCATORS = {"default": {}, "tuned": {"MALLOC_MMAP_THRESHOLD_": "65536"}}
+
+
+def launch(script, out, processes, extra, timeout, env_extra=None, malloc=None):
+    """Run ``script`` on ``processes``; ``malloc``, when given, replaces the
+    environment's ``MALLOC_*`` variables."""
     cmd = [sys.executable, str(HERE / script), "--out", str(out), *extra]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     # a process that aborts (SIGABRT) prints every thread's Python stack
     env.setdefault("PYTHONFAULTHANDLER", "1")
     env.update(env_extra or {})
+    if malloc is not None:
+        env = {k: v for k, v in env.items() if not k.startswith("MALLOC_")} | malloc
     if processes > 1:
         cmd[1:1] = [
             "-m",
@@ -99,6 +109,13 @@ def main():
         choices=("timing", "memory", "sharded"),
         help="run one part; the report also reads the results already in --out",
     )
+    parser.add_argument(
+        "--allocator",
+        choices=(*ALLOCATORS, "both"),
+        default="both",
+        help="glibc's allocator for the FSDP2 memory runs: its defaults, "
+        "MALLOC_MMAP_THRESHOLD_=65536 (tuned), or each in turn",
+    )
     args = parser.parse_args()
 
     raw = Path(args.out) / "raw"
@@ -108,7 +125,8 @@ def main():
     if args.only in (None, "memory"):
         epoch_memory(raw, timeout, MEMORY_QUICK if args.quick else MEMORY)
     if args.only in (None, "sharded"):
-        sharded(raw, timeout, SHARDED_QUICK if args.quick else SHARDED)
+        allocators = list(ALLOCATORS) if args.allocator == "both" else [args.allocator]
+        sharded(raw, timeout, SHARDED_QUICK if args.quick else SHARDED, allocators)
     report = [sys.executable, str(HERE / "report.py"), "--raw", str(raw), "--out", args.out]
     if args.readme:
         report += ["--readme", args.readme]
@@ -140,18 +158,21 @@ def timing(raw, out, timeout, extra):
     launch("midepoch.py", raw / "midepoch_2.json", 2, extra.get("midepoch", []), timeout)
 
 
-def sharded(raw, timeout, settings):
-    """FSDP2 against DDP, each kind and process count in a launch of its own."""
-    # glibc keeps freed memory of tensors below its adaptive mmap threshold,
-    # and the resident set would count it: fixed, a freed tensor is returned
-    malloc = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+def sharded(raw, timeout, settings, allocators):
+    """FSDP2 against DDP, each kind, process count and allocator in a launch
+    of its own, the net's and a hand-written loop's; the timing under glibc's
+    defaults."""
     for n in settings["processes"]:
-        for kind in ("ddp", "fsdp"):
-            out = raw / f"sharded_memory_{kind}_{n}.json"
-            args = ["--variant", "memory", "--kind", kind, *settings["size"]]
-            launch("sharded.py", out, n, args, timeout, env_extra=malloc)
+        for allocator in allocators:
+            for kind in ("ddp", "fsdp"):
+                for loop in ("", "_loop"):
+                    out = raw / f"sharded_memory_{kind}{loop}_{n}_{allocator}.json"
+                    args = ["--variant", "memory", "--kind", kind, *settings["size"]]
+                    args += ["--loop"] if loop else []
+                    malloc = ALLOCATORS[allocator]
+                    launch("sharded.py", out, n, args, timeout, malloc=malloc)
         args = ["--variant", "time", *settings["size"], *settings["time"]]
-        launch("sharded.py", raw / f"sharded_time_{n}.json", n, args, timeout)
+        launch("sharded.py", raw / f"sharded_time_{n}.json", n, args, timeout, malloc={})
 
 
 def epoch_memory(raw, timeout, memory):

@@ -12,23 +12,36 @@ The model is ``checkpoint.Stack`` with 16 layers of 1792 (51.6M parameters,
 as many blocks as a mid-sized transformer); under FSDP2 every layer of at
 least a million parameters is a sharded unit of its own (accelerate's
 ``size_based_wrap``), so that one layer at a time is gathered whole, with
-its gradient. What a unit gathers comes on top of the shards: with 4 layers
-of 3584 (51 MB a unit) FSDP2 on 2 processes needed 0.60 x DDP's memory,
-with 16 layers 0.54 x. Memory is each rank's resident set above what it held
-before the net was built (the imports, the process group), sampled every
-millisecond, with glibc's mmap threshold fixed (``run.py`` sets
-``MALLOC_MMAP_THRESHOLD_``) so that a freed tensor leaves the resident set,
-for both kinds alike:
-``initialize`` (the model is built whole on every rank, then sharded) and
-``fit`` separately, then ``save_params`` and ``load_params`` of the module
-and optimizer files (full ones, gathered), then ``save_state`` and
-``load_state`` (under FSDP2 every rank its own shards). Each kind runs in a
-launch of its own, since a process's peak is its own. FSDP2 on CPU is set as the tests set it
-(``tests/launched/common.py``'s ``make_fsdp_accelerator``).
+its gradient. Memory is each rank's resident set above what it held before
+the net was built (the imports, the process group), sampled every
+millisecond: ``initialize`` (the model is built whole on every rank, then
+sharded) and ``fit`` (which builds it again, as skorch's ``fit`` does)
+separately, then ``save_params`` and ``load_params`` of the module and
+optimizer files (full ones, gathered), then ``save_state`` and
+``load_state`` (under FSDP2 every rank its own shards). With ``--loop`` the
+one phase is ``fit`` of a hand-written accelerate loop instead (the model
+built, prepared, one epoch), the same work without the net. Each kind runs
+in a launch of its own, since a process's peak is its own. FSDP2 on CPU is
+set as the tests set it (``tests/launched/common.py``'s
+``make_fsdp_accelerator``).
+
+The resident set depends on glibc's allocator, which the launch's
+environment sets (``run.py --allocator``): by default glibc raises its mmap
+threshold each time a large mmapped block is freed (up to 32 MB), after
+which tensors of a sharded unit's size come from the heap, and the heap
+keeps what is freed resident. FSDP2 allocates and frees its gathered layers
+and full gradients in every step, so that under the default the freed heap
+memory (``malloc_free_mb``, glibc's ``mallinfo2``, recorded after each
+phase) grows to several times what is in use. With
+``MALLOC_MMAP_THRESHOLD_=65536`` the threshold is fixed and a freed tensor
+leaves the resident set. The result records the ``MALLOC_*`` variables it
+ran under.
 """
 
 import argparse
+import ctypes
 import importlib.util
+import os
 import sys
 import tempfile
 import time
@@ -88,14 +101,69 @@ def make_net(accelerator, args):
     )
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def malloc_free_mb():
+    """Memory that glibc's malloc holds freed in its heaps, in MB (None
+    without glibc 2.33's ``mallinfo2``)."""
+    try:
+        mallinfo2 = ctypes.CDLL(None).mallinfo2
+    except AttributeError:
+        return None
+    mallinfo2.restype = _MallInfo2
+    return mallinfo2().fordblks / MB
+
+
+def allocator():
+    """The glibc allocator settings of this process's environment."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")}
+
+
+def measure_phases(phases, start):
+    """Peak RSS above ``start`` and seconds of each ``(name, fn)``, every rank in step."""
+    out = {}
+    for phase, fn in phases:
+        barrier()
+        began = time.perf_counter()
+        with PeakRSS(every=0.001) as sampled:
+            fn()
+        barrier()
+        out[phase] = {
+            "peak_mb": (sampled.peak - start) / MB,
+            "seconds": time.perf_counter() - began,
+            "malloc_free_mb": malloc_free_mb(),
+        }
+    return out
+
+
 def memory(args):
     """Peak RSS above the start, in MB, of each phase on this rank."""
     accelerator = accelerator_of(args.kind)
     X, y = data(args, accelerator.num_processes)
-    net = make_net(accelerator, args)
-    out = {}
+    parameters = n_params(Stack(args.width, args.depth))
     # the first optimizer of a process imports torch._dynamo (about 70 MB)
     torch.optim.Adam([torch.zeros(1, requires_grad=True)])
+    if args.loop:
+        start = PeakRSS.now()
+        phases = (("fit", lambda: hand_written_loop(accelerator, args, X, y)()),)
+        return {"parameters": parameters, "phases": measure_phases(phases, start)}
+    net = make_net(accelerator, args)
     start = PeakRSS.now()
     workdir = Path(args.dir or tempfile.gettempdir()) / f"accel_mixin_sharded_{args.kind}"
     if accelerator.is_main_process:
@@ -110,17 +178,7 @@ def memory(args):
         ("save_state", lambda: net.save_state(state)),
         ("load_state", lambda: net.load_state(state)),
     )
-    for phase, fn in phases:
-        barrier()
-        began = time.perf_counter()
-        with PeakRSS(every=0.001) as sampled:
-            fn()
-        barrier()
-        out[phase] = {
-            "peak_mb": (sampled.peak - start) / MB,
-            "seconds": time.perf_counter() - began,
-        }
-    return {"parameters": n_params(Stack(args.width, args.depth)), "phases": out}
+    return {"parameters": parameters, "phases": measure_phases(phases, start)}
 
 
 def hand_written_loop(accelerator, args, X, y):
@@ -169,6 +227,9 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--variant", choices=("memory", "time"), required=True)
     parser.add_argument("--kind", choices=("fsdp", "ddp"), default="fsdp")
+    parser.add_argument(
+        "--loop", action="store_true", help="memory: a hand-written accelerate loop's fit"
+    )
     parser.add_argument("--width", type=int, default=1792)
     parser.add_argument("--depth", type=int, default=16)
     parser.add_argument("--batch-size", type=int, default=32)
@@ -184,6 +245,8 @@ def main():
         {
             "variant": args.variant,
             "kind": args.kind if args.variant == "memory" else "fsdp",
+            "loop": args.variant == "memory" and args.loop,
+            "allocator": allocator(),
             "processes": len(everyone),
             "width": args.width,
             "depth": args.depth,

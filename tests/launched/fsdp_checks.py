@@ -6,8 +6,10 @@ Every fit starts from a fresh accelerator state (``fresh_state``), FSDP2 set
 on it by the test-only ``make_fsdp_accelerator``.
 """
 
+import gc
 import os
 import pickle
+import weakref
 from pathlib import Path
 
 import torch
@@ -294,6 +296,24 @@ def rewrapping_shards_nothing_again():
         "models_listed": len(net.accelerator._models),  # pylint: disable=protected-access
         "epochs": len(net.history),
     }
+
+
+@checks
+def refitting_frees_the_replaced_module():
+    net = accelerated("fsdp", max_epochs=1).fit(X, y)
+    replaced = weakref.ref(net.module_)
+    shard = weakref.ref(sharded_params(net)[0])
+    # the interpreter's own collections would free it at some later time
+    gc.disable()
+    try:
+        net.fit(X, y)  # skorch builds and shards a new module
+        return {
+            "replaced_module_alive": replaced() is not None,
+            "replaced_shard_alive": shard() is not None,
+            "new_module": net.module_ is not replaced(),
+        }
+    finally:
+        gc.enable()
 
 
 @checks
