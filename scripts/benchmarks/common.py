@@ -4,6 +4,7 @@ import gc
 import json
 import os
 import statistics
+import sys
 import threading
 import time
 from pathlib import Path
@@ -108,10 +109,15 @@ def summarize(times, baseline):
 
 
 def write_result(path, payload):
-    """Write the benchmark's JSON from the main process, then end the group.
+    """Write the benchmark's JSON from the main process, then end the process.
 
-    Left to the interpreter's exit, gloo's worker threads can abort the
-    process; tearing the group down first, as ``end_training`` does, avoids it.
+    This is the benchmark's last act. ``destroy_process_group`` does not stop
+    gloo's worker threads while a module (an FSDP2 mesh) still holds the
+    group, and a worker that drops the last collective's tensors during the
+    interpreter's finalization aborts the process ("terminate called without
+    an active exception", pytorch/pytorch#190489; about 1 launch in 9 of the
+    hand-written FSDP2 loop here). Leaving with ``os._exit`` skips the
+    finalization the race needs.
     """
     if is_main():
         path = Path(path)
@@ -119,6 +125,9 @@ def write_result(path, payload):
         path.write_text(json.dumps(payload, indent=1, default=float))
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def seed_everything(seed=0):
