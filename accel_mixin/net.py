@@ -1,8 +1,8 @@
 """AccelerateMixin: skorch's lifecycle with HuggingFace accelerate.
 
 One short method per step of skorch's lifecycle: each calls skorch's own step
-and leaves what accelerate adds to a module of its own (the README's
-development section maps them).
+and leaves what accelerate adds to a module of its own (docs/guide/architecture.md
+maps them).
 """
 
 from contextlib import contextmanager

@@ -1,7 +1,8 @@
 """The documentation's structure, checked without Sphinx (scripts/docs builds
 the site, with warnings as errors, in CI): every guide page is in the site,
-every public name has its reference, and every relative link of the README
-and the guide reaches a file, and a heading where it names one."""
+every public name has its reference, every relative link of the README
+and the guide reaches a file, and a heading where it names one, and the
+architecture page's module map and lifecycle name the modules there are."""
 
 import re
 
@@ -92,3 +93,21 @@ def test_the_quick_start_shows_the_readme_usage_example():
         return re.search(r"```python\n(.*?)```", text, re.S).group(1)
 
     assert usage(GUIDE / "quickstart.md") == usage(ROOT / "README.md")
+
+
+def test_the_module_map_lists_every_module_and_only_those():
+    page = (GUIDE / "architecture.md").read_text(encoding="utf-8")
+    block = page.split("## Modules", 1)[1].split("```")[1]
+    listed = set(re.findall(r"^  ([\w/]+\.py) ", block.split("tests/")[0], re.M))
+    modules = {
+        p.relative_to(ROOT / "accel_mixin").as_posix() for p in (ROOT / "accel_mixin").rglob("*.py")
+    }
+    modules = {m for m in modules if not m.endswith("__init__.py")}
+    assert listed == modules
+
+
+def test_the_lifecycle_diagram_names_modules_that_exist():
+    page = (GUIDE / "architecture.md").read_text(encoding="utf-8")
+    diagram = page.split("## The lifecycle", 1)[1].split("```")[1]
+    named = set(re.findall(r"([\w/]+\.py)", diagram))
+    assert named and all((ROOT / "accel_mixin" / name).is_file() for name in named)

@@ -1,4 +1,4 @@
-"""The examples run as the README shows them."""
+"""The examples run as the guide shows them (the quick start, the FAQ)."""
 
 import json
 import os

@@ -1,8 +1,8 @@
 """The package's layers depend on each other in one direction only.
 
 A module imports from its own layer or the layers below it, never above:
-a fit's path runs down from the net through these layers (README,
-"The lifecycle"), and a subpackage can be read without those above it.
+a fit's path runs down from the net through these layers
+(docs/guide/architecture.md, "The lifecycle"), and a subpackage can be read without those above it.
 """
 
 import ast

@@ -96,21 +96,3 @@ def test_usage_example_prints_what_plain_skorch_computes(tmp_path):
     # ... and, row by row, close to plain skorch
     np.testing.assert_allclose(example["proba"], plain["proba"], rtol=0, atol=BF16_TOLERANCE)
     assert abs(example["score"] - plain["score"]) <= BF16_TOLERANCE
-
-
-def test_the_module_map_lists_every_module_and_only_those():
-    readme = (ROOT / "README.md").read_text()
-    block = readme.split("### Modules", 1)[1].split("```")[1]
-    listed = set(re.findall(r"^  ([\w/]+\.py) ", block.split("tests/")[0], re.M))
-    modules = {
-        p.relative_to(ROOT / "accel_mixin").as_posix() for p in (ROOT / "accel_mixin").rglob("*.py")
-    }
-    modules = {m for m in modules if not m.endswith("__init__.py")}
-    assert listed == modules
-
-
-def test_the_lifecycle_diagram_names_modules_that_exist():
-    readme = (ROOT / "README.md").read_text()
-    diagram = readme.split("### The lifecycle", 1)[1].split("```")[1]
-    named = set(re.findall(r"([\w/]+\.py)", diagram))
-    assert named and all((ROOT / "accel_mixin" / name).is_file() for name in named)
