@@ -1798,6 +1798,31 @@ BREAKS = [
         "        if True:\n",
         (SCORES + "test_scores_recorded_at_their_turn_leave_the_callbacks_and_their_class_alone",),
     ),
+    launched(
+        "process_layout-child-of-a-rank-not-refused",
+        "process_layout",
+        "a worker started by a torchrun rank is not refused, and waits for a rendezvous",
+        "accel_mixin/distributed/process_layout.py",
+        "    if started is None or any(",
+        "    if True or any(",
+        (
+            "tests/test_process_layout.py::test_a_child_of_a_launched_rank_is_refused_naming_it",
+            "tests/test_process_layout.py::test_worker_processes_of_a_rank_get_a_clear_error",
+        ),
+    ),
+    launched(
+        "process_layout-every-child-with-the-variables-refused",
+        "process_layout",
+        "any process with WORLD_SIZE > 1 whose parent is readable is refused: "
+        "notebook_launcher's ranks too",
+        "accel_mixin/distributed/process_layout.py",
+        "    if started is None or any(",
+        "    if started is None or False and any(",
+        (
+            "tests/test_process_layout.py::test_a_rank_whose_launcher_lacks_its_variables_is_not_refused",
+            "tests/test_process_layout.py::test_ranks_forked_by_notebook_launcher_are_not_refused",
+        ),
+    ),
 ]
 
 
