@@ -19,7 +19,7 @@ on the pinned versions.
   cached and nothing else changes);
 - skorch: ``utils._check_f_arguments``, ``ProgressBar._get_batches_per_epoch_phase``,
   ``DistributedHistory._history``, ``EpochScoring._scoring`` (scored on the
-  main process, replayed on the others) and
+  main process) and ``_record_score`` (its score recorded on every rank), and
   ``callbacks.scoring._cache_net_forward_iter``.
 
 skorch's own ``NeuralNet`` methods that the mixin overrides and calls through
@@ -29,7 +29,6 @@ skorch's own ``NeuralNet`` methods that the mixin overrides and calls through
 ``_modules``, ``_criteria``, ``_optimizers`` registries.
 """
 
-import contextlib
 import functools
 from collections import OrderedDict
 
@@ -63,7 +62,7 @@ __all__ = [
     "missing",
     "pop_marks",
     "put_marks",
-    "replayed_scores",
+    "record_score",
     "score_of",
     "start_persistent_iterator",
     "wrapped_history",
@@ -262,29 +261,18 @@ def score_of(callback, net, X, y):
     return callback._scoring(net, X, y)  # pylint: disable=protected-access
 
 
-@contextlib.contextmanager
-def replayed_scores(replays):
-    """Within the block, an ``EpochScoring`` whose ``id`` is in ``replays``
-    scores by calling ``replays[id]()``; the others as they do.
+def _score_recorder():
+    """``EpochScoring._record_score``."""
+    record = getattr(EpochScoring, "_record_score", None)
+    _require(callable(record), "skorch", "EpochScoring._record_score", _SCORES)
+    return record
 
-    The class's method is replaced, not the instance's: a callback pickled
-    meanwhile (``Checkpoint``'s ``f_pickle``) must not carry the replay.
-    """
-    original = _epoch_scoring()
-    own = "_scoring" in vars(EpochScoring)
 
-    def _scoring(self, net, X_test, y_test):
-        replay = replays.get(id(self))
-        return original(self, net, X_test, y_test) if replay is None else replay()
-
-    EpochScoring._scoring = _scoring  # pylint: disable=protected-access
-    try:
-        yield
-    finally:
-        if own:
-            EpochScoring._scoring = original  # pylint: disable=protected-access
-        else:
-            del EpochScoring._scoring
+def record_score(callback, history, score):
+    """Record ``score`` as ``EpochScoring.on_epoch_end`` records the score it
+    computed (``_record_score``): the score, and whether it is the best."""
+    _score_recorder()
+    callback._record_score(history, score)  # pylint: disable=protected-access
 
 
 def wrapped_history(history):
@@ -330,6 +318,7 @@ def _check_skorch():
         batches_per_epoch_phase(ProgressBar(), None, None, True)
     _forward_iter_cache()
     _epoch_scoring()
+    _score_recorder()
 
 
 def cache_lomo_check():

@@ -10,6 +10,7 @@ from typing import ClassVar
 
 from accel_mixin.checkpoint.background import finished_on_error
 from accel_mixin.checkpointing import CheckpointingMixin
+from accel_mixin.distributed.epoch_scores import notify_scored
 from accel_mixin.distributed.fork_guard import guard_forks
 from accel_mixin.distributed.history_sync import adopt_history
 from accel_mixin.distributed.process_layout import (
@@ -366,7 +367,14 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
         return None
 
     def _end_epoch(self, **cb_kwargs):
-        end_epoch(self, self._coordinator, self._notify_callbacks, **cb_kwargs)
+        end_epoch(self, self._coordinator, self._notify_epoch_end, **cb_kwargs)
+
+    def _notify_epoch_end(self, scores, **cb_kwargs):
+        if not scores:
+            self._notify_callbacks("on_epoch_end", **cb_kwargs)
+            return
+        with callbacks_of_this_rank(self, self._coordinator):
+            notify_scored(self, scores, **cb_kwargs)
 
     def _train_ends(self, **cb_kwargs):
         with main_process_pickles(self.callbacks_, self.accelerator.is_main_process):

@@ -574,15 +574,6 @@ BREAKS = [
         "        False for m in",
         (SCORES + "test_which_scorers_need_the_whole_predictions_on_every_rank",),
     ),
-    Break(
-        "internals-replay-stays",
-        "internals",
-        "leave the replaying _scoring on EpochScoring after the epoch's end",
-        "accel_mixin/internals.py",
-        "        if own:\n            EpochScoring._scoring = original",
-        "        if True:\n            pass",
-        (SCORES + "test_replayed_scores_leave_no_trace_in_a_pickle_or_the_class",),
-    ),
     launched(
         "epochs-loss-of-padding",
         "epochs",
@@ -1771,6 +1762,66 @@ BREAKS = [
         "            optimizer.scaler = deferred\n",
         "            pass\n",
         ("tests/test_stepping.py::test_several_optimizers_update_the_scaler_once",),
+    ),
+    # --- issue 47: scores recorded and workers refused without process-global state ---
+    launched(
+        "epoch_scores-recorded-through-the-class",
+        "epoch_scores",
+        "the main process's score reaches a scorer through EpochScoring._scoring, left replaced",
+        "accel_mixin/distributed/epoch_scores.py",
+        "            record_score(cb, net.history, score)\n",
+        "            EpochScoring._scoring = lambda *_, score=score: score\n"
+        "            record_score(cb, net.history, score)\n",
+        (
+            SCORES + "test_scores_recorded_at_their_turn_leave_the_callbacks_and_their_class_alone",
+            SCORES + "test_recorded_scores_leave_the_callbacks_and_their_class_alone",
+        ),
+    ),
+    launched(
+        "epoch_scores-score-left-on-the-scorer",
+        "epoch_scores",
+        "the main process's score is left on the scorer, which Checkpoint's f_pickle carries",
+        "accel_mixin/distributed/epoch_scores.py",
+        "            record_score(cb, net.history, score)\n",
+        "            record_score(cb, net.history, score)\n            cb.replayed_ = score\n",
+        (
+            SCORES + "test_scores_recorded_at_their_turn_leave_the_callbacks_and_their_class_alone",
+            SCORES + "test_recorded_scores_leave_the_callbacks_and_their_class_alone",
+        ),
+    ),
+    Break(
+        "epoch_scores-scored-again-at-its-turn",
+        "epoch_scores",
+        "a scorer scored on the main process scores again on every rank at its turn",
+        "accel_mixin/distributed/epoch_scores.py",
+        "        if name not in outcomes:\n",
+        "        if True:\n",
+        (SCORES + "test_scores_recorded_at_their_turn_leave_the_callbacks_and_their_class_alone",),
+    ),
+    launched(
+        "process_layout-child-of-a-rank-not-refused",
+        "process_layout",
+        "a worker started by a torchrun rank is not refused, and waits for a rendezvous",
+        "accel_mixin/distributed/process_layout.py",
+        "    if started is None or any(",
+        "    if True or any(",
+        (
+            "tests/test_process_layout.py::test_a_child_of_a_launched_rank_is_refused_naming_it",
+            "tests/test_process_layout.py::test_worker_processes_of_a_rank_get_a_clear_error",
+        ),
+    ),
+    launched(
+        "process_layout-every-child-with-the-variables-refused",
+        "process_layout",
+        "any process with WORLD_SIZE > 1 whose parent is readable is refused: "
+        "notebook_launcher's ranks too",
+        "accel_mixin/distributed/process_layout.py",
+        "    if started is None or any(",
+        "    if started is None or False and any(",
+        (
+            "tests/test_process_layout.py::test_a_rank_whose_launcher_lacks_its_variables_is_not_refused",
+            "tests/test_process_layout.py::test_ranks_forked_by_notebook_launcher_are_not_refused",
+        ),
     ),
 ]
 

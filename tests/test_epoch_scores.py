@@ -7,12 +7,13 @@ import pytest
 import torch
 from harness import check_values as values
 from harness import run_processes
-from skorch.callbacks import EpochScoring
+from skorch import NeuralNetClassifier
+from skorch.callbacks import Callback, Checkpoint, EpochScoring
 from skorch.callbacks.scoring import ScoringBase
+from skorch.toy import make_classifier
 
 from accel_mixin.distributed import epoch_scores
-from accel_mixin.distributed.epoch_scores import everywhere
-from accel_mixin.internals import replayed_scores
+from accel_mixin.distributed.epoch_scores import everywhere, notify_scored
 
 
 def nested():
@@ -86,12 +87,44 @@ def test_which_scorers_need_the_whole_predictions_on_every_rank():
     assert not everywhere(denied)
 
 
-def test_replayed_scores_leave_no_trace_in_a_pickle_or_the_class():
-    cb = EpochScoring("accuracy")
-    with replayed_scores({id(cb): lambda: 0.5}):
-        assert cb._scoring(None, None, None) == 0.5
-        assert "_scoring" not in vars(pickle.loads(pickle.dumps(cb)))
-    assert EpochScoring._scoring is ScoringBase._scoring
+class Looks(Callback):
+    """At its turn: whether EpochScoring scores as skorch wrote it."""
+
+    def on_epoch_end(self, net, **kwargs):
+        self.skorch_scoring_ = EpochScoring._scoring is ScoringBase._scoring
+
+
+class Bare(NeuralNetClassifier):
+    def get_default_callbacks(self):
+        return []
+
+
+def test_scores_recorded_at_their_turn_leave_the_callbacks_and_their_class_alone(tmp_path):
+    net = Bare(
+        make_classifier(input_units=4),
+        callbacks=[
+            ("acc", EpochScoring("accuracy", name="acc", lower_is_better=False)),
+            ("f1", EpochScoring("f1", name="f1", lower_is_better=False)),
+            ("checkpoint", Checkpoint(monitor="acc_best", dirname=tmp_path, f_pickle="net.pkl")),
+            ("looks", Looks()),
+        ],
+    ).initialize()
+    net.history.new_epoch()
+    net.history.new_batch()
+    notify_scored(net, {"acc": (0.75, None), "f1": (None, None)})
+    callbacks = dict(net.callbacks_)
+    assert net.history[-1, "acc"] == 0.75 and net.history[-1, "acc_best"]
+    assert callbacks["acc"].best_score_ == 0.75
+    assert "f1" not in net.history[-1]  # no data: nothing recorded, as skorch does
+    assert net.history[-1, "event_cp"]  # Checkpoint saw the score at its turn
+    assert callbacks["looks"].skorch_scoring_
+    with open(tmp_path / "net.pkl", "rb") as f:
+        pickled = dict(pickle.load(f).callbacks_)["acc"]
+    fresh = EpochScoring("accuracy", name="acc", lower_is_better=False).initialize()
+    assert type(pickled) is EpochScoring and sorted(vars(pickled)) == sorted(vars(fresh))
+    net.history.new_epoch()
+    with pytest.raises(ValueError, match="bad scorer"):
+        notify_scored(net, {"acc": (None, ValueError("bad scorer"))})
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +152,15 @@ def test_cached_predictions_are_scored_once_on_the_main_process(ranks):
             [("everywhere", 310), ("own", 310)] * 2
         )
     assert main["cached_is_predict_proba"] and main["cached_targets_in_order"]
+
+
+@pytest.mark.multiprocess
+def test_recorded_scores_leave_the_callbacks_and_their_class_alone(ranks):
+    results = values(ranks, "nothing_replaced_to_record_scores")
+    for result in results:  # at the epoch's end, after the scorers and Checkpoint
+        assert result["skorch_scoring"] == [True, True]
+    # Checkpoint's f_pickle, written mid-epoch-end, holds the scorer as it is
+    assert results[0]["pickled"] == results[0]["skorch_s"]
 
 
 @pytest.mark.multiprocess

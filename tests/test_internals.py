@@ -20,6 +20,7 @@ from accel_mixin.internals import (
     check_prepared_module,
     default_store,
     missing,
+    record_score,
 )
 
 
@@ -113,6 +114,16 @@ def test_a_renamed_progress_bar_method_is_listed(monkeypatch):
     monkeypatch.delattr(ProgressBar, "_get_batches_per_epoch_phase")
     (found,) = missing(Accelerator(cpu=True))
     assert "skorch no longer has ProgressBar._get_batches_per_epoch_phase" in found
+
+
+def test_a_renamed_score_recorder_is_listed_and_fails_loudly(monkeypatch):
+    from skorch.callbacks import EpochScoring
+
+    monkeypatch.delattr(EpochScoring, "_record_score")
+    (found,) = missing(Accelerator(cpu=True))
+    assert "skorch no longer has EpochScoring._record_score" in found
+    with pytest.raises(InternalsChanged, match="to score cached predictions once"):
+        record_score(EpochScoring("accuracy"), None, 0.5)
 
 
 def test_accelerates_lomo_check_is_answered_once_with_the_same_answer():

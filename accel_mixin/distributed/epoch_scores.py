@@ -5,7 +5,9 @@ ran. At an epoch's end the other ranks stream them to the main process
 alone, as the bytes of their tensors (point to point, a megabyte at a
 time), not as pickles of lists; the main process scores them in dataset
 order, as one process would on the whole data, and sends the scores (or a
-scorer's error) to the others, which record them at the callback's turn.
+scorer's error) to the others. Every rank then records them at each
+callback's turn, in the notification of the epoch's end (``notify_scored``),
+without scoring: nothing is replaced on the callbacks or on their class.
 So the main process holds one copy of the predictions, the others their
 own part only.
 
@@ -27,9 +29,9 @@ from skorch.callbacks import EpochScoring
 from accel_mixin.distributed.coordination import failure_message
 from accel_mixin.distributed.history_sync import interleave
 from accel_mixin.errors import DistributedError
-from accel_mixin.internals import cached_forward_iter, replayed_scores, score_of
+from accel_mixin.internals import cached_forward_iter, record_score, score_of
 
-__all__ = ["everywhere", "score_on_main", "scored_on_main", "share_predictions"]
+__all__ = ["everywhere", "notify_scored", "score_on_main", "share_predictions"]
 
 _ALIGN = 16  # every tensor starts at an offset that any dtype can view
 _CHUNK = 1 << 20  # bytes a rank stages at a time to send
@@ -271,19 +273,23 @@ def score_on_main(net, names, dataset_train=None, dataset_valid=None, **_):
     }
 
 
-def scored_on_main(net, outcomes):
-    """A context within which the callbacks of ``outcomes`` record their
-    score from the main process at their turn (or raise its error)."""
-    callbacks = dict(net.callbacks_)
+def notify_scored(net, outcomes, **cb_kwargs):
+    """Notify the net and its callbacks of the epoch's end, as skorch's
+    ``notify("on_epoch_end")`` does, except that each callback named in
+    ``outcomes`` records the main process's score at its turn (or raises its
+    error) instead of scoring.
 
-    def replay(score, error):
-        def score_or_raise():
-            if error is not None:
-                raise error
-            return score
-
-        return score_or_raise
-
-    return replayed_scores(
-        {id(callbacks[name]): replay(*outcome) for name, outcome in outcomes.items()}
-    )
+    The score travels in this call alone: a net pickled meanwhile
+    (``Checkpoint``'s ``f_pickle``) holds its callbacks as they are, and
+    ``EpochScoring`` is left alone.
+    """
+    net.on_epoch_end(net, **cb_kwargs)
+    for name, cb in net.callbacks_:
+        if name not in outcomes:
+            cb.on_epoch_end(net, **cb_kwargs)
+            continue
+        score, error = outcomes[name]
+        if error is not None:
+            raise error
+        if score is not None:  # None: no data, and skorch records nothing
+            record_score(cb, net.history, score)

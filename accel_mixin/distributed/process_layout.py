@@ -51,23 +51,47 @@ _UNSUPPORTED = {
     DistributedType.MEGATRON_LM: "Megatron-LM",
 }
 
-# The pid of the process that the launcher started, inherited by the processes
-# it starts (joblib's workers): they inherit RANK and WORLD_SIZE too, and an
-# Accelerator built there waits for a rendezvous that never comes.
-_LAUNCHED_PID = "ACCEL_MIXIN_LAUNCHED_PID"
-if _env_int("WORLD_SIZE") > 1:
-    os.environ.setdefault(_LAUNCHED_PID, str(os.getpid()))
+# What names a rank: inherited by the processes it starts, absent from the
+# environment its launcher was started with.
+_RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+
+
+def _started_with(pid):
+    """The environment process ``pid`` was started with (Linux's
+    ``/proc/PID/environ``, which later changes to its ``os.environ`` leave
+    alone); None where it cannot be read: no ``/proc``, another user's."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    pairs = (item.partition(b"=") for item in data.split(b"\0") if item)
+    return {os.fsdecode(name): os.fsdecode(value) for name, _, value in pairs}
 
 
 def check_not_a_child_of_a_rank():
     """Raise ``RuntimeError`` in a process (``GridSearchCV(n_jobs=2)``'s
-    workers) started by a process that ``torchrun`` started."""
-    launched = os.environ.get(_LAUNCHED_PID)
-    if launched is None or launched == str(os.getpid()):
+    workers) started by a rank of a job of several processes.
+
+    Such a process inherits the rank's ``RANK`` and ``WORLD_SIZE``, and an
+    Accelerator built there waits for a rendezvous that never comes. Its
+    parent is then a program that ``torchrun`` (or ``accelerate launch``)
+    started with this very ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE``. A
+    rank's own parent is its launcher, started without them: ``torchrun``
+    (in a job of its own, as Kubeflow's pods, without ``LOCAL_RANK``), or
+    the kernel whose ``notebook_launcher`` forks the ranks after setting
+    them. Linux only (``/proc``): elsewhere nothing is refused, nor a worker
+    of a rank that was itself forked (``notebook_launcher``'s).
+    """
+    if _env_int("WORLD_SIZE") <= 1:
+        return
+    parent = os.getppid()
+    started = _started_with(parent)
+    if started is None or any(started.get(k) != os.environ.get(k) for k in _RANK_VARIABLES):
         return
     raise RuntimeError(
         f"This process (pid {os.getpid()}) was started by rank {os.environ.get('RANK')} of a "
-        f"job of WORLD_SIZE={os.environ.get('WORLD_SIZE')} processes (pid {launched}), e.g. "
+        f"job of WORLD_SIZE={os.environ.get('WORLD_SIZE')} processes (pid {parent}), e.g. "
         "as a worker of GridSearchCV(n_jobs=...) or cross_validate(n_jobs=...): it inherits "
         "the job's RANK and WORLD_SIZE, and an Accelerator built here would wait forever for "
         "a process group it cannot join. Use n_jobs=1 in a job of several processes: its "

@@ -17,7 +17,7 @@ import torch
 from skorch.dataset import get_len, unpack_data
 
 from accel_mixin.checkpoint.state_values import restore_rng
-from accel_mixin.distributed.epoch_scores import score_on_main, scored_on_main, share_predictions
+from accel_mixin.distributed.epoch_scores import score_on_main, share_predictions
 from accel_mixin.distributed.history_sync import agree_on_row, leading_samples, merge_epoch
 from accel_mixin.distributed.replicas import check_same_steps
 from accel_mixin.errors import DistributedError
@@ -147,8 +147,11 @@ def _real_step(net, step, view, real, training, autocast):
     return dict(step, loss=loss, y_pred=y_pred)
 
 
-def end_epoch(net, coordinator, notify_callbacks, **cb_kwargs):
+def end_epoch(net, coordinator, notify_epoch_end, **cb_kwargs):
     """Sync the epoch, run the callbacks, agree on the row and on stopping.
+
+    ``notify_epoch_end(scores, **cb_kwargs)`` notifies the callbacks, those
+    of ``scores`` recording the main process's score (``notify_scored``).
 
     EarlyStopping's KeyboardInterrupt on any rank stops all; a callback's error
     on any rank makes every rank raise (the failed rank still joins the final
@@ -164,11 +167,8 @@ def end_epoch(net, coordinator, notify_callbacks, **cb_kwargs):
         scores = score_on_main(net, on_main, **cb_kwargs)
     stop, error = False, None
     try:
-        with (
-            main_process_pickles(net.callbacks_, net.accelerator.is_main_process),
-            scored_on_main(net, scores),
-        ):
-            notify_callbacks("on_epoch_end", **cb_kwargs)
+        with main_process_pickles(net.callbacks_, net.accelerator.is_main_process):
+            notify_epoch_end(scores, **cb_kwargs)
     except KeyboardInterrupt:
         stop = True
     except Exception as exc:  # pylint: disable=broad-except

@@ -4,6 +4,8 @@ it alone; the other ranks keep their own share.
 Usage: torchrun --nproc_per_node 3 epoch_scores_checks.py
 """
 
+import pickle
+
 import numpy as np
 import torch
 from common import (
@@ -16,7 +18,8 @@ from common import (
     report,
 )
 from sklearn.metrics import accuracy_score
-from skorch.callbacks import Callback, EpochScoring
+from skorch.callbacks import Callback, Checkpoint, EpochScoring
+from skorch.callbacks.scoring import ScoringBase
 from skorch.dataset import Dataset
 from skorch.helper import predefined_split
 
@@ -177,6 +180,39 @@ def failing(net, X, y):
 def scorer_error_reaches_every_rank():
     net = make_net(callbacks=[("failing", EpochScoring(failing, name="failing"))])
     return error_and_seconds(lambda: net.fit(X, y))
+
+
+class Looks(Callback):
+    """At its turn, after the scorers and a Checkpoint: whether EpochScoring
+    scores as skorch wrote it."""
+
+    def on_epoch_end(self, net, **kwargs):
+        self.seen_ = getattr(self, "seen_", []) + [EpochScoring._scoring is ScoringBase._scoring]
+
+
+@checks
+def nothing_replaced_to_record_scores():
+    # the net pickled at every epoch's end, after the scorers
+    checkpoint = Checkpoint(
+        monitor=None,
+        f_params=None,
+        f_optimizer=None,
+        f_criterion=None,
+        f_history=None,
+        f_pickle="scored_net.pkl",
+    )
+    net = make_net(callbacks=[("checkpoint", checkpoint), ("looks", Looks())])
+    net.fit(X, y)
+    result = {"skorch_scoring": dict(net.callbacks_)["looks"].seen_}
+    if rank == 0:
+        with open(checkpoint.f_pickle, "rb") as f:
+            pickled = dict(pickle.load(f).callbacks_)["valid_acc"]
+        # what skorch gives a scorer when training begins
+        fresh = EpochScoring("accuracy", name="valid_acc", lower_is_better=False).initialize()
+        fresh.on_train_begin(net, X, y)
+        result["pickled"] = [type(pickled).__name__, sorted(vars(pickled))]
+        result["skorch_s"] = ["EpochScoring", sorted(vars(fresh))]
+    return result
 
 
 report({"rank": rank, "world": world, "checks": checks.results})
