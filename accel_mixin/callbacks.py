@@ -11,6 +11,8 @@ itself::
 
 """
 
+from __future__ import annotations
+
 import os
 import signal
 import warnings

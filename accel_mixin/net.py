@@ -5,6 +5,8 @@ and leaves what accelerate adds to a module of its own (docs/guide/architecture.
 maps them).
 """
 
+from __future__ import annotations
+
 from contextlib import contextmanager
 from typing import ClassVar
 

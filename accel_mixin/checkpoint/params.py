@@ -1,5 +1,7 @@
 """save_params and load_params whose files users can trust."""
 
+from __future__ import annotations
+
 import os
 import zipfile
 from collections.abc import Mapping

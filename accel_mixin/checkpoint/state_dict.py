@@ -8,6 +8,8 @@ than guessed at. Reading refuses pickles that would run code and maps torch
 files into memory.
 """
 
+from __future__ import annotations
+
 import collections
 import json
 import os

@@ -22,6 +22,8 @@ for the GIL, which that thread keeps from the looks to the fork (they read
 The wait is bounded: past it, the fork goes ahead as it would have.
 """
 
+from __future__ import annotations
+
 import ctypes
 import os
 import sys

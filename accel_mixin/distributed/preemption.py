@@ -13,6 +13,8 @@ first poll also tells whether any rank handles signals; if none, no rank
 polls again.
 """
 
+from __future__ import annotations
+
 import signal
 import threading
 import time

@@ -14,6 +14,8 @@ generator at a fixed seed (``distributed.sample_rows``): a Dataset that
 augments at random is the same data on every rank.
 """
 
+from __future__ import annotations
+
 import hashlib
 from collections.abc import Mapping
 

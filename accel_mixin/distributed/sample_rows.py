@@ -15,6 +15,8 @@ generator made anew in ``__getitem__``, the operating system's entropy), and
 are reported as unrepeatable (None) rather than compared or hashed.
 """
 
+from __future__ import annotations
+
 import contextlib
 import random
 import types

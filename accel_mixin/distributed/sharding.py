@@ -22,6 +22,8 @@ net this means:
   from its ``mixed_precision``; no autocast is added around the forward pass.
 """
 
+from __future__ import annotations
+
 from collections.abc import Mapping
 
 import torch

@@ -20,6 +20,8 @@ generator set to a fixed seed and put back afterwards, so that reading them
 neither depends on nor changes the random number streams of training.
 """
 
+from __future__ import annotations
+
 import enum
 import functools
 import hashlib

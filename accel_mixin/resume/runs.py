@@ -26,6 +26,8 @@ each in its folder, and a fit that names its own name (``find_run``) means
 its own run, whichever other runs share the name.
 """
 
+from __future__ import annotations
+
 import hashlib
 import json
 import os
