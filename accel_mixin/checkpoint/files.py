@@ -19,7 +19,7 @@ import os
 import secrets
 import shutil
 import stat
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from types import ModuleType
 from typing import Any, Union
 
@@ -151,7 +151,7 @@ def _chmod(fd: int, mode: int) -> None:
 
 
 @contextlib.contextmanager
-def atomic_files(paths: Sequence[Path]) -> Iterator[list[str]]:
+def atomic_files(paths: Collection[Path]) -> Iterator[list[str]]:
     """Write the files ``paths`` as one unit: all of them or none.
 
     Yields one temporary file name per path, for the block to write. Once all
