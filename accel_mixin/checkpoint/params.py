@@ -282,8 +282,11 @@ def load_optimizer_state(
             "torch.save(optimizer.state_dict(), path)."
         )
     try:
-        # an optimizer of a sharded module (FSDP2) takes this rank's shards
-        optimizer.load_state_dict(shard_optimizer_state(optimizer, state))
+        # an optimizer of a sharded module (FSDP2) takes this rank's shards;
+        # torch types its argument a dict, and copies it as any mapping
+        # that has copy() (torch.load gives dicts)
+        optimizer.load_state_dict(shard_optimizer_state(optimizer, state))  # type: ignore[arg-type]
+
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(
             f"{source} does not fit {name}: {exc}. The optimizer was saved for other "

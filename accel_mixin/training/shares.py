@@ -1,8 +1,6 @@
 """Each rank's share of the last global batch, so that N processes train as one.
 
 With even batches accelerate pads an epoch's last global batch with samples
-from __future__ import annotations
-
 from the epoch's start, so that every rank takes the step. One process with
 N times the batch trains that step on the mean loss over the real samples
 only. Each rank therefore trains on its real samples alone, with the
@@ -15,6 +13,8 @@ This holds where the loss is a mean over the batch's samples, which a
 criterion says with ``reduction="mean"`` (torch's default); other losses
 train on the padded batch as before, with one warning.
 """
+
+from __future__ import annotations
 
 import warnings
 from typing import TYPE_CHECKING, Any
