@@ -23,6 +23,9 @@ from accel_mixin.errors import CheckpointError
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
+    from accel_mixin.checkpoint.files import Path
+
+
 # a training state's place in training: (epochs done, batches of the next)
 Position = tuple[int, int]
 
@@ -54,7 +57,7 @@ def _describe_positions(positions: list[Position]) -> str:
     return ", ".join([f"epochs {ends}"] + [describe_position(p) for p in positions if p[1]])
 
 
-def checkpoint_positions(dirname: str, processes: int | None = None) -> dict[Position, str]:
+def checkpoint_positions(dirname: Path, processes: int | None = None) -> dict[Position, str]:
     """The complete training-state files in ``dirname``, by ``(epoch, batch)``;
     with ``processes``, only those that resume on that many processes."""
     try:
@@ -69,13 +72,13 @@ def checkpoint_positions(dirname: str, processes: int | None = None) -> dict[Pos
     }
 
 
-def checkpoint_files(dirname: str) -> list[str]:
+def checkpoint_files(dirname: Path) -> list[str]:
     """The complete training-state files in ``dirname``, oldest first."""
     found = checkpoint_positions(dirname)
     return [found[position] for position in sorted(found)]
 
 
-def agreed_checkpoint(dirname: str, accelerator: Accelerator) -> str | None:
+def agreed_checkpoint(dirname: Path, accelerator: Accelerator) -> str | None:
     """The newest training state in ``dirname`` that every rank has, or None.
 
     Machines that share no filesystem (``save_on_each_node``) can hold

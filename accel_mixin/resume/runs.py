@@ -50,6 +50,8 @@ if TYPE_CHECKING:
     from skorch import NeuralNet
 
     from accel_mixin.checkpoint.checkpoint_files import Position
+    from accel_mixin.checkpoint.files import Path
+
 
 __all__ = [
     "MANIFEST",
@@ -296,7 +298,7 @@ def differs_from_newest(identity: RunIdentity, runs: dict[str, str]) -> str:
     return f"it differs from the newest, {newest}, in: {differs}"
 
 
-def run_folders(dirname: str) -> dict[str, str]:
+def run_folders(dirname: Path) -> dict[str, str]:
     """The run folders in ``dirname``, by run key (``RunIdentity.key``:
     the id, after the name for a named run)."""
     if os.path.exists(dirname) and not os.path.isdir(dirname):
