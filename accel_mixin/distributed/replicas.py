@@ -141,7 +141,9 @@ def check_same_steps(accelerator: Accelerator, iterator: Iterable[Any]) -> None:
     if accelerator.even_batches:
         return
     try:
-        mine = len(iterator)  # type: ignore[arg-type]  # TypeError below: an iterable's
+        # an iterable without a length raises the TypeError caught below
+        mine = len(iterator)  # type: ignore[arg-type]
+
     except TypeError:
         return
     everyone = [n for (n,) in _everyone(accelerator, [mine])]

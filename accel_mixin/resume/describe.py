@@ -372,7 +372,8 @@ def _stream(data: Any, digest: hashlib._Hash, describer: Describer, path: str) -
     else:
         described = describer(data, path)
         if isinstance(data, Dataset) and not isinstance(data, IterableDataset):
-            n = len(data)  # type: ignore[arg-type]  # map-style: torch's base class has no __len__
+            # a map-style Dataset has a length, which torch's base class leaves out
+            n = len(data)  # type: ignore[arg-type]
 
             rows = np.unique(np.linspace(0, n - 1, min(n, _SAMPLE_ROWS)).round().astype(np.int64))
             # the second reading is described apart: its refusals would count twice

@@ -114,7 +114,8 @@ class _SkipFirst:
         yield from batches
 
     def __len__(self) -> int:
-        return len(self.batch_sampler)  # type: ignore[arg-type]  # a batch sampler has a length where a DataLoader uses it
+        # typed an Iterable, as torch types it: a DataLoader's batch sampler has a length
+        return len(self.batch_sampler)  # type: ignore[arg-type]
 
     def __getattr__(self, name: str) -> Any:
         if name == "batch_sampler":
