@@ -42,7 +42,6 @@ html_theme_options = {"description": "skorch nets trained with HuggingFace Accel
 autodoc_member_order = "bysource"
 autodoc_typehints = "none"
 
-
 # numpydoc: the sections it renders are the reference; no autosummary tables
 # of every inherited skorch method
 numpydoc_show_class_members = False
