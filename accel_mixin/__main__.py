@@ -1,13 +1,16 @@
 """``python -m accel_mixin env``: what a bug report needs (``diagnostics``)."""
 
+from __future__ import annotations
+
 import argparse
+from collections.abc import Sequence
 
 import torch.distributed as dist
 
 from accel_mixin.diagnostics import environment_report
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m accel_mixin")
     parser.add_argument(
         "command", choices=["env"], help="env: versions, what accelerate sees, every rank's layout"

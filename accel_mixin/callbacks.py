@@ -11,10 +11,14 @@ itself::
 
 """
 
+from __future__ import annotations
+
 import os
 import signal
 import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
 from accelerate.utils import gather_object
 from skorch.callbacks import Callback
@@ -45,6 +49,13 @@ from accel_mixin.resume.runs import (
 from accel_mixin.training.data_order import resumable_inside_epochs
 from accel_mixin.training.notifications import stopped_early
 
+if TYPE_CHECKING:
+    from skorch import NeuralNet
+    from typing_extensions import Self
+
+    from accel_mixin.net import AccelerateMixin
+    from accel_mixin.resume.runs import RunIdentity
+
 __all__ = ["ResumeTraining", "TrainingCheckpoint"]
 
 
@@ -54,10 +65,10 @@ class _RunCallback(Callback):
 
     in_run_identity = False
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         return {}
 
-    def _check_net(self, net):
+    def _check_net(self, net: NeuralNet) -> None:
         if not all(hasattr(net, n) for n in ("save_state", "load_state", "wait_for_everyone")):
             raise TypeError(
                 f"{type(self).__name__} saves and loads training states with "
@@ -67,9 +78,12 @@ class _RunCallback(Callback):
             )
 
 
-def _fit_identity(net, X, y):
-    names = {cb.run_name for _, cb in net.callbacks_ if isinstance(cb, TrainingCheckpoint)}
-    names.discard(None)
+def _fit_identity(net: AccelerateMixin, X: Any, y: Any) -> RunIdentity:
+    names = {
+        cb.run_name
+        for _, cb in net.callbacks_
+        if isinstance(cb, TrainingCheckpoint) and cb.run_name is not None
+    }
     if len(names) > 1:
         raise ValueError(f"The net's TrainingCheckpoints name the run differently: {sorted(names)}")
     return fit_identity(net, X, y, name=next(iter(names), None))
@@ -158,14 +172,14 @@ class TrainingCheckpoint(_RunCallback):
 
     def __init__(
         self,
-        dirname,
-        every_n_epochs=1,
-        every_n_batches=None,
-        keep_last=2,
-        asynchronous=False,
-        signals=(signal.SIGTERM,),
-        run_name=None,
-    ):
+        dirname: str | os.PathLike[str],
+        every_n_epochs: int = 1,
+        every_n_batches: int | None = None,
+        keep_last: int | None = 2,
+        asynchronous: bool = False,
+        signals: Sequence[int] = (signal.SIGTERM,),
+        run_name: str | None = None,
+    ) -> None:
         self.dirname = dirname
         self.run_name = run_name
         self.every_n_epochs = every_n_epochs
@@ -174,7 +188,7 @@ class TrainingCheckpoint(_RunCallback):
         self.asynchronous = asynchronous
         self.signals = signals
 
-    def initialize(self):
+    def initialize(self) -> Self:
         check_run_name(self.run_name)
         if self.every_n_epochs < 1:
             raise ValueError(f"every_n_epochs must be at least 1, got {self.every_n_epochs}")
@@ -186,23 +200,26 @@ class TrainingCheckpoint(_RunCallback):
         if self.keep_last is not None and self.keep_last < 1:
             raise ValueError(f"keep_last must be at least 1 or None, got {self.keep_last}")
         # process-local, never part of a training state (no trailing _)
-        self._notices = None
-        self._stop = False
+        self._notices: NoticeBoard | None = None
+        # where to stop on a notice: False, "step", "now" or "epoch end"
+        self._stop: bool | str = False
         self._folder_due = False  # the run folder is to be made at the next epoch's begin
-        self._claimed = None  # the run folder this process holds (folder_claim)
+        self._claimed: str | None = None  # the run folder this process holds (folder_claim)
         self._claiming = False  # this fit claimed it, on every rank
-        self.run_ = None
-        self.run_folder_ = None
+        self.run_: RunIdentity | None = None
+        self.run_folder_: str | None = None
         return self
 
-    def on_train_begin(self, net, X=None, y=None, **kwargs):
+    def on_train_begin(
+        self, net: AccelerateMixin, X: Any = None, y: Any = None, **kwargs: Any
+    ) -> None:
         self._check_net(net)
         self.run_ = _fit_identity(net, X, y)
         run_folders(self.dirname)  # a clear error where dirname is a file
         self.run_folder_ = os.path.join(self.dirname, self.run_.folder)
         self._folder_due = True
 
-    def on_epoch_begin(self, net, **kwargs):
+    def on_epoch_begin(self, net: AccelerateMixin, **kwargs: Any) -> None:
         # not at train begin: a callback after this one may still fail
         # there, and an empty run folder left by a failed fit would be one
         # more run of its name. Once per fit: a folder removed later is an
@@ -211,7 +228,7 @@ class TrainingCheckpoint(_RunCallback):
             return
         self._folder_due = False
         try:
-            os.makedirs(self.run_folder_, exist_ok=True)
+            os.makedirs(self._folder, exist_ok=True)
         except OSError as exc:
             raise CheckpointError(
                 f"Cannot create the run folder {self.run_folder_} ({type(exc).__name__}: {exc}); "
@@ -219,14 +236,20 @@ class TrainingCheckpoint(_RunCallback):
             ) from exc
         self._claim(net)
 
-    def _claim(self, net):
+    @property
+    def _folder(self) -> str:
+        """``run_folder_``, which ``on_train_begin`` sets before any use."""
+        assert self.run_folder_ is not None, "on_train_begin sets the run folder"
+        return self.run_folder_
+
+    def _claim(self, net: AccelerateMixin) -> None:
         """Hold the run folder while this fit writes there; every rank raises
         where another live job writes there (its main process holds it)."""
         holder, self._claiming = None, True
         if net.accelerator.is_main_process:
-            holder = claim(self.run_folder_)
+            holder = claim(self._folder)
             if holder is None:
-                self._claimed = self.run_folder_
+                self._claimed = self._folder
         if net.accelerator.num_processes > 1:
             net.wait_for_everyone("TrainingCheckpoint")  # each arrived: the gather is safe
             holder = next(filter(None, gather_object([holder])), None)
@@ -238,18 +261,20 @@ class TrainingCheckpoint(_RunCallback):
                 "again: ResumeTraining resumes from its newest state."
             )
 
-    def _release(self):
+    def _release(self) -> None:
         if self._claimed is not None:
             release(self._claimed)
             self._claimed = None
 
     @contextmanager
-    def during_fit(self, net):
+    def during_fit(self, net: AccelerateMixin) -> Iterator[None]:
         """``AccelerateMixin`` enters it around every ``fit`` and
         ``partial_fit``: the preemption notices are handled meanwhile."""
         watching = can_handle(self.signals)
         self._notices = notices = NoticeBoard(net.accelerator, watching=watching)
-        self._stop, self._inside = False, None
+        self._stop = False
+        # whether the training data resumes inside epochs; known at the first batch
+        self._inside: bool | None = None
         try:
             with handling_signals(self.signals, notices.note):
                 yield
@@ -261,7 +286,9 @@ class TrainingCheckpoint(_RunCallback):
             # handler (the default ends the process) gets it after all
             signal.raise_signal(notices.received)
 
-    def on_batch_finished(self, net, training=True, batches=0, **kwargs):
+    def on_batch_finished(
+        self, net: AccelerateMixin, training: bool = True, batches: int = 0, **kwargs: Any
+    ) -> None:
         """After every training batch and every callback's ``on_batch_end``,
         with the epoch's training batches done: save if due, stop on a notice."""
         state = net.accelerator.gradient_state
@@ -293,7 +320,7 @@ class TrainingCheckpoint(_RunCallback):
         if stop:
             self._preempted(net, f"after training batch {batches} of epoch {len(net.history)}")
 
-    def on_epoch_finished(self, net, stopped=False, **kwargs):
+    def on_epoch_finished(self, net: AccelerateMixin, stopped: bool = False, **kwargs: Any) -> None:
         """Once an epoch is over and agreed on every rank (after every
         ``on_epoch_end``): save it if due; ``stopped``: ``EarlyStopping`` ends here."""
         epoch = len(net.history)
@@ -306,14 +333,23 @@ class TrainingCheckpoint(_RunCallback):
         if stop:
             self._preempted(net, f"at the end of epoch {epoch}")
 
-    def _save(self, net, epoch, batch, asynchronous, stopped=False):
+    def _save(
+        self,
+        net: AccelerateMixin,
+        epoch: int,
+        batch: int,
+        asynchronous: bool,
+        stopped: bool = False,
+    ) -> None:
         name = checkpoint_name(epoch, batch, net.accelerator.num_processes)
-        path = os.path.join(self.run_folder_, name)
+        path = os.path.join(self._folder, name)
         net.save_state(path, asynchronous=asynchronous, on_written=self._written, stopped=stopped)
 
-    def _preempted(self, net, where):
-        self._notices.close()
-        received, self._notices.received = self._notices.received, None  # acted on
+    def _preempted(self, net: AccelerateMixin, where: str) -> None:
+        notices = self._notices
+        assert notices is not None, "only a notice that during_fit's board agreed on preempts"
+        notices.close()
+        received, notices.received = notices.received, None  # acted on
         net.wait_for_saves()
         if writes_files(net.accelerator):
             self._write_manifest("preempted")
@@ -324,26 +360,28 @@ class TrainingCheckpoint(_RunCallback):
             f"{self.run_folder_}. Run the same script again to resume there (ResumeTraining)."
         )
 
-    def _written(self):
+    def _written(self) -> None:
         """On the writing process, once a file is complete."""
-        remove_temporaries(self.run_folder_)  # of killed saves, whose names were this run's
-        remove_orphan_shards(self.run_folder_)
+        folder = self._folder
+        remove_temporaries(folder)  # of killed saves, whose names were this run's
+        remove_orphan_shards(folder)
         if self.keep_last is not None:
             ends = [
                 path
-                for (_, batch), path in sorted(checkpoint_positions(self.run_folder_).items())
+                for (_, batch), path in sorted(checkpoint_positions(folder).items())
                 if not batch
             ]
-            for path in checkpoint_files(self.run_folder_)[: -self.keep_last]:
+            for path in checkpoint_files(folder)[: -self.keep_last]:
                 if ends and path == ends[-1]:
                     continue  # the newest epoch's end resumes on any number of processes
                 remove_training_state(path)
         self._write_manifest("running")
 
-    def _write_manifest(self, status):
-        write_manifest(self.run_folder_, self.run_, checkpoint_positions(self.run_folder_), status)
+    def _write_manifest(self, status: str) -> None:
+        assert self.run_ is not None, "on_train_begin sets the run"
+        write_manifest(self._folder, self.run_, checkpoint_positions(self._folder), status)
 
-    def on_train_end(self, net, **kwargs):
+    def on_train_end(self, net: AccelerateMixin, **kwargs: Any) -> None:
         if self._notices is not None:
             self._notices.close()
         if self.asynchronous:
@@ -351,7 +389,7 @@ class TrainingCheckpoint(_RunCallback):
         self._record_end(net)
         self._give_up(net)
 
-    def _give_up(self, net):
+    def _give_up(self, net: AccelerateMixin) -> None:
         """Give the run folder up; every rank returns from fit once it is,
         so that none sees the marker afterwards."""
         if self._claiming:
@@ -360,10 +398,10 @@ class TrainingCheckpoint(_RunCallback):
             if net.accelerator.num_processes > 1:
                 net.wait_for_everyone("TrainingCheckpoint")
 
-    def _record_end(self, net):
+    def _record_end(self, net: AccelerateMixin) -> None:
         if self.run_ is None or not writes_files(net.accelerator):
             return
-        if self._folder_due and not os.path.isdir(self.run_folder_):
+        if self._folder_due and not os.path.isdir(self._folder):
             return  # no epoch began and nothing resumed: no run to record
         if stopped_early(net.callbacks_):
             status = "stopped early"
@@ -423,16 +461,23 @@ class ResumeTraining(_RunCallback):
 
     """
 
-    def __init__(self, dirname, run=None, sink=print):
+    def __init__(
+        self,
+        dirname: str | os.PathLike[str],
+        run: str | None = None,
+        sink: Callable[[str], object] = print,
+    ) -> None:
         self.dirname = dirname
         self.run = run
         self.sink = sink
 
-    def initialize(self):
-        self.resumed_from_ = None
+    def initialize(self) -> Self:
+        self.resumed_from_: str | None = None
         return self
 
-    def on_train_begin(self, net, X=None, y=None, **kwargs):
+    def on_train_begin(
+        self, net: AccelerateMixin, X: Any = None, y: Any = None, **kwargs: Any
+    ) -> None:
         self._check_net(net)
         identity = _fit_identity(net, X, y)
         runs = run_folders(self.dirname)
@@ -474,7 +519,10 @@ class ResumeTraining(_RunCallback):
             net.load_state(path)
             self.resumed_from_ = path
             if self._speaks(net):
-                where = describe_position(position_of(path))
+                position = position_of(path)
+                assert position is not None, "agreed_checkpoint gives training-state names"
+                where = describe_position(position)
+
                 self.sink(f"ResumeTraining: {what} from {path} (after {where})")
             return
         if net.accelerator.is_main_process and not self._writers(net):
@@ -493,14 +541,14 @@ class ResumeTraining(_RunCallback):
                 self.sink(line)
 
     @staticmethod
-    def _speaks(net):
+    def _speaks(net: AccelerateMixin) -> bool:
         return net.verbose and net.accelerator.is_main_process
 
     @staticmethod
-    def _writers(net):
+    def _writers(net: NeuralNet) -> list[TrainingCheckpoint]:
         return [cb for _, cb in net.callbacks_ if isinstance(cb, TrainingCheckpoint)]
 
-    def _check_writer(self, net):
+    def _check_writer(self, net: NeuralNet) -> None:
         """Warn where the net's TrainingCheckpoints write elsewhere: a rerun
         would then never resume what this fit saves (a misspelt folder)."""
         written = sorted({os.fspath(cb.dirname) for cb in self._writers(net)})
@@ -514,11 +562,13 @@ class ResumeTraining(_RunCallback):
             )
 
 
-def _same_folder(dirname):
+def _same_folder(dirname: str | os.PathLike[str]) -> str:
     return os.path.normcase(os.path.realpath(os.fspath(dirname)))
 
 
-def _fresh_start(identity, dirname, runs):
+def _fresh_start(
+    identity: RunIdentity, dirname: str | os.PathLike[str], runs: Mapping[str, str]
+) -> str | None:
     """The line of a run that starts afresh next to other runs' training
     states (run folders, or files outside them), or None."""
     others = {key: folder for key, folder in runs.items() if key != identity.key}

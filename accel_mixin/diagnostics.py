@@ -4,6 +4,8 @@
 main process prints one line per rank, with whether its layout check passes.
 """
 
+from __future__ import annotations
+
 import os
 import platform
 import sys
@@ -19,11 +21,11 @@ from accel_mixin.distributed.process_layout import check_process_layout
 
 __all__ = ["environment_report", "rank_line", "restart_store"]
 
-_LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "ACCELERATE_USE_CPU")
+_LAUNCH_VARIABLES: tuple[str, ...] = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "ACCELERATE_USE_CPU")
 _LAUNCH_VARIABLES += ("ACCELERATE_MIXED_PRECISION", "CUDA_VISIBLE_DEVICES")
 
 
-def restart_store():
+def restart_store() -> str | None:
     """Whether the launch's rendezvous keeps its store across restarts, in
     words, or None outside an elastic launch."""
     if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
@@ -39,7 +41,7 @@ def restart_store():
     return "restarts: every attempt gets a store of its own"
 
 
-def rank_line(accelerator):
+def rank_line(accelerator: Accelerator) -> str:
     """What this rank sees, and what the launch layout check says here."""
     try:
         check_process_layout(accelerator)
@@ -55,11 +57,12 @@ def rank_line(accelerator):
     )
 
 
-def environment_report(accelerator=None):
+def environment_report(accelerator: Accelerator | None = None) -> str | None:
     """The report of ``accelerator`` (by default ``Accelerator()``, as a script
     builds it) on the main process, None on the others; every process calls it."""
     accelerator = accelerator or Accelerator()
-    lines = [rank_line(accelerator)]
+    lines: list[str] = [rank_line(accelerator)]
+
     if accelerator.num_processes > 1:
         lines = gather_object(lines)
     if not accelerator.is_main_process:

@@ -5,8 +5,11 @@ and leaves what accelerate adds to a module of its own (docs/guide/architecture.
 maps them).
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from accel_mixin.checkpoint.background import finished_on_error
 from accel_mixin.checkpointing import CheckpointingMixin
@@ -51,6 +54,13 @@ from accel_mixin.training.process_state import FitContext
 from accel_mixin.training.rows import tensor_rows
 from accel_mixin.training.stepping import StepMixin, Stepper, check_overrides, clear_gradients
 from accel_mixin.training.wrapping import prepare_dataloader
+
+if TYPE_CHECKING:
+    import torch
+    from accelerate import Accelerator
+    from skorch import NeuralNet
+    from torch.utils.data import DataLoader, Dataset
+    from typing_extensions import Self
 
 __all__ = ["AccelerateMixin"]
 
@@ -138,17 +148,20 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
 
     """
 
+    # skorch sets it from the keyword argument, as its other parameters
+    callbacks__print_log__sink: str | Callable[..., Any]
+
     def __init__(
         self,
-        *args,
-        accelerator,
-        device=None,
-        unwrap_after_train=True,
-        callbacks__print_log__sink="auto",
-        replica_check_every=1,
-        io_timeout=None,
-        **kwargs,
-    ):
+        *args: Any,
+        accelerator: Accelerator,
+        device: str | torch.device | None = None,
+        unwrap_after_train: bool = True,
+        callbacks__print_log__sink: str | Callable[..., Any] = "auto",
+        replica_check_every: int = 1,
+        io_timeout: float | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(
             *args, device=device, callbacks__print_log__sink=callbacks__print_log__sink, **kwargs
         )
@@ -159,11 +172,11 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
 
     # --- initialization -----------------------------------------------------
 
-    def _validate_params(self):
+    def _validate_params(self) -> None:
         super()._validate_params()
         check_params(self)
 
-    def initialize(self):
+    def initialize(self) -> Self:
         """Initializes all of its components as skorch does, then prepares
         them for the accelerator; returns self."""
         if self._process.keep_loaded:
@@ -179,7 +192,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
                 raise
         return self
 
-    def _initialize_callbacks(self):
+    def _initialize_callbacks(self) -> Self:
         if self.callbacks__print_log__sink != "auto":
             return super()._initialize_callbacks()
         # the parameter stays 'auto' for clone and get_params
@@ -191,7 +204,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
 
     # --- what accelerate prepares -------------------------------------------
 
-    def _initialize_accelerator(self):
+    def _initialize_accelerator(self) -> Self:
         """Prepare what is new for accelerate and wrap everything; what was
         prepared before is put back, not prepared again."""
         check_process_layout(self.accelerator)
@@ -204,13 +217,13 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
         self._process.prepared.prepare(self.accelerator, slots(self))
         return self
 
-    def _unwrap_accelerator(self):
+    def _unwrap_accelerator(self) -> Self:
         """Put back the objects the net built in place of the prepared ones."""
         self._process.prepared.unwrap()
         return self
 
     @contextmanager
-    def _unwrapped(self):
+    def _unwrapped(self) -> Iterator[Self]:
         was_wrapped = self._process.prepared.wrapped
         self._unwrap_accelerator()
         try:
@@ -219,7 +232,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
             if was_wrapped:
                 self._process.prepared.wrap(self.accelerator)
 
-    def get_all_learnable_params(self):
+    def get_all_learnable_params(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         # skorch's (or an override's) on the raw modules: no DDP prefix in the
         # names; taken whole, as the swap must not outlast the call
         with bare_modules(self):
@@ -228,7 +241,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
 
     # --- training -----------------------------------------------------------
 
-    def fit(self, X, y=None, **fit_params):
+    def fit(self, X: Any, y: Any = None, **fit_params: Any) -> Self:
         """Initialize and fit the module, as skorch does.
 
         After ``load_state``, ``fit`` goes on from the loaded state instead
@@ -251,7 +264,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
             finally:
                 self._process.keep_loaded = False
 
-    def partial_fit(self, X, y=None, classes=None, **fit_params):
+    def partial_fit(self, X: Any, y: Any = None, classes: Any = None, **fit_params: Any) -> Self:
         if not self.initialized_:  # as skorch does first, for the callbacks' contexts
             self.initialize()
         adopt_history(self)  # a DistributedHistory assigned after initialize
@@ -265,7 +278,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
         ):
             return super().partial_fit(X, y, classes=classes, **fit_params)
 
-    def fit_loop(self, X, y=None, epochs=None, **fit_params):
+    def fit_loop(self, X: Any, y: Any = None, epochs: int | None = None, **fit_params: Any) -> Self:
         plan = self._process.plan
         if plan is not None and plan.fitting:
             plan = self._process.plan = None  # it belonged to the fit before
@@ -274,14 +287,14 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
             epochs = plan.epochs_to_train(self, epochs)
         return super().fit_loop(X, y, epochs=epochs, **fit_params)
 
-    _NOTIFIED: ClassVar[dict] = {
+    _NOTIFIED: ClassVar[dict[str, str]] = {
         "on_train_begin": "_train_begins",
         "on_epoch_begin": "_epoch_begins",
         "on_epoch_end": "_end_epoch",
         "on_train_end": "_train_ends",
     }
 
-    def notify(self, method_name, **cb_kwargs):
+    def notify(self, method_name: str, **cb_kwargs: Any) -> None:
         # every notification is a section (notifications.py)
         if method_name == "on_grad_computed":
             if not self._stepper.sync_gradients:
@@ -303,18 +316,18 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
         elif method_name == "on_epoch_begin":
             prepare_retrainable_modules(self)  # after Freezer, Unfreezer and the like
 
-    def _notify_callbacks(self, method_name, **cb_kwargs):
+    def _notify_callbacks(self, method_name: str, **cb_kwargs: Any) -> None:
         with callbacks_of_this_rank(self, self._coordinator):
             super().notify(method_name, **cb_kwargs)
 
-    def _train_begins(self, **cb_kwargs):
+    def _train_begins(self, **cb_kwargs: Any) -> None:
         # callbacks build on the raw objects (an LR scheduler on the raw
         # optimizer); _begin_training prepares what they built
         self._unwrap_accelerator()
         shards_in_place(self)
         self._notify_callbacks("on_train_begin", **cb_kwargs)
 
-    def _begin_training(self, X, y):
+    def _begin_training(self, X: Any, y: Any) -> None:
         """After the callbacks' on_train_begin: check the data, restore what a
         resumed run has for the callbacks, prepare what they built."""
         self.check_training_readiness()  # a net trimmed for prediction has no optimizer
@@ -333,7 +346,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
             check_net_replicas(self, "when training begins")
         self._process.fit.stepper = Stepper(self.accelerator)
 
-    def on_train_begin(self, net, X=None, y=None, **kwargs):
+    def on_train_begin(self, net: NeuralNet, X: Any = None, y: Any = None, **kwargs: Any) -> None:
         super().on_train_begin(net, X=X, y=y, **kwargs)
         # an interrupted fit may have left half-accumulated gradients
         self.accelerator.step = 0
@@ -342,7 +355,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
             [raw(self, name) for name in self._optimizers],
         )
 
-    def _epoch_begins(self, **cb_kwargs):
+    def _epoch_begins(self, **cb_kwargs: Any) -> None:
         partial = begin_epoch(self)
         shards_in_place(self)  # for callbacks that change parameters (Freezer)
         self._notify_callbacks("on_epoch_begin", **cb_kwargs)
@@ -353,7 +366,14 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
                 self, cb_kwargs.get("dataset_train"), cb_kwargs.get("dataset_valid")
             )
 
-    def run_single_epoch(self, iterator, training, prefix, step_fn, **fit_params):
+    def run_single_epoch(
+        self,
+        iterator: Iterable[Any] | None,
+        training: bool,
+        prefix: str,
+        step_fn: Callable[..., Any],
+        **fit_params: Any,
+    ) -> None:
         """skorch's loop over the real samples of each batch; the padding of
         even batches trains but is not counted (``epochs``)."""
         if iterator is None:
@@ -366,17 +386,17 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
         self.history.record(prefix + "_batch_count", batches.batch_count)
         return None
 
-    def _end_epoch(self, **cb_kwargs):
+    def _end_epoch(self, **cb_kwargs: Any) -> None:
         end_epoch(self, self._coordinator, self._notify_epoch_end, **cb_kwargs)
 
-    def _notify_epoch_end(self, scores, **cb_kwargs):
+    def _notify_epoch_end(self, scores: Any, **cb_kwargs: Any) -> None:
         if not scores:
             self._notify_callbacks("on_epoch_end", **cb_kwargs)
             return
         with callbacks_of_this_rank(self, self._coordinator):
             notify_scored(self, scores, **cb_kwargs)
 
-    def _train_ends(self, **cb_kwargs):
+    def _train_ends(self, **cb_kwargs: Any) -> None:
         with main_process_pickles(self.callbacks_, self.accelerator.is_main_process):
             self._notify_callbacks("on_train_end", **cb_kwargs)
         self._coordinator.barrier("on_train_end")
@@ -388,13 +408,13 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
         # flight holds its own reference
         self._process.snapshot = None
 
-    def get_dataset(self, X, y=None):
+    def get_dataset(self, X: Any, y: Any = None) -> Dataset:
         dataset = super().get_dataset(X, y)
         if dataset is X or dataset is self.dataset:
             return dataset  # the user's own
         return tensor_rows(dataset)
 
-    def get_iterator(self, dataset, training=False):
+    def get_iterator(self, dataset: Dataset, training: bool = False) -> DataLoader:
         iterator = prepare_dataloader(
             self.accelerator, super().get_iterator(dataset, training=training), training
         )
@@ -404,7 +424,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
 
     # --- copies -------------------------------------------------------------
 
-    def __getstate__(self):
+    def __getstate__(self) -> dict[str, Any]:
         shards = sharded_module(self) if self.initialized_ and sharded(self.accelerator) else None
         if shards is not None:
             raise TypeError(
@@ -419,6 +439,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
         state["accelerator"] = PortableAccelerator(self.accelerator)
         return state
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: dict[str, Any]) -> None:
+
         super().__setstate__(state)
         settle_unpickled(self)

@@ -3,8 +3,9 @@
 Built by ``scripts/docs`` with warnings as errors and nitpicky references
 (``sphinx-build -W --keep-going -n``). The build needs no network: there is
 no intersphinx, so the docstrings name other projects' objects as literals
-(````accelerate.Accelerator````), not as references, and the signatures
-carry no type hints that would refer to them.
+(````accelerate.Accelerator````), not as references. The code's type hints
+(checked by ``scripts/typecheck``) name such objects too, so the signatures
+show none: the numpydoc sections give the types.
 """
 
 import sys
@@ -36,9 +37,10 @@ html_theme = "alabaster"
 html_title = f"accel_mixin {release}"
 html_theme_options = {"description": "skorch nets trained with HuggingFace Accelerate"}
 
-# autodoc: members in source order, type hints in the signature only
+# autodoc: members in source order; no type hints (they would refer to
+# skorch's, torch's and accelerate's objects, which the offline build cannot)
 autodoc_member_order = "bysource"
-autodoc_typehints = "signature"
+autodoc_typehints = "none"
 
 # numpydoc: the sections it renders are the reference; no autosummary tables
 # of every inherited skorch method

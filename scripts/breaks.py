@@ -136,8 +136,8 @@ BREAKS = [
         "state_dict",
         "load with weights_only=False: pickles may run code",
         "accel_mixin/checkpoint/state_dict.py",
-        'kwargs = {"weights_only": True} if torch_load_kwargs',
-        'kwargs = {"weights_only": False} if torch_load_kwargs',
+        '{"weights_only": True} if torch_load_kwargs is None',
+        '{"weights_only": False} if torch_load_kwargs is None',
         ("tests/test_resume.py::test_load_state_refuses_a_file_that_would_run_code",),
     ),
     Break(
@@ -223,8 +223,8 @@ BREAKS = [
         "params",
         "save_params writes each file into place as skorch does, not as one unit",
         "accel_mixin/checkpoint/params.py",
-        "            files.update(zip(named, temporaries))\n",
-        "            pass\n",
+        "            by_name = dict(zip(named, temporaries))\n",
+        "            by_name = dict(zip(named, named.values()))\n",
         ("tests/test_params.py",),
     ),
     # --- training_step / stepping -------------------------------------------
@@ -774,8 +774,8 @@ BREAKS = [
         "notifications",
         "every rank writes Checkpoint's f_pickle",
         "accel_mixin/training/notifications.py",
-        "    if is_main_process:\n        yield\n        return\n    saved = []",
-        "    if True:\n        yield\n        return\n    saved = []",
+        "    if is_main_process:\n        yield\n        return\n    saved: list",
+        "    if True:\n        yield\n        return\n    saved: list",
         (SYNC + "test_checkpoint_on_best_accuracy_decides_alike_and_writes_once",),
     ),
     launched(
@@ -1006,8 +1006,8 @@ BREAKS = [
         "callbacks",
         "rotation keeps one file more than keep_last",
         "accel_mixin/callbacks.py",
-        "checkpoint_files(self.run_folder_)[: -self.keep_last]",
-        "checkpoint_files(self.run_folder_)[: -self.keep_last - 1]",
+        "checkpoint_files(folder)[: -self.keep_last]",
+        "checkpoint_files(folder)[: -self.keep_last - 1]",
         ("tests/test_resume.py", "tests/test_mid_epoch.py", "-m", "not multiprocess"),
     ),
     Break(

@@ -9,18 +9,30 @@ on ``n`` processes only: each holds its own part of the epoch). Positions
 file is renamed into place once complete, so a file with such a name is whole.
 """
 
+from __future__ import annotations
+
 import os
 import re
 import warnings
+from typing import TYPE_CHECKING
 
 from accelerate.utils import gather_object
 
 from accel_mixin.errors import CheckpointError
 
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    from accel_mixin.checkpoint.files import Path
+
+
+# a training state's place in training: (epochs done, batches of the next)
+Position = tuple[int, int]
+
 _CHECKPOINT_RE = re.compile(r"^training-state-(\d{6,})(?:-batch-(\d{6,})-ranks-(\d+))?\.pt$")
 
 
-def checkpoint_name(epoch, batch=0, processes=1):
+def checkpoint_name(epoch: int, batch: int = 0, processes: int = 1) -> str:
     """The file name of the training state after ``epoch`` epochs and
     ``batch`` training batches of the next one, on ``processes`` processes."""
     if batch:
@@ -28,24 +40,24 @@ def checkpoint_name(epoch, batch=0, processes=1):
     return f"training-state-{epoch:06d}.pt"
 
 
-def describe_position(position):
+def describe_position(position: Position) -> str:
     epoch, batch = position
     return f"epoch {epoch}" if not batch else f"batch {batch} of epoch {epoch + 1}"
 
 
-def position_of(path):
+def position_of(path: str) -> Position | None:
     """The ``(epoch, batch)`` of a training-state file by its name, None
     for a name that ``checkpoint_name`` does not give."""
     match = _CHECKPOINT_RE.match(os.path.basename(path))
     return (int(match.group(1)), int(match.group(2) or 0)) if match else None
 
 
-def _describe_positions(positions):
+def _describe_positions(positions: list[Position]) -> str:
     ends = [epoch for epoch, batch in positions if not batch]
     return ", ".join([f"epochs {ends}"] + [describe_position(p) for p in positions if p[1]])
 
 
-def checkpoint_positions(dirname, processes=None):
+def checkpoint_positions(dirname: Path, processes: int | None = None) -> dict[Position, str]:
     """The complete training-state files in ``dirname``, by ``(epoch, batch)``;
     with ``processes``, only those that resume on that many processes."""
     try:
@@ -60,13 +72,13 @@ def checkpoint_positions(dirname, processes=None):
     }
 
 
-def checkpoint_files(dirname):
+def checkpoint_files(dirname: Path) -> list[str]:
     """The complete training-state files in ``dirname``, oldest first."""
     found = checkpoint_positions(dirname)
     return [found[position] for position in sorted(found)]
 
 
-def agreed_checkpoint(dirname, accelerator):
+def agreed_checkpoint(dirname: Path, accelerator: Accelerator) -> str | None:
     """The newest training state in ``dirname`` that every rank has, or None.
 
     Machines that share no filesystem (``save_on_each_node``) can hold
@@ -78,15 +90,17 @@ def agreed_checkpoint(dirname, accelerator):
         found, error = checkpoint_positions(dirname, accelerator.num_processes), None
     except OSError as exc:
         found, error = {}, f"{type(exc).__name__}: {exc}"
-    everyone = [(sorted(found), error)]
+    # gathered, a rank's positions arrive as lists
+    everyone: list[tuple[list[Position], str | None]] = [(sorted(found), error)]
+
     if accelerator.num_processes > 1:
         everyone = gather_object(everyone)
     errors = [f"rank {rank}: {err}" for rank, (_, err) in enumerate(everyone) if err]
     if errors:
         raise CheckpointError(f"Cannot look for training states in {dirname}: {'; '.join(errors)}.")
-    common = set.intersection(*(set(map(tuple, positions)) for positions, _ in everyone))
+    common = set.intersection(*({(e, b) for e, b in positions} for positions, _ in everyone))
     newest = {
-        rank: max(map(tuple, positions))
+        rank: max((e, b) for e, b in positions)
         for rank, (positions, _) in enumerate(everyone)
         if positions
     }

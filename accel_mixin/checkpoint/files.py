@@ -10,6 +10,8 @@ save's file is never taken for a leftover. Where the filesystem has no locks,
 leftovers stay.
 """
 
+from __future__ import annotations
+
 import contextlib
 import errno
 import hashlib
@@ -17,24 +19,32 @@ import os
 import secrets
 import shutil
 import stat
-
-try:
-    import fcntl
-except ImportError:  # Windows: no locks, leftovers stay
-    fcntl = None
+from collections.abc import Callable, Collection, Iterator, Sequence
+from types import ModuleType
+from typing import Any, Union
 
 import torch
 
 from accel_mixin.errors import CheckpointError
 
+fcntl: ModuleType | None
+try:
+    import fcntl
+except ImportError:  # Windows: no locks, leftovers stay
+    fcntl = None
+
+
 _TMP = ".accel_mixin-tmp-"
 
+# a file name as open() takes it
+Path = Union[str, "os.PathLike[str]"]
 
-def _directory(path):
+
+def _directory(path: Path) -> str:
     return os.path.dirname(os.path.abspath(path))
 
 
-def remove_temporaries(directory, prefix=_TMP):
+def remove_temporaries(directory: str, prefix: str = _TMP) -> None:
     """Remove the temporary files in ``directory`` (those of one target with
     its ``prefix``) that no live save holds: what killed saves left."""
     with contextlib.suppress(OSError):
@@ -45,7 +55,7 @@ def remove_temporaries(directory, prefix=_TMP):
                     os.unlink(name)
 
 
-def _lock(fd):
+def _lock(fd: int) -> bool:
     """Hold ``fd``'s file for this save; True where the filesystem locks."""
     if fcntl is None:
         return False
@@ -56,7 +66,7 @@ def _lock(fd):
     return True
 
 
-def _left_over(name):
+def _left_over(name: str) -> bool:
     """Whether no live save holds the file ``name`` (a killed one's lock is gone)."""
     try:
         fd = os.open(name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -68,23 +78,23 @@ def _left_over(name):
         os.close(fd)
 
 
-def _resolve_target(path):
+def _resolve_target(path: Path) -> tuple[str, os.stat_result | None]:
     """The file to replace for ``path`` (a link's target), and its status or None."""
-    path, target = os.fspath(path), None
+    name, target = os.fspath(path), None
     with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-        target = os.lstat(path)
+        target = os.lstat(name)
         if stat.S_ISLNK(target.st_mode):  # replacing the link would cut it off
-            path, target = os.path.realpath(path), None
-            target = os.lstat(path)
+            name, target = os.path.realpath(name), None
+            target = os.lstat(name)
     if target is not None and stat.S_ISDIR(target.st_mode):
         raise IsADirectoryError(
-            f"Cannot save to {path}: it is a directory; pass a file name such as "
-            f"{os.path.join(path, 'params.pt')}"
+            f"Cannot save to {name}: it is a directory; pass a file name such as "
+            f"{os.path.join(name, 'params.pt')}"
         )
-    return path, target
+    return name, target
 
 
-def _create_temporary(path):
+def _create_temporary(path: str) -> tuple[int, str]:
     """Create this save's temporary file for ``path``, locked; return (fd, name)."""
     directory = _directory(path)
     # A prefix per target of fixed length, so that any name the filesystem
@@ -115,7 +125,7 @@ def _create_temporary(path):
     return fd, tmp
 
 
-def _concurrent(path):
+def _concurrent(path: str) -> FileExistsError:
     return FileExistsError(
         errno.EEXIST,
         f"Cannot save {path}: something replaced this save's temporary file while it "
@@ -124,7 +134,7 @@ def _concurrent(path):
     )
 
 
-def _ours(tmp, fd):
+def _ours(tmp: str, fd: int) -> bool:
     """Whether the name ``tmp`` is still the file ``fd`` (no other save replaced it)."""
     try:
         st, mine = os.stat(tmp), os.fstat(fd)
@@ -133,7 +143,7 @@ def _ours(tmp, fd):
     return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
 
-def _chmod(fd, mode):
+def _chmod(fd: int, mode: int) -> None:
     # some filesystems (vfat, exFAT, some SMB and FUSE mounts) refuse chmod:
     # their files keep the mount's mode, which a plain open gets too
     with contextlib.suppress(OSError):
@@ -141,17 +151,17 @@ def _chmod(fd, mode):
 
 
 @contextlib.contextmanager
-def atomic_files(paths):
+def atomic_files(paths: Collection[Path]) -> Iterator[list[str]]:
     """Write the files ``paths`` as one unit: all of them or none.
 
     Yields one temporary file name per path, for the block to write. Once all
     are written they are fsynced and renamed into place; an error before that
     leaves every target as it was.
     """
-    written = []  # (target, temporary, fd, mode)
+    written: list[tuple[str, str, int, int]] = []  # (target, temporary, fd, mode)
     try:
-        for path in paths:
-            path, target = _resolve_target(path)
+        for given in paths:
+            path, target = _resolve_target(given)
             fd, tmp = _create_temporary(path)
             # the mode of the file it replaces, or a plain open's; meanwhile
             # writable by its owner, for torch.save opens it again by name
@@ -189,7 +199,7 @@ def atomic_files(paths):
                 os.close(dir_fd)
 
 
-def atomic_write(path, write, *, by_name=False):
+def atomic_write(path: Path, write: Callable[[Any], object], *, by_name: bool = False) -> None:
     """Write ``path`` all or nothing: ``write`` gets a binary file object, or
     with ``by_name=True`` the temporary file's name."""
     with atomic_files([path]) as (tmp,):
@@ -200,7 +210,7 @@ def atomic_write(path, write, *, by_name=False):
                 write(f)
 
 
-def write_state(state, path):
+def write_state(state: Any, path: Path) -> None:
     """``torch.save`` to ``path``, atomically (its C++ writer is faster by name)."""
     atomic_write(path, lambda tmp: torch.save(state, tmp), by_name=True)
 
@@ -220,7 +230,7 @@ _WRITE_CAUSES = {
 }
 
 
-def write_cause(directory, exc):
+def write_cause(directory: str, exc: BaseException) -> tuple[int, str] | None:
     """``(errno, "cause; fix")`` of a failed write into ``directory``, or
     None where ``exc`` is no error of the filesystem this knows."""
     if isinstance(exc, CheckpointError) or not isinstance(exc, (OSError, RuntimeError)):
@@ -236,7 +246,7 @@ def write_cause(directory, exc):
     return code, f"{cause.format(dir=directory)}; {fix}"
 
 
-def write_error(paths, exc):
+def write_error(paths: Sequence[Path], exc: BaseException) -> OSError | None:
     """An ``OSError`` naming ``paths``, the cause of ``exc`` and the fix; None
     where ``exc`` says it already."""
     directory = _directory(paths[0]) if paths else "."
@@ -252,7 +262,7 @@ def write_error(paths, exc):
     )
 
 
-def without_name(exc):
+def without_name(exc: BaseException) -> str:
     """``exc`` as its type and text, less the file it names: a temporary
     file's name, which the user never chose, would only confuse."""
     if isinstance(exc, OSError) and exc.strerror:

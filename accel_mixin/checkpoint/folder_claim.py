@@ -15,11 +15,15 @@ it once its lease ends, about 90 s on NFSv4); Lustre has it when mounted with
 is refused.
 """
 
+from __future__ import annotations
+
 import contextlib
 import os
 import socket
 import time
+from types import ModuleType
 
+fcntl: ModuleType | None
 try:
     import fcntl
 except ImportError:  # Windows: no claims
@@ -29,10 +33,10 @@ __all__ = ["claim", "release"]
 
 MARKER = ".accel_mixin-writer"
 # this process's claims: the folder's real path -> [fd, claims]
-_HELD = {}
+_HELD: dict[str, list[int]] = {}
 
 
-def _who():
+def _who() -> str:
     jobs = [
         f"{label} {os.environ[name]}"
         for name, label in (("TORCHELASTIC_RUN_ID", "torchrun run"), ("SLURM_JOB_ID", "SLURM job"))
@@ -42,7 +46,7 @@ def _who():
     return ", ".join([f"process {os.getpid()} on {socket.gethostname()}", *jobs, f"since {since}"])
 
 
-def claim(folder):
+def claim(folder: str | os.PathLike[str]) -> str | None:
     """Claim ``folder`` for this process; None once it holds it, or what
     the marker says of the live process that holds it instead."""
     key = os.path.realpath(folder)
@@ -79,7 +83,7 @@ def claim(folder):
     return None
 
 
-def release(folder):
+def release(folder: str | os.PathLike[str]) -> None:
     """Give up a claim of ``folder``; the last one removes the marker."""
     key = os.path.realpath(folder)
     held = _HELD.get(key)

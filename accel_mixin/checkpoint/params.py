@@ -1,14 +1,18 @@
 """save_params and load_params whose files users can trust."""
 
+from __future__ import annotations
+
 import os
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from accel_mixin.checkpoint import files as _files
 from accel_mixin.checkpoint.state_dict import (
+    File,
     check_readable,
     clean_state_dict,
     describe_content,
@@ -20,8 +24,20 @@ from accel_mixin.distributed.sharding import shard_optimizer_state
 from accel_mixin.errors import CheckpointError
 from accel_mixin.internals import check_f_arguments
 
+if TYPE_CHECKING:
+    from skorch.callbacks import Checkpoint
 
-class SafeParamsMixin:
+    # to the type checker the mixin is the skorch net it is mixed into
+    from skorch.net import NeuralNet as _Net
+else:
+    _Net = object
+
+# what skorch's save_params and load_params adapt to: the object of an
+# attribute (``module_``, ``optimizer_``) -> what they call state_dict on
+_Adapter = Callable[[str, Any], Any]
+
+
+class SafeParamsMixin(_Net):
     """``save_params`` and ``load_params`` for files users can trust.
 
     Works with any skorch net, e.g. ``class Net(SafeParamsMixin,
@@ -48,15 +64,18 @@ class SafeParamsMixin:
 
     """
 
+    # skorch's parameter, which load_params adapts for the time it runs
+    torch_load_kwargs: dict[str, Any] | None
+
     def save_params(
         self,
-        f_params=None,
-        f_optimizer=None,
-        f_criterion=None,
-        f_history=None,
-        use_safetensors=False,
-        **kwargs,
-    ):
+        f_params: File | None = None,
+        f_optimizer: File | None = None,
+        f_criterion: File | None = None,
+        f_history: File | None = None,
+        use_safetensors: bool = False,
+        **kwargs: File | None,
+    ) -> None:
         """Save the state of the net's modules, optimizers and history.
 
         See ``skorch.net.NeuralNet.save_params``, which this calls with
@@ -85,22 +104,23 @@ class SafeParamsMixin:
             ExitStack() as opened,
             self._accessing(lambda attr, obj: _Saving(obj, gathered.get(attr))),
         ):
-            files.update(zip(named, temporaries))
+            by_name = dict(zip(named, temporaries))
+            files.update(by_name)
             if use_safetensors:  # by name, safetensors would rename a temporary file of its own
                 for key in set(named) - {"f_history"}:
-                    files[key] = opened.enter_context(open(files[key], "wb"))
+                    files[key] = opened.enter_context(open(by_name[key], "wb"))
             super().save_params(use_safetensors=use_safetensors, **files)
 
     def load_params(
         self,
-        f_params=None,
-        f_optimizer=None,
-        f_criterion=None,
-        f_history=None,
-        checkpoint=None,
-        use_safetensors=False,
-        **kwargs,
-    ):
+        f_params: File | None = None,
+        f_optimizer: File | None = None,
+        f_criterion: File | None = None,
+        f_history: File | None = None,
+        checkpoint: Checkpoint | None = None,
+        use_safetensors: bool = False,
+        **kwargs: File | None,
+    ) -> None:
         """Load the state of the net's modules, optimizers and history.
 
         See ``skorch.net.NeuralNet.load_params``, which this calls; loading is
@@ -109,7 +129,7 @@ class SafeParamsMixin:
         """
         explicit = dict(kwargs, f_params=f_params, f_optimizer=f_optimizer, f_criterion=f_criterion)
 
-        def files():
+        def files() -> dict[str, File]:
             # as skorch resolves them, once it read a checkpoint's history,
             # which its file names may be formatted with
             resolved = dict(kwargs)
@@ -150,7 +170,7 @@ class SafeParamsMixin:
                 self.torch_load_kwargs = user_kwargs
 
     @contextmanager
-    def _saving_gathered(self, states):
+    def _saving_gathered(self, states: dict[str, dict[str, Any]]) -> Iterator[None]:
         """Within the block ``save_params`` writes ``states[attr]`` (full
         states gathered from a sharded module) in place of ``attr``'s own."""
         self.__dict__[_GATHERED] = states
@@ -160,7 +180,7 @@ class SafeParamsMixin:
             self.__dict__.pop(_GATHERED, None)
 
     @contextmanager
-    def _accessing(self, adapter):
+    def _accessing(self, adapter: _Adapter) -> Iterator[None]:
         """Within the block ``_get_module`` returns ``adapter(attr, obj)``."""
         self.__dict__[_ADAPTER] = adapter
         try:
@@ -168,7 +188,7 @@ class SafeParamsMixin:
         finally:
             self.__dict__.pop(_ADAPTER, None)
 
-    def _get_module(self, name, msg):
+    def _get_module(self, name: str, msg: str) -> Any:
         module = super()._get_module(name, msg)
         adapter = self.__dict__.get(_ADAPTER)
         return module if adapter is None else adapter(name, module)
@@ -182,10 +202,10 @@ class _Saving:
     """What skorch's save_params saves: module keys without wrapper prefixes,
     or the full state gathered from a sharded module or its optimizer."""
 
-    def __init__(self, obj, gathered=None):
+    def __init__(self, obj: Any, gathered: dict[str, Any] | None = None) -> None:
         self._obj, self._gathered = obj, gathered
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         obj = self._obj
         if self._gathered is not None:
             return self._gathered
@@ -195,15 +215,22 @@ class _Saving:
 class _Loading:
     """Where skorch's load_params loads: checked loads, and the file a failure is about."""
 
-    def __init__(self, files, f_history, use_safetensors, load_kwargs):
-        self._files, self.files = files, None
+    def __init__(
+        self,
+        files: Callable[[], dict[str, File]],
+        f_history: File | None,
+        use_safetensors: bool,
+        load_kwargs: dict[str, Any],
+    ) -> None:
+        self._files = files
+        self.files: dict[str, File] | None = None
         self.f_history = f_history
         self.use_safetensors = use_safetensors
         self.load_kwargs = load_kwargs
         self.mmap = "mmap" not in load_kwargs  # unless the user decides
-        self.reading = None  # the file skorch reads now
+        self.reading: File | None = None  # the file skorch reads now
 
-    def adapter(self, attr, obj):  # skorch reads the file next
+    def adapter(self, attr: str, obj: Any) -> _Loader:  # skorch reads the file next
         if self.files is None:
             self.files = self._files()
         self.reading = self.files.get(attr)
@@ -214,7 +241,7 @@ class _Loading:
                 self.load_kwargs["mmap"] = True
         return _Loader(self, attr, obj)
 
-    def error(self, exc, weights_only):
+    def error(self, exc: BaseException, weights_only: bool | None) -> CheckpointError | None:
         if self.reading is not None:
             return read_error(
                 self.reading, exc, weights_only=weights_only, use_safetensors=self.use_safetensors
@@ -224,18 +251,18 @@ class _Loading:
         return None
 
 
-def _is_zip(f):
+def _is_zip(f: File | None) -> bool:
     return isinstance(f, (str, os.PathLike)) and zipfile.is_zipfile(f)
 
 
 class _Loader:
-    def __init__(self, loading, attr, obj):
+    def __init__(self, loading: _Loading, attr: str, obj: Any) -> None:
         self._loading, self._attr, self._obj = loading, attr, obj
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         return self._obj.state_dict()
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: object) -> None:
         source, self._loading.reading = self._loading.reading, None
         if isinstance(self._obj, torch.nn.Module):
             load_module_state(self._obj, state, source=source, name=self._attr)
@@ -243,7 +270,9 @@ class _Loader:
             load_optimizer_state(self._obj, state, source=source, name=self._attr)
 
 
-def load_optimizer_state(optimizer, state, *, source, name):
+def load_optimizer_state(
+    optimizer: torch.optim.Optimizer, state: object, *, source: object, name: str
+) -> None:
     """``optimizer.load_state_dict(state)``, or a ``CheckpointError`` that
     names the file ``source``, the attribute ``name`` and the fix."""
     if not (isinstance(state, Mapping) and "param_groups" in state and "state" in state):
@@ -253,8 +282,11 @@ def load_optimizer_state(optimizer, state, *, source, name):
             "torch.save(optimizer.state_dict(), path)."
         )
     try:
-        # an optimizer of a sharded module (FSDP2) takes this rank's shards
-        optimizer.load_state_dict(shard_optimizer_state(optimizer, state))
+        # an optimizer of a sharded module (FSDP2) takes this rank's shards;
+        # torch types its argument a dict, and copies it as any mapping
+        # that has copy() (torch.load gives dicts)
+        optimizer.load_state_dict(shard_optimizer_state(optimizer, state))  # type: ignore[arg-type]
+
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(
             f"{source} does not fit {name}: {exc}. The optimizer was saved for other "

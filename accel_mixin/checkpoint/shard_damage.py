@@ -11,18 +11,25 @@ the tensors (DCP keeps no checksums, so bytes changed inside a tensor are
 not).
 """
 
+from __future__ import annotations
+
 import contextlib
 import os
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from accel_mixin.checkpoint.checkpoint_files import checkpoint_files
 from accel_mixin.checkpoint.sharded_state import SHARDED
 
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint import CheckpointException
+
+
 __all__ = ["damaged_message", "is_damage"]
 
 
-def is_damage(exc):
+def is_damage(exc: CheckpointException) -> bool:
     """Whether the failed load ``exc`` (DCP's ``CheckpointException``) is
     about the folder's files rather than a net of other parameters."""
     if not exc.args or exc.args[0] != "plan":
@@ -37,7 +44,7 @@ def is_damage(exc):
     return False
 
 
-def _problems(folder):
+def _problems(folder: str) -> list[str]:
     """What is wrong with ``folder``'s files: its ``.metadata`` unreadable, or
     shard files it names missing or shorter than it says; [] if nothing."""
     from torch.distributed.checkpoint import FileSystemReader  # pylint: disable=import-outside-toplevel
@@ -46,7 +53,7 @@ def _problems(folder):
         metadata = FileSystemReader(folder).read_metadata()
     except Exception as exc:  # pylint: disable=broad-except
         return [f".metadata is unreadable ({type(exc).__name__})"]
-    needed = {}
+    needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         end = info.offset + info.length
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
@@ -62,7 +69,7 @@ def _problems(folder):
     return problems
 
 
-def _folders(value, found):
+def _folders(value: Any, found: set[str]) -> set[str]:
     """The folders of shards that markers in ``value`` name."""
     if isinstance(value, dict):
         if SHARDED in value:
@@ -75,7 +82,7 @@ def _folders(value, found):
     return found
 
 
-def intact(path):
+def intact(path: str) -> bool:
     """Whether the training state ``path`` loads and its shards are complete."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -85,7 +92,7 @@ def intact(path):
     return not any(_problems(os.path.join(directory, name)) for name in _folders(state, set()))
 
 
-def newest_intact(source):
+def newest_intact(source: str) -> str | None:
     """The newest training state beside ``source``, but it, that is intact."""
     source = os.path.abspath(source)
     with contextlib.suppress(OSError):
@@ -95,7 +102,7 @@ def newest_intact(source):
     return None
 
 
-def damaged_message(source, folder, detail):
+def damaged_message(source: str, folder: str, detail: str) -> str:
     """What to say of ``source``, whose folder of shards ``folder`` is
     damaged (``detail``: what failed), and what to do."""
     found = _problems(folder) if os.path.isdir(folder) else ["it is missing"]

@@ -8,13 +8,16 @@ than guessed at. Reading refuses pickles that would run code and maps torch
 files into memory.
 """
 
+from __future__ import annotations
+
 import collections
 import json
 import os
 import pickle
 import pickletools
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from typing import IO, TYPE_CHECKING, Any, Union, cast
 
 import safetensors
 import torch
@@ -24,6 +27,12 @@ from accel_mixin.distributed.sharding import shard_like
 from accel_mixin.errors import CheckpointError
 from accel_mixin.internals import compiled_inner, copy_state_dict
 
+if TYPE_CHECKING:
+    from typing import TypeGuard
+
+# a file as torch.load and skorch's save_params take it: a name or an open file
+File = Union[str, "os.PathLike[str]", IO[bytes]]
+
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 _SHOWN = 5
 _OTHER_MODEL = (
@@ -32,7 +41,7 @@ _OTHER_MODEL = (
 )
 
 
-def strip_wrapper_prefixes(state_dict):
+def strip_wrapper_prefixes(state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
     """Remove the prefixes that DDP, DataParallel and torch.compile add to keys.
 
     A prefix (``module.``, ``_orig_mod.``, repeated or combined) is removed
@@ -56,21 +65,20 @@ def strip_wrapper_prefixes(state_dict):
     >>> module.load_state_dict(strip_wrapper_prefixes(state))
 
     """
-    copied = False
+    stripped: dict[str, Any] | None = None  # the copy, once a prefix goes
     while state_dict:
         prefix = next(
             (p for p in WRAPPER_PREFIXES if all(k.startswith(p) for k in state_dict)), None
         )
         if prefix is None:
             break
-        if not copied:
-            state_dict = copy_state_dict(state_dict)
-            copied = True
-        consume_prefix_in_state_dict_if_present(state_dict, prefix)
+        if stripped is None:
+            state_dict = stripped = copy_state_dict(state_dict)
+        consume_prefix_in_state_dict_if_present(stripped, prefix)
     return state_dict
 
 
-def unwrap_module(module):
+def unwrap_module(module: torch.nn.Module) -> torch.nn.Module:
     """The module inside DDP, DataParallel and torch.compile wrappers."""
     while True:
         if isinstance(module, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
@@ -81,18 +89,18 @@ def unwrap_module(module):
             return module
 
 
-def clean_state_dict(module):
+def clean_state_dict(module: torch.nn.Module) -> dict[str, Any]:
     """The state dict of ``module`` under keys without wrapper prefixes."""
     return unwrap_module(module).state_dict()
 
 
-def _shorten(keys):
-    keys = sorted(keys)
-    shown = ", ".join(repr(k) for k in keys[:_SHOWN])
-    return shown + (f" and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else "")
+def _shorten(keys: Iterable[Any]) -> str:
+    ordered = sorted(keys)
+    shown = ", ".join(repr(k) for k in ordered[:_SHOWN])
+    return shown + (f" and {len(ordered) - _SHOWN} more" if len(ordered) > _SHOWN else "")
 
 
-def _mismatch_message(source, name, missing, unexpected):
+def _mismatch_message(source: object, name: str, missing: list[str], unexpected: list[str]) -> str:
     lines = [f"{source} does not fit {name}:"]
     if missing:
         lines.append(f"  missing keys ({len(missing)}): {_shorten(missing)}")
@@ -111,7 +119,7 @@ def _mismatch_message(source, name, missing, unexpected):
     return "\n".join(lines)
 
 
-def _extra_prefix(unexpected, missing):
+def _extra_prefix(unexpected: list[str], missing: list[str]) -> str | None:
     """A prefix that, taken off the unexpected keys, gives the missing ones."""
     if not unexpected or len(unexpected) != len(missing):
         return None
@@ -124,7 +132,7 @@ def _extra_prefix(unexpected, missing):
     return None
 
 
-def describe_content(value):
+def describe_content(value: object) -> str:
     """What ``value`` is, in words, for a message."""
     if isinstance(value, torch.Tensor):
         return f"a single tensor of shape {tuple(value.shape)}"
@@ -136,7 +144,9 @@ def describe_content(value):
     return "None" if value is None else f"a {type(value).__name__}"
 
 
-def load_module_state(module, state_dict, *, source, name):
+def load_module_state(
+    module: torch.nn.Module, state_dict: object, *, source: object, name: str
+) -> None:
     """Load ``state_dict`` into ``module`` (wrappers looked through), tolerating
     wrapper prefixes; a ``CheckpointError`` names the file ``source``, the
     attribute ``name``, the keys and both shapes."""
@@ -165,11 +175,11 @@ def load_module_state(module, state_dict, *, source, name):
     target.load_state_dict(shard_like(expected, state_dict))
 
 
-def _is_path(f):
+def _is_path(f: object) -> TypeGuard[str | os.PathLike[str]]:
     return isinstance(f, (str, os.PathLike))
 
 
-def check_readable(f):
+def check_readable(f: File | None) -> None:
     if not _is_path(f):
         return
     if os.path.isdir(f):
@@ -185,12 +195,14 @@ def check_readable(f):
         )
 
 
-def read_state(f, *, torch_load_kwargs=None):
+def read_state(f: File, *, torch_load_kwargs: Mapping[str, Any] | None = None) -> Any:
     """Load a training state to the CPU, with ``weights_only=True`` unless
     skorch's ``torch_load_kwargs`` say otherwise; a bad file raises a
     ``CheckpointError``."""
     check_readable(f)
-    kwargs = {"weights_only": True} if torch_load_kwargs is None else dict(torch_load_kwargs)
+    kwargs: dict[str, Any] = (
+        {"weights_only": True} if torch_load_kwargs is None else dict(torch_load_kwargs)
+    )
     kwargs.setdefault("map_location", "cpu")
     try:
         return torch.load(f, **kwargs)
@@ -205,7 +217,9 @@ def read_state(f, *, torch_load_kwargs=None):
 _REFUSALS = ("allowed global", "unsupported global", "unsupported class", "blocked")
 
 
-def read_error(f, exc, *, weights_only, use_safetensors=False):
+def read_error(
+    f: File, exc: BaseException, *, weights_only: bool | None, use_safetensors: bool = False
+) -> CheckpointError | None:
     """The ``CheckpointError`` that says what is wrong with the file ``f`` whose
     reading raised ``exc``; None where the environment failed, not the file."""
     if isinstance(exc, CheckpointError):
@@ -251,19 +265,24 @@ _STORE = {"MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"}
 _FETCH = {"GET", "BINGET", "LONG_BINGET"}
 
 
-def _plain_pickle_calls(f):
+def _plain_pickle_calls(f: File) -> list[str] | None:
     """The globals (``module.name``) that the pickle ``f``, not a torch zip
     file, imports in order to call them, read without unpickling; None where
     ``f`` is no whole pickle."""
     if not _is_path(f) or zipfile.is_zipfile(f):
         return None
-    calls, pushed, memo = [], collections.deque(maxlen=2), {}
+    calls: list[str] = []
+    pushed: collections.deque[Any] = collections.deque(maxlen=2)
+    memo: dict[Any, Any] = {}
     try:
         with open(f, "rb") as file:
             size = os.fstat(file.fileno()).st_size
-            for op, arg, _ in pickletools.genops(_Bounded(file, size)):
+            # genops reads through read and readline only, which _Bounded has
+            for op, arg, _ in pickletools.genops(_Bounded(file, size)):  # type: ignore[arg-type]
                 if op.name in ("GLOBAL", "INST"):
-                    calls.append(arg.replace(" ", "."))
+                    # their argument is "module name"
+                    calls.append(cast(str, arg).replace(" ", "."))
+
                 elif op.name == "STACK_GLOBAL":
                     names = list(pushed)
                     known = len(names) == 2 and all(isinstance(n, str) for n in names)
@@ -285,17 +304,17 @@ class _Bounded:
 
     _LINE = 1 << 16  # the text opcodes' arguments are names and numbers
 
-    def __init__(self, file, size):
+    def __init__(self, file: IO[bytes], size: int) -> None:
         self._file, self._size = file, size
 
-    def read(self, n=-1):
+    def read(self, n: int = -1) -> bytes:
         return self._file.read(min(n, self._size) if n >= 0 else self._size)
 
-    def readline(self):
+    def readline(self) -> bytes:
         return self._file.readline(self._LINE)
 
 
-def _safetensors_hint(f):
+def _safetensors_hint(f: File) -> str:
     """A pointer to use_safetensors=True where ``f`` looks like a safetensors file."""
     if not _is_path(f):
         return ""
@@ -310,7 +329,7 @@ def _safetensors_hint(f):
     return ""
 
 
-def history_error(f, exc):
+def history_error(f: File, exc: BaseException) -> CheckpointError | None:
     """The ``CheckpointError`` for the history file ``f`` whose reading raised
     ``exc``, or None if the file is not to blame."""
     if isinstance(exc, (json.JSONDecodeError, UnicodeDecodeError, TypeError)):

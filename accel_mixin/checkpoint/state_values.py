@@ -3,7 +3,11 @@ generators, the history) as tensors and plain Python values, so that a
 training state loads with ``weights_only=True``; CPU snapshots of a state.
 """
 
+from __future__ import annotations
+
 import random
+from collections.abc import Iterable
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -15,7 +19,7 @@ class _NotPlain(Exception):
     pass
 
 
-def as_plain(value, arrays=True):
+def as_plain(value: Any, arrays: bool = True) -> Any:
     """``value`` as tensors and plain Python values (NumPy values converted),
     or raise _NotPlain; with ``arrays=False`` tensors and arrays raise too."""
     if isinstance(value, (torch.Tensor, np.ndarray)) and not arrays:
@@ -38,7 +42,7 @@ def as_plain(value, arrays=True):
 NOT_PLAIN = object()
 
 
-def plain_or_not(value):
+def plain_or_not(value: Any) -> Any:
     """``as_plain(value)``, or ``NOT_PLAIN`` where it is not plain data."""
     try:
         return as_plain(value)
@@ -46,11 +50,14 @@ def plain_or_not(value):
         return NOT_PLAIN
 
 
-def rng_state():
+def rng_state() -> dict[str, Any]:
     """This process's random number generators: Python, NumPy, torch, CUDA."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    # legacy=True (the default) gives the tuple, not the dict
+    kind, keys, pos, has_gauss, cached = cast(
+        "tuple[str, np.ndarray, int, int, float]", np.random.get_state()
+    )
     version, internal, gauss = random.getstate()
-    state = {
+    state: dict[str, Any] = {
         "python": {"version": version, "internal": list(internal), "gauss": gauss},
         "numpy": {
             "kind": kind,
@@ -68,7 +75,7 @@ def rng_state():
     return state
 
 
-def restore_rng(state):
+def restore_rng(state: dict[str, Any]) -> None:
     python = state["python"]
     random.setstate((python["version"], tuple(python["internal"]), python["gauss"]))
     numpy = state["numpy"]
@@ -88,7 +95,7 @@ def restore_rng(state):
             torch.cuda.set_rng_state(cuda_state, device)
 
 
-def history_state(rows):
+def history_state(rows: Iterable[dict[str, Any]]) -> list[Any]:
     """The history's rows as plain values; tensors and arrays are refused,
     which a resumed history would not give back as they were."""
     try:
@@ -100,7 +107,7 @@ def history_state(rows):
         ) from None
 
 
-def cpu_snapshot(state, reuse=None):
+def cpu_snapshot(state: Any, reuse: Any = None) -> Any:
     """A copy of ``state`` whose tensors live on the CPU and share nothing
     with training; tensors are copied into those of ``reuse`` (an earlier
     snapshot) where they match, faster than allocating memory anew."""

@@ -22,28 +22,32 @@ for the GIL, which that thread keeps from the looks to the fork (they read
 The wait is bounded: past it, the fork goes ahead as it would have.
 """
 
+from __future__ import annotations
+
 import ctypes
 import os
 import sys
 import threading
 import time
+from collections.abc import Iterable
+from typing import Any
 
 # a fork waits at most this long for the threads to rest (a spinning thread pool)
 PATIENCE = 0.2
 _YIELD = 0.0002
 # the first releases of each line that carry the fix
-_FIXED = {(3, 8): 20, (3, 9): 20, (3, 10): 15, (3, 11): 10}
+_FIXED: dict[tuple[int, ...], int] = {(3, 8): 20, (3, 9): 20, (3, 10): 15, (3, 11): 10}
 
 _installed = False
 
 
-def needed(version=sys.version_info):
+def needed(version: tuple[Any, ...] = sys.version_info) -> bool:
     """Whether this Python's forked children can wait for a lost lock."""
     fixed = _FIXED.get(tuple(version[:2]))
     return version[:2] < (3, 12) and (fixed is None or version[2] < fixed)
 
 
-def guard_forks():
+def guard_forks() -> None:
     """Have every later fork of this process wait for its native threads to
     rest while a process group exists; once per process, on Pythons that
     need it."""
@@ -54,7 +58,7 @@ def guard_forks():
     os.register_at_fork(before=_before_fork)
 
 
-def _before_fork():
+def _before_fork() -> None:
     dist = sys.modules.get("torch.distributed")
     try:
         if dist is not None and dist.is_available() and dist.is_initialized():
@@ -63,7 +67,7 @@ def _before_fork():
         pass  # a fork hook must not fail the fork; it forks unguarded
 
 
-def _native_threads():
+def _native_threads() -> list[int]:
     python = {thread.native_id for thread in threading.enumerate()}
     return [int(tid) for tid in os.listdir("/proc/self/task") if int(tid) not in python]
 
@@ -71,7 +75,7 @@ def _native_threads():
 class _Proc:
     """Reads small ``/proc`` files through libc calls that keep the GIL."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         libc = ctypes.PyDLL(None)
         self.open, self.read, self.close = libc.open, libc.read, libc.close
         self.open.argtypes, self.open.restype = [ctypes.c_char_p, ctypes.c_int], ctypes.c_int
@@ -79,7 +83,7 @@ class _Proc:
         self.read.restype = ctypes.c_ssize_t
         self.buffer = ctypes.create_string_buffer(1024)
 
-    def __call__(self, path):
+    def __call__(self, path: bytes) -> bytes:
         fd = self.open(path, os.O_RDONLY)
         if fd < 0:
             return b""
@@ -90,12 +94,13 @@ class _Proc:
         return self.buffer.raw[: max(size, 0)]
 
 
-_proc = None
+_proc: _Proc | None = None
 
 
-def _sample(tids):
+def _sample(tids: Iterable[int]) -> dict[int, tuple[bool, bytes]]:
     """tid -> (whether it runs or waits for a CPU, its CPU time), of the
     threads that still exist."""
+    assert _proc is not None  # rest made it
     seen = {}
     for tid in tids:
         stat = _proc(b"/proc/self/task/%d/stat" % tid)
@@ -106,7 +111,7 @@ def _sample(tids):
     return seen
 
 
-def rest(tids, patience=PATIENCE):
+def rest(tids: Iterable[int], patience: float = PATIENCE) -> bool:
     """Wait until the threads ``tids`` rest; return whether they did within
     ``patience`` seconds. From the last two looks on, no other thread takes
     the GIL but one that asked for it before them and went on waiting past

@@ -13,15 +13,26 @@ first poll also tells whether any rank handles signals; if none, no rank
 polls again.
 """
 
+from __future__ import annotations
+
 import signal
 import threading
 import time
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
+from types import FrameType
+from typing import TYPE_CHECKING, Any, Union
 
 import torch
 import torch.distributed as dist
 
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
 __all__ = ["NoticeBoard", "can_handle", "handling_signals"]
+
+# what signal.signal takes and gives back
+_Handler = Union[Callable[[int, Union[FrameType, None]], Any], int, signal.Handlers, None]
 
 
 class NoticeBoard:
@@ -33,22 +44,24 @@ class NoticeBoard:
     max_interval = 64
     clock = staticmethod(time.perf_counter)  # what the pace is measured with
 
-    def __init__(self, accelerator, watching=True):
+    def __init__(self, accelerator: Accelerator, watching: bool = True) -> None:
         self.accelerator = accelerator
         self.watching = watching
-        self.received = None  # the number of the signal, once one came
-        self._polling = None  # whether any rank watches; known after the first poll
-        self._pending = None  # (work, values, batch): the poll started at that batch
+        self.received: int | None = None  # the number of the signal, once one came
+        # whether any rank watches; known after the first poll
+        self._polling: bool | None = None
+        # (work, values, batch): the poll started at that batch
+        self._pending: tuple[dist.Work, torch.Tensor, int] | None = None
         self._batches = 0  # training batches of this fit so far
         self._every = 1  # batches between polls, from the last poll's pace
         self._next = 1  # the batch that starts the next poll
         self._since = (0, 0.0)  # (batch, time) of the last poll, for the pace
 
-    def note(self, signum, frame=None):  # pylint: disable=unused-argument
+    def note(self, signum: int, frame: FrameType | None = None) -> None:  # pylint: disable=unused-argument
         """The signal handler: remember the notice, nothing else."""
         self.received = signum
 
-    def agreed(self, drain=False, batch=True):
+    def agreed(self, drain: bool = False, batch: bool = True) -> bool:
         """Whether the ranks agree that a notice came: the same answer on every
         rank, called after every training batch and, with ``batch=False``, at
         an epoch's end. With ``drain`` it polls and waits, covering every
@@ -80,7 +93,7 @@ class NoticeBoard:
                 agreed = self._read() or agreed
         return agreed
 
-    def _read(self):
+    def _read(self) -> bool:
         """Wait for the pending poll; schedule the next from the slowest pace,
         the same on every rank, so that the all-reduces keep matching."""
         if self._pending is None:
@@ -94,24 +107,24 @@ class NoticeBoard:
         self._next = started + self._every
         return bool(notice)
 
-    def _values(self, *values):
+    def _values(self, *values: float) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.float32, device=self.accelerator.device)
 
-    def close(self):
+    def close(self) -> None:
         """Wait for the last poll, which every rank started."""
         if self._pending is not None:
             self._pending[0].wait()
             self._pending = None
 
 
-def can_handle(signals):
+def can_handle(signals: Collection[int]) -> bool:
     """Whether ``handling_signals`` installs handlers here: Python does so in
     the main thread only."""
     return bool(signals) and threading.current_thread() is threading.main_thread()
 
 
 @contextmanager
-def handling_signals(signals, handler):
+def handling_signals(signals: Collection[int], handler: _Handler) -> Iterator[None]:
     """Handle ``signals`` with ``handler`` within the block, then restore the
     previous handlers; outside the main thread the signals keep theirs."""
     if not can_handle(signals):

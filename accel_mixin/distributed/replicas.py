@@ -14,8 +14,11 @@ generator at a fixed seed (``distributed.sample_rows``): a Dataset that
 augments at random is the same data on every rank.
 """
 
+from __future__ import annotations
+
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -25,6 +28,9 @@ from skorch.utils import multi_indexing
 
 from accel_mixin.distributed.sample_rows import repeatable_digest
 from accel_mixin.errors import DistributedError
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
 __all__ = [
     "check_replicas",
@@ -38,7 +44,7 @@ __all__ = [
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _length(data):
+def _length(data: Any) -> int:
     """The number of samples in ``data``, or -1 where it has none (iterables)."""
     try:
         return -1 if data is None else int(get_len(data))
@@ -50,7 +56,7 @@ def _length(data):
 _SAMPLED_ROWS = 64
 
 
-def _feed(digest, data):
+def _feed(digest: hashlib.blake2b, data: Any) -> bool:
     """Hash ``data`` (arrays, tensors, mappings and sequences of them); False
     where it holds something else, whose bytes could differ between ranks."""
     if isinstance(data, torch.Tensor):
@@ -67,14 +73,14 @@ def _feed(digest, data):
     return data is None
 
 
-def _hashed(sampled):
+def _hashed(sampled: Iterable[Any]) -> int:
     digest = hashlib.blake2b(digest_size=8)
     if not all(_feed(digest, data) for data in sampled):
         return -1
     return int.from_bytes(digest.digest(), "little") >> 1
 
 
-def _sample_digest(X, y, n):
+def _sample_digest(X: Any, y: Any, n: int) -> int:
     """A 63-bit digest of the same rows of ``X`` and ``y`` on every rank, or
     -1 where they cannot be hashed alike: rows are read as
     ``sample_rows.repeatable_digest`` reads them, so a Dataset that augments
@@ -84,7 +90,7 @@ def _sample_digest(X, y, n):
         return -1
     rows = np.unique(np.linspace(0, n - 1, min(n, _SAMPLED_ROWS)).astype(np.int64))
 
-    def read():
+    def read() -> list[Any]:
         return [None if data is None else multi_indexing(data, rows) for data in (X, y)]
 
     try:
@@ -94,13 +100,13 @@ def _sample_digest(X, y, n):
     return -1 if digest is None else digest
 
 
-def _everyone(accelerator, values):
+def _everyone(accelerator: Accelerator, values: list[int]) -> list[list[int]]:
     """Every rank's ``values`` (integers), by rank."""
     mine = torch.tensor([values], dtype=torch.int64, device=accelerator.device)
     return gather(mine).cpu().tolist()
 
 
-def check_same_data(accelerator, X, y=None):
+def check_same_data(accelerator: Accelerator, X: Any, y: Any = None) -> None:
     """Raise ``DistributedError`` on every rank, naming each rank's number of
     samples, unless all ranks fit on data of the same length, and unless the
     same 64 rows hold the same values on every rank."""
@@ -128,14 +134,16 @@ def check_same_data(accelerator, X, y=None):
         )
 
 
-def check_same_steps(accelerator, iterator):
+def check_same_steps(accelerator: Accelerator, iterator: Iterable[Any]) -> None:
     """Raise ``DistributedError`` on every rank unless all take the same number
     of training batches: without even batches DDP would wait forever on the
     rank with more. A no-op with even batches and for iterables."""
     if accelerator.even_batches:
         return
     try:
-        mine = len(iterator)
+        # an iterable without a length raises the TypeError caught below
+        mine = len(iterator)  # type: ignore[arg-type]
+
     except TypeError:
         return
     everyone = [n for (n,) in _everyone(accelerator, [mine])]
@@ -149,9 +157,11 @@ def check_same_steps(accelerator, iterator):
         )
 
 
-def named_parameters(modules):
+def named_parameters(
+    modules: Iterable[tuple[str, torch.nn.Module]],
+) -> Iterator[tuple[str, torch.nn.Parameter]]:
     """``(prefix.name, parameter)`` of every ``(prefix, module)``, each parameter once."""
-    seen = set()
+    seen: set[torch.nn.Parameter] = set()
     for prefix, module in modules:
         for name, param in module.named_parameters():
             if param not in seen:
@@ -159,7 +169,7 @@ def named_parameters(modules):
                 yield (f"{prefix}.{name}" if prefix else name), param
 
 
-def fingerprints(params):
+def fingerprints(params: Iterable[torch.Tensor]) -> torch.Tensor:
     """One integer per tensor: its bytes as 32-bit integers summed with
     wraparound (in int32: int64 sums vectorize poorly on CPUs)."""
     values = []
@@ -171,7 +181,7 @@ def fingerprints(params):
     return torch.stack(values).to(torch.int64) if values else torch.zeros(0, dtype=torch.int64)
 
 
-def _words(flat):
+def _words(flat: torch.Tensor) -> torch.Tensor:
     """A flat tensor's bytes as 32-bit integers, or its elements as integers where
     its bytes cannot be viewed so (an odd number of halves, an unaligned offset)."""
     if flat.dtype.is_floating_point or flat.dtype == torch.bool:
@@ -182,7 +192,9 @@ def _words(flat):
     return flat
 
 
-def check_replicas(accelerator, named_params, when):
+def check_replicas(
+    accelerator: Accelerator, named_params: Sequence[tuple[str, torch.Tensor]], when: str
+) -> None:
     """Raise ``DistributedError`` on every rank, naming the first parameter that
     differs and when (``'after epoch 3'``), unless all ranks hold the same."""
     names = [name for name, _ in named_params]

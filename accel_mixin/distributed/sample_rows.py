@@ -15,13 +15,19 @@ generator made anew in ``__getitem__``, the operating system's entropy), and
 are reported as unrepeatable (None) rather than compared or hashed.
 """
 
+from __future__ import annotations
+
 import contextlib
 import random
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from typing import TypeGuard
 
 __all__ = [
     "fixed_random_state",
@@ -36,18 +42,21 @@ _SEED = 0  # the seed of every generator while rows are read
 # lists, their own attributes, closures)
 _MAX_DEPTH = 8
 _MAX_OBJECTS = 10_000
-_LEAVES = (type(None), bool, int, float, complex, str, bytes, np.ndarray, torch.Tensor, type)
-_LEAVES += (types.ModuleType,)
+_LEAVES: tuple[type, ...] = (type(None), bool, int, float, complex, str, bytes, np.ndarray)
+_LEAVES += (torch.Tensor, type, types.ModuleType)
+
+# the random generators whose state can be set
+Generator = Union[np.random.RandomState, np.random.Generator, torch.Generator, random.Random]
 
 
-def is_generator(value):
+def is_generator(value: object) -> TypeGuard[Generator]:
     """Whether ``value`` is a random generator whose state can be set."""
     return isinstance(value, (np.random.RandomState, np.random.Generator, torch.Generator)) or (
         isinstance(value, random.Random) and not isinstance(value, random.SystemRandom)
     )
 
 
-def generator_state(generator):
+def generator_state(generator: Generator) -> Any:
     """The state of a generator that ``is_generator`` accepts."""
     if isinstance(generator, np.random.RandomState):
         return generator.get_state(legacy=False)
@@ -58,7 +67,7 @@ def generator_state(generator):
     return generator.getstate()
 
 
-def _set_state(generator, state):
+def _set_state(generator: Generator, state: Any) -> None:
     if isinstance(generator, np.random.RandomState):
         generator.set_state(state)
     elif isinstance(generator, np.random.Generator):
@@ -69,7 +78,7 @@ def _set_state(generator, state):
         generator.setstate(state)
 
 
-def _seed(generator):
+def _seed(generator: Generator) -> None:
     if isinstance(generator, np.random.Generator):
         bits = generator.bit_generator
         bits.state = type(bits)(_SEED).state
@@ -79,7 +88,7 @@ def _seed(generator):
         generator.seed(_SEED)
 
 
-def _children(value):
+def _children(value: Any) -> list[object]:
     if isinstance(value, Mapping):
         return list(value.values())
     if isinstance(value, (list, tuple, set, frozenset)):
@@ -91,7 +100,7 @@ def _children(value):
         return [func, *value.args, *value.keywords.values()]
     closure = getattr(value, "__closure__", None)
     if closure:
-        cells = []
+        cells: list[object] = []
         for cell in closure:
             with contextlib.suppress(ValueError):  # a cell not yet filled
                 cells.append(cell.cell_contents)
@@ -106,10 +115,11 @@ def _children(value):
     return children
 
 
-def generators_in(data):
+def generators_in(data: object) -> list[Generator]:
     """The random generators ``data`` holds, in its attributes, containers,
     transforms and closures, each once (by identity)."""
-    found, seen = {}, set()
+    found: dict[int, Generator] = {}
+    seen: set[int] = set()
     stack = [(data, 0)]
     while stack and len(seen) < _MAX_OBJECTS:
         value, depth = stack.pop()
@@ -124,7 +134,7 @@ def generators_in(data):
 
 
 @contextlib.contextmanager
-def fixed_random_state(generators=()):
+def fixed_random_state(generators: Iterable[Generator] = ()) -> Iterator[None]:
     """Python's, NumPy's and torch's global CPU generators and ``generators``
     seeded with a constant, all put back as they were on leaving. CUDA's
     generators are left alone: a Dataset's rows are read on the CPU."""
@@ -145,7 +155,7 @@ def fixed_random_state(generators=()):
                 _set_state(generator, state)
 
 
-def repeatable_digest(data, read, digest):
+def repeatable_digest(data: object, read: Callable[[], Any], digest: Callable[[Any], Any]) -> Any:
     """``digest(read())`` under ``fixed_random_state`` with the generators
     ``data`` holds, or None where a second reading digests otherwise.
 

@@ -22,9 +22,18 @@ net this means:
   from its ``mixed_precision``; no autocast is added around the forward pass.
 """
 
-from collections.abc import Mapping
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from typing import TypeGuard
+
+    from accelerate import Accelerator
+    from torch.distributed.tensor import DTensor
 
 __all__ = [
     "check_on_shards",
@@ -41,12 +50,12 @@ __all__ = [
 ]
 
 
-def sharded(accelerator):
+def sharded(accelerator: Accelerator) -> bool:
     """Whether ``accelerator`` shards modules with FSDP2."""
     return bool(getattr(accelerator, "is_fsdp2", False))
 
 
-def _dtensor_type():
+def _dtensor_type() -> type[DTensor] | tuple[()]:
     try:
         from torch.distributed.tensor import DTensor  # pylint: disable=import-outside-toplevel
     except ImportError:  # a torch without DTensor shards nothing
@@ -54,22 +63,24 @@ def _dtensor_type():
     return DTensor
 
 
-def is_sharded(tensor):
+def is_sharded(tensor: object) -> TypeGuard[DTensor]:
     """Whether ``tensor`` is a DTensor (a shard of a tensor spread over ranks)."""
     kind = _dtensor_type()
     return bool(kind) and isinstance(tensor, kind)
 
 
-def replicated(named_params):
+def replicated(
+    named_params: Iterable[tuple[str, torch.Tensor]],
+) -> list[tuple[str, torch.Tensor]]:
     """The ``(name, parameter)`` pairs that every rank holds whole."""
     return [(name, param) for name, param in named_params if not is_sharded(param)]
 
 
-def _parameter_count(module):
+def _parameter_count(module: torch.nn.Module) -> int:
     return sum(1 for _ in module.parameters())
 
 
-def sharded_module_name(modules):
+def sharded_module_name(modules: Iterable[tuple[str, object]]) -> str | None:
     """Of ``modules`` (``(name, raw module)`` in the net's order), the name of
     the one FSDP2 shards: the first with parameters; None if none has."""
     for name, module in modules:
@@ -78,7 +89,7 @@ def sharded_module_name(modules):
     return None
 
 
-def check_shardable(modules, criteria):
+def check_shardable(modules: list[tuple[str, object]], criteria: list[tuple[str, object]]) -> None:
     """Raise ``ValueError``, naming it, for every module or criterion with
     parameters besides the one FSDP2 shards (``(name, raw object)`` pairs)."""
     chosen = sharded_module_name(modules)
@@ -98,7 +109,9 @@ def check_shardable(modules, criteria):
                 )
 
 
-def check_on_shards(optimizer, module, optimizer_attr, module_attr):
+def check_on_shards(
+    optimizer: torch.optim.Optimizer, module: torch.nn.Module, optimizer_attr: str, module_attr: str
+) -> None:
     """Raise ``ValueError`` unless every parameter ``optimizer`` holds is one
     of the sharded ``module``'s shards."""
     reshard(module)
@@ -115,7 +128,13 @@ def check_on_shards(optimizer, module, optimizer_attr, module_attr):
         )
 
 
-def full_states(module_attr, module, optimizers, attrs, everywhere=False):
+def full_states(
+    module_attr: str,
+    module: torch.nn.Module,
+    optimizers: Mapping[str, object],
+    attrs: Iterable[str],
+    everywhere: bool = False,
+) -> dict[str, dict[str, Any]]:
     """``{attr: full state}`` for those of ``attrs`` that are the sharded
     ``module`` (at ``module_attr``) or one of ``optimizers`` (``{attr:
     optimizer}``): the module's state dict under its own keys, optimizer
@@ -135,10 +154,12 @@ def full_states(module_attr, module, optimizers, attrs, everywhere=False):
     reshard(module)
     out = {}
     for attr in attrs:
+        optimizer = optimizers.get(attr)
+        state: dict[str, Any]
         if attr == module_attr:
             state = get_model_state_dict(module, options=options)
-        elif isinstance(optimizers.get(attr), torch.optim.Optimizer):
-            state = get_optimizer_state_dict(module, optimizers[attr], options=options)
+        elif isinstance(optimizer, torch.optim.Optimizer):
+            state = get_optimizer_state_dict(module, optimizer, options=options)
             state = optimizer_state_by_position(state) if state else state
         else:
             continue
@@ -146,7 +167,7 @@ def full_states(module_attr, module, optimizers, attrs, everywhere=False):
     return out
 
 
-def reshard(module):
+def reshard(module: torch.nn.Module) -> None:
     """Put every sharded unit of ``module`` back to its shards.
 
     After a forward pass FSDP2 leaves the root unit's gathered parameters in
@@ -161,7 +182,7 @@ def reshard(module):
             unit.reshard()
 
 
-def _on_cpu(value):
+def _on_cpu(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.cpu()
     if isinstance(value, Mapping):
@@ -171,12 +192,13 @@ def _on_cpu(value):
     return value
 
 
-def optimizer_state_by_position(state):
+def optimizer_state_by_position(state: Mapping[str, Any]) -> dict[str, Any]:
     """An optimizer state keyed by parameter names (torch's
     ``get_optimizer_state_dict``) numbered as ``optimizer.state_dict()``
     numbers it: by position over the parameter groups, so that a plain
     optimizer over the same parameters loads it."""
-    ids, groups = {}, []
+    ids: dict[str, int] = {}
+    groups = []
     for group in state["param_groups"]:
         numbered = dict(group)
         numbered["params"] = [ids.setdefault(fqn, len(ids)) for fqn in group["params"]]
@@ -185,7 +207,7 @@ def optimizer_state_by_position(state):
     return {"state": by_id, "param_groups": groups}
 
 
-def _shard_of(full, like):
+def _shard_of(full: torch.Tensor, like: DTensor) -> DTensor:
     """This rank's shard of ``full``, laid out as the DTensor ``like``; cut
     locally, without any collective (every rank holds ``full``)."""
     from torch.distributed.tensor import distribute_tensor  # pylint: disable=import-outside-toplevel
@@ -194,7 +216,7 @@ def _shard_of(full, like):
     return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
 
 
-def shard_like(expected, state):
+def shard_like(expected: Mapping[str, Any], state: Mapping[str, Any]) -> dict[str, Any]:
     """``state`` (full tensors) with every entry that is a DTensor in
     ``expected`` (a sharded module's state dict) cut to this rank's shard."""
     return {
@@ -203,7 +225,9 @@ def shard_like(expected, state):
     }
 
 
-def shard_optimizer_state(optimizer, state):
+def shard_optimizer_state(
+    optimizer: torch.optim.Optimizer, state: Mapping[str, Any]
+) -> Mapping[str, Any]:
     """``state`` (``optimizer.state_dict()``'s numbering, full tensors) with
     the tensors of every sharded parameter cut to this rank's shard, matched
     by position as ``optimizer.load_state_dict`` matches them."""
@@ -212,7 +236,7 @@ def shard_optimizer_state(optimizer, state):
         return state
     saved = [i for group in state["param_groups"] for i in group["params"]]
     by_id = dict(zip(saved, params))
-    out = {}
+    out: dict[Any, Any] = {}
     for key, values in state["state"].items():
         param = by_id.get(key)
         if param is None or not is_sharded(param) or not isinstance(values, Mapping):

@@ -20,11 +20,15 @@ generator set to a fixed seed and put back afterwards, so that reading them
 neither depends on nor changes the random number streams of training.
 """
 
+from __future__ import annotations
+
 import enum
 import functools
 import hashlib
 import inspect
 import json
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Union
 
 import numpy as np
 import torch
@@ -51,18 +55,21 @@ _DEFAULT = object()
 # what stands for the rows of a Dataset that reads other rows every time
 _UNREPEATABLE = "rows drawn anew at every reading"
 
+# a description: plain JSON data
+Json = Union[None, bool, int, float, str, list["Json"], dict[str, "Json"]]
 
-def name_of(obj):
+
+def name_of(obj: object) -> str:
     """The qualified name of a class or function, with its module."""
     qualname = getattr(obj, "__qualname__", type(obj).__name__)
     return f"{getattr(obj, '__module__', '')}.{qualname}"
 
 
 @functools.lru_cache(maxsize=256)
-def init_defaults(cls):
+def init_defaults(cls: type) -> dict[str, Any]:
     """The defaults of the ``__init__`` parameters of ``cls`` and its bases:
     the most derived class that names a parameter decides its default."""
-    defaults = {}
+    defaults: dict[str, Any] = {}
     for klass in cls.__mro__:
         init = klass.__dict__.get("__init__")
         if init is None:
@@ -77,10 +84,13 @@ def init_defaults(cls):
     return defaults
 
 
-def _array_bytes(array):
+def _array_bytes(array: np.ndarray) -> memoryview:
     # a memoryview of a contiguous array: hashing 1 GB copies nothing
     array = np.ascontiguousarray(array)
-    return memoryview(array.reshape(-1).view(np.uint8)) if array.size else memoryview(b"")
+    if not array.size:
+        return memoryview(b"")
+    # numpy's stubs declare its buffer protocol only from Python 3.12 on
+    return memoryview(array.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
 
 
 class Describer:
@@ -89,30 +99,30 @@ class Describer:
 
     DEFAULT = _DEFAULT  # what ``unless_default`` returns for a default
 
-    def __init__(self):
-        self.refusals = []
+    def __init__(self) -> None:
+        self.refusals: list[tuple[str, str]] = []
         self._values = 0
-        self._path_ids = set()
+        self._path_ids: set[int] = set()
         self._inside_datasets = 0
 
-    def _digest(self, data):
+    def _digest(self, data: bytes | memoryview) -> str:
         """SHA-256 of ``data``, of the digests of its 64 MiB chunks where
         larger (the hash of a fit's data costs a small share of its first epoch,
         so threads would buy next to nothing)."""
-        data = memoryview(data).cast("B")
-        if len(data) <= _CHUNK:
-            return hashlib.sha256(data).hexdigest()
+        view = memoryview(data).cast("B")
+        if len(view) <= _CHUNK:
+            return hashlib.sha256(view).hexdigest()
         digests = (
-            hashlib.sha256(data[start : start + _CHUNK]).digest()
-            for start in range(0, len(data), _CHUNK)
+            hashlib.sha256(view[start : start + _CHUNK]).digest()
+            for start in range(0, len(view), _CHUNK)
         )
         return hashlib.sha256(b"chunks" + b"".join(digests)).hexdigest()
 
-    def refuse(self, path, reason):
+    def refuse(self, path: str, reason: str) -> dict[str, Json]:
         self.refusals.append((path, reason))
         return {"undescribable": reason}
 
-    def __call__(self, value, path="", depth=0):
+    def __call__(self, value: Any, path: str = "", depth: int = 0) -> Json:
         self._values += 1
         if self._values > MAX_VALUES:
             return self.refuse(path, f"too large to describe (over {MAX_VALUES} values)")
@@ -145,7 +155,7 @@ class Describer:
             self._inside_datasets -= dataset
             self._path_ids.discard(id(value))
 
-    def _composite(self, value, path, depth):
+    def _composite(self, value: Any, path: str, depth: int) -> Json:
         if isinstance(value, (list, tuple)):
             return [self(item, f"{path}[{i}]", depth) for i, item in enumerate(value)]
         if isinstance(value, dict):
@@ -168,7 +178,7 @@ class Describer:
             return name_of(value)  # builtins, methods
         if inspect.ismethod(value):
             return name_of(value)
-        out = {"class": name_of(type(value))}
+        out: dict[str, Json] = {"class": name_of(type(value))}
         if isinstance(value, torch.nn.Module):
             out["architecture"] = repr(value)
             out["state"] = self(value.state_dict(), f"{path}.state_dict()", depth)
@@ -195,15 +205,18 @@ class Describer:
             "without its address to describe it by",
         )
 
-    def params(self, obj, path="", depth=0, skip=()):
+    def params(
+        self, obj: Any, path: str = "", depth: int = 0, skip: Iterable[str] = ()
+    ) -> dict[str, Json]:
         """The parameters of an estimator or callback that differ from the
         defaults of its class's ``__init__``, described."""
         try:
             params = obj.get_params(deep=False)
         except TypeError:
             params = obj.get_params()
-        defaults = init_defaults(type(obj))
-        out = {}
+        cls: type = type(obj)
+        defaults = init_defaults(cls)
+        out: dict[str, Json] = {}
         for key, value in sorted(params.items()):
             if key.startswith("_") or key in skip:
                 continue  # private attributes change with the installed versions
@@ -212,7 +225,9 @@ class Describer:
                 out[key] = described
         return out
 
-    def unless_default(self, value, defaults, key, path, depth=0):
+    def unless_default(
+        self, value: Any, defaults: Mapping[str, Any], key: str, path: str, depth: int = 0
+    ) -> Any:
         """``value`` described, or ``_DEFAULT`` where it is the default of
         ``key`` in ``defaults``; a value that cannot be described never is."""
         default = defaults.get(key, _DEFAULT)
@@ -227,8 +242,8 @@ class Describer:
             return _DEFAULT
         return described
 
-    def _function(self, value, path, depth):
-        out = {"function": name_of(value)}
+    def _function(self, value: Callable[..., Any], path: str, depth: int) -> Json:
+        out: dict[str, Json] = {"function": name_of(value)}
         if value.__defaults__:
             out["defaults"] = self(value.__defaults__, f"{path}.__defaults__", depth)
         if value.__kwdefaults__:
@@ -244,7 +259,7 @@ class Describer:
             out["closure"] = cells
         return out if len(out) > 1 else out["function"]
 
-    def _tensor(self, value, path):
+    def _tensor(self, value: torch.Tensor, path: str) -> Json:
         try:
             tensor = value.detach()
             if tensor.layout != torch.strided:
@@ -256,10 +271,11 @@ class Describer:
         return {
             "tensor": str(value.dtype),
             "shape": list(value.shape),
-            "sha256": self._digest(memoryview(data)),
+            # numpy's stubs declare its buffer protocol only from Python 3.12 on
+            "sha256": self._digest(memoryview(data)),  # type: ignore[arg-type]
         }
 
-    def _array(self, value, path, depth):
+    def _array(self, value: np.ndarray, path: str, depth: int) -> Json:
         if value.dtype == object:
             return {
                 "array": "object",
@@ -272,7 +288,7 @@ class Describer:
             "sha256": self._digest(_array_bytes(value)),
         }
 
-    def _special(self, value, path, depth):
+    def _special(self, value: Any, path: str, depth: int) -> dict[str, Json] | None:
         """Objects whose content is not in their attributes."""
         if is_generator(value):
             if self._inside_datasets:
@@ -286,7 +302,7 @@ class Describer:
             return {"shape": list(csr.shape), "csr": [self(a, path, depth) for a in arrays]}
         to_numpy = getattr(value, "to_numpy", None)
         if callable(to_numpy) and hasattr(value, "index"):  # pandas
-            out = {"values": self(to_numpy(), path, depth)}
+            out: dict[str, Json] = {"values": self(to_numpy(), path, depth)}
             if hasattr(value, "columns"):
                 out["columns"] = self(list(value.columns), path, depth)
             out["index"] = self(np.asarray(value.index), path, depth)
@@ -294,7 +310,7 @@ class Describer:
         return None
 
 
-def _attributes(value):
+def _attributes(value: object) -> dict[str, Any] | None:
     """``vars()`` of an object, or its ``__slots__``; None where it has none."""
     attributes = getattr(value, "__dict__", None)
     if isinstance(attributes, dict) and (attributes or not _slots(type(value))):
@@ -305,15 +321,15 @@ def _attributes(value):
     return {name: getattr(value, name, None) for name in slots}
 
 
-def _slots(cls):
-    names = []
+def _slots(cls: type) -> list[str]:
+    names: list[str] = []
     for klass in cls.__mro__:
         slots = klass.__dict__.get("__slots__", ())
         names.extend([slots] if isinstance(slots, str) else slots)
     return [name for name in names if name not in ("__dict__", "__weakref__")]
 
 
-def fingerprint(data, describer=None, path="X"):
+def fingerprint(data: Any, describer: Describer | None = None, path: str = "X") -> Json:
     """Type, length and a SHA-256 of training data (None for None) that
     changes when any row does: every byte of its arrays and tensors, every
     value of a list, a ``Dataset``'s attributes and 64 of its rows evenly
@@ -325,7 +341,7 @@ def fingerprint(data, describer=None, path="X"):
     if data is None:
         return None
     describer = Describer() if describer is None else describer
-    out = {"type": name_of(type(data))}
+    out: dict[str, Json] = {"type": name_of(type(data))}
     try:
         out["length"] = get_len(data)
     except (TypeError, ValueError):
@@ -336,7 +352,7 @@ def fingerprint(data, describer=None, path="X"):
     return out
 
 
-def _stream(data, digest, describer, path):
+def _stream(data: Any, digest: hashlib._Hash, describer: Describer, path: str) -> None:
     # lists of rows can be long: streamed into the hash, not described
     if isinstance(data, dict):
         digest.update(b"{%d" % len(data))
@@ -356,12 +372,15 @@ def _stream(data, digest, describer, path):
     else:
         described = describer(data, path)
         if isinstance(data, Dataset) and not isinstance(data, IterableDataset):
-            n = len(data)
+            # a map-style Dataset has a length, which torch's base class leaves out
+            n = len(data)  # type: ignore[arg-type]
+
             rows = np.unique(np.linspace(0, n - 1, min(n, _SAMPLE_ROWS)).round().astype(np.int64))
             # the second reading is described apart: its refusals would count twice
             describers = iter([describer, Describer()])
 
-            def rows_described(sample):
+            def rows_described(sample: Iterable[Any]) -> list[Json]:
+
                 describe = next(describers)
                 return [describe(row, f"{path}[{i}]") for i, row in zip(rows, sample)]
 

@@ -26,12 +26,16 @@ each in its folder, and a fit that names its own name (``find_run``) means
 its own run, whichever other runs share the name.
 """
 
+from __future__ import annotations
+
 import hashlib
 import json
 import os
 import re
 import time
 import uuid
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from accelerate.utils import gather_object
 from skorch.callbacks import Callback
@@ -41,6 +45,13 @@ from accel_mixin.checkpoint.files import atomic_write
 from accel_mixin.errors import CheckpointError
 from accel_mixin.resume.describe import Describer, fingerprint, init_defaults, name_of
 from accel_mixin.training.process_state import process_state
+
+if TYPE_CHECKING:
+    from skorch import NeuralNet
+
+    from accel_mixin.checkpoint.checkpoint_files import Position
+    from accel_mixin.checkpoint.files import Path
+
 
 __all__ = [
     "MANIFEST",
@@ -96,14 +107,14 @@ _OWN_GENERATORS = (
 )
 
 
-def _counts(key):
+def _counts(key: str) -> bool:
     if key.startswith("_") or key in _CONTINUING or key.split("__")[0] == "callbacks":
         return False
     prefix, _, name = key.partition("__")
     return not (prefix in ("iterator_train", "iterator_valid") and name in _HARMLESS_LOADING)
 
 
-def check_run_name(name):
+def check_run_name(name: object) -> None:
     """Raise a ``ValueError`` unless ``name`` can name a run folder."""
     if name is not None and (not isinstance(name, str) or not _NAME.fullmatch(name)):
         raise ValueError(
@@ -117,35 +128,43 @@ class RunIdentity:
     cannot be described faithfully (``refused``, a line, or None), its
     ``id`` (12 hex digits), ``name`` and ``key`` (``<name>-<id>`` or ``<id>``)."""
 
-    def __init__(self, described, refused=None):
+    def __init__(self, described: dict[str, Any], refused: str | None = None) -> None:
         self.described = described
         self.refused = refused
-        self.name = described.get("name")
+        self.name: str | None = described.get("name")
         text = json.dumps(described, sort_keys=True)
         self.id = hashlib.sha256(text.encode()).hexdigest()[:_ID_LENGTH]
         self.key = f"{self.name}-{self.id}" if self.name else self.id
 
     @property
-    def folder(self):
+    def folder(self) -> str:
         return RUN_PREFIX + self.key
 
-    def unique(self, nonce):
+    def unique(self, nonce: str) -> RunIdentity:
         """This identity made unique with ``nonce``, for a fit whose
         identity cannot tell it from others."""
         return RunIdentity({**self.described, "unique": nonce}, self.refused)
 
 
-def run_identity(net, X, y=None, fit_params=None, name=None):
+def run_identity(
+    net: NeuralNet,
+    X: Any,
+    y: Any = None,
+    fit_params: Mapping[str, Any] | None = None,
+    name: str | None = None,
+) -> RunIdentity:
     """The ``RunIdentity`` of fitting ``net`` (initialized) on ``X`` and
     ``y`` with ``fit_params``, named ``name``."""
     describe = Describer()
-    defaults = init_defaults(type(net))
-    hyper = {}
+    net_class: type = type(net)
+    defaults = init_defaults(net_class)
+    hyper: dict[str, Any] = {}
     for key, value in sorted(net.get_params(deep=False).items()):
         if _counts(key):
-            described = describe.unless_default(value, defaults, key, key)
-            if described is not describe.DEFAULT:
-                hyper[key] = described
+            shown = describe.unless_default(value, defaults, key, key)
+            if shown is not describe.DEFAULT:
+                hyper[key] = shown
+
     callbacks = {
         name: {
             "class": name_of(type(cb)),
@@ -157,12 +176,12 @@ def run_identity(net, X, y=None, fit_params=None, name=None):
         and type(cb).__module__ != skorch_logging.__name__
         and getattr(cb, "in_run_identity", True) is not False
     }
-    data = {"X": fingerprint(X, describe, "X"), "y": fingerprint(y, describe, "y")}
+    data: dict[str, Any] = {"X": fingerprint(X, describe, "X"), "y": fingerprint(y, describe, "y")}
     if fit_params:
         data["fit_params"] = {
             key: fingerprint(value, describe, key) for key, value in sorted(fit_params.items())
         }
-    described = {
+    described: dict[str, Any] = {
         "net": {"class": name_of(type(net)), "params": hyper},
         "callbacks": callbacks,
         "data": data,
@@ -176,7 +195,7 @@ def run_identity(net, X, y=None, fit_params=None, name=None):
     return RunIdentity(described, refused)
 
 
-def fit_identity(net, X, y, name=None):
+def fit_identity(net: NeuralNet, X: Any, y: Any, name: str | None = None) -> RunIdentity:
     """The run identity of the running fit, computed once per fit (the data
     hashed once), the same on every rank: the ranks compare theirs and all
     raise where they differ; an unnamed fit that the identity cannot tell
@@ -205,7 +224,7 @@ def fit_identity(net, X, y, name=None):
     return identity
 
 
-def _units(described):
+def _units(described: Mapping[str, Any]) -> dict[str, Any]:
     """What a description says, by what the user would name: a parameter,
     a callback's parameter, a callback, the data, a fit parameter."""
     units = dict(described.get("net", {}).get("params", {}))
@@ -224,7 +243,7 @@ def _units(described):
     return {key: value for key, value in units.items() if value is not None}
 
 
-def _shown(value):
+def _shown(value: object) -> object:
     if value is _MISSING:
         return "(default)"
     return value if isinstance(value, (str, int, float, bool)) else "(a value)"
@@ -233,7 +252,7 @@ def _shown(value):
 _MISSING = object()
 
 
-def describe_differences(new, old, most=4):
+def describe_differences(new: Mapping[str, Any], old: Mapping[str, Any], most: int = 4) -> str:
     """What differs between two identities' descriptions, in a few words:
     ``lr: 0.1 -> 0.05``, ``criterion__weight (other value)``, ``X (other
     data)``; a parameter at its default shows as ``(default)``."""
@@ -257,11 +276,11 @@ def describe_differences(new, old, most=4):
     return ", ".join(parts) or "nothing that the identity records"
 
 
-def _name(key):
+def _name(key: str) -> str | None:
     return key[: -_ID_LENGTH - 1] or None
 
 
-def differs_from_newest(identity, runs):
+def differs_from_newest(identity: RunIdentity, runs: dict[str, str]) -> str:
     """What ``identity`` differs in from the newest of ``runs`` (``run_folders``),
     of those with its name where it has one and some have."""
     named = {key: folder for key, folder in runs.items() if identity.name == _name(key)}
@@ -279,7 +298,7 @@ def differs_from_newest(identity, runs):
     return f"it differs from the newest, {newest}, in: {differs}"
 
 
-def run_folders(dirname):
+def run_folders(dirname: Path) -> dict[str, str]:
     """The run folders in ``dirname``, by run key (``RunIdentity.key``:
     the id, after the name for a named run)."""
     if os.path.exists(dirname) and not os.path.isdir(dirname):
@@ -303,7 +322,7 @@ def run_folders(dirname):
     }
 
 
-def find_run(runs, wanted, own=None):
+def find_run(runs: Mapping[str, str], wanted: str, own: RunIdentity | None = None) -> str | None:
     """The key in ``runs`` (``run_folders``) of the run that ``wanted``
     names by key, id or name; else None.
 
@@ -327,7 +346,7 @@ def find_run(runs, wanted, own=None):
     return found[0] if found else None
 
 
-def read_manifest(folder):
+def read_manifest(folder: str) -> dict[str, Any] | None:
     """The manifest of a run folder, None where it has none yet; raises
     where it is not one that ``write_manifest`` wrote."""
     path = os.path.join(folder, MANIFEST)
@@ -355,7 +374,9 @@ def read_manifest(folder):
     return manifest
 
 
-def write_manifest(folder, identity, positions, status):
+def write_manifest(
+    folder: str, identity: RunIdentity, positions: Iterable[Position], status: str
+) -> None:
     """Write the manifest of a run folder, atomically; ``positions`` are the
     ``(epoch, batch)`` of its training states (``checkpoint_files``)."""
     manifest = {

@@ -10,13 +10,21 @@ the indices of the batches done and skips them unread: exact where loading
 a sample draws no random numbers (no random augmentation).
 """
 
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils.data import DataLoader
 
 from accel_mixin.checkpoint.state_values import restore_rng, rng_state
 from accel_mixin.internals import batch_sampler_owner, start_persistent_iterator
 from accel_mixin.training.process_state import process_state
+
+if TYPE_CHECKING:
+    from skorch import NeuralNet
 
 __all__ = [
     "generator_states",
@@ -31,11 +39,11 @@ __all__ = [
 _DEPTH = 4
 
 
-def _base(dataloader):
+def _base(dataloader: DataLoader) -> DataLoader:
     return getattr(dataloader, "base_dataloader", dataloader)
 
 
-def _generators(dataloader):
+def _generators(dataloader: DataLoader) -> list[torch.Generator]:
     """The generators that decide ``dataloader``'s order and seeds, each once."""
     base = _base(dataloader)
     found = [getattr(dataloader, "synchronized_generator", None), getattr(base, "generator", None)]
@@ -51,14 +59,14 @@ def _generators(dataloader):
     return list(unique.values())
 
 
-def generator_states(dataloader):
+def generator_states(dataloader: DataLoader | None) -> list[torch.Tensor]:
     """The states of the generators of ``dataloader`` (None: none)."""
     if dataloader is None:
         return []
     return [generator.get_state() for generator in _generators(dataloader)]
 
 
-def restore_generator_states(dataloader, states):
+def restore_generator_states(dataloader: DataLoader, states: list[torch.Tensor]) -> None:
     """Put back ``states`` (``generator_states`` of the same setup)."""
     generators = _generators(dataloader)
     if len(generators) == len(states):
@@ -66,7 +74,7 @@ def restore_generator_states(dataloader, states):
             generator.set_state(state)
 
 
-def start_workers_without_draws(dataloader):
+def start_workers_without_draws(dataloader: DataLoader) -> None:
     """Start the persistent workers of ``dataloader`` if they are not running,
     with every generator put back afterwards as it was."""
     base = _base(dataloader)
@@ -78,7 +86,7 @@ def start_workers_without_draws(dataloader):
         restore_generator_states(dataloader, states)
 
 
-def resumable_inside_epochs(net, explain=False):
+def resumable_inside_epochs(net: NeuralNet, explain: bool = False) -> bool:
     """Whether the running fit's training data has batch indices to skip
     (map-style data); ``explain`` raises the ``ValueError`` that says why not."""
     try:
@@ -94,28 +102,29 @@ class _SkipFirst:
     """A batch sampler that draws every batch of ``batch_sampler`` and
     yields all but the first ``skip``; everything else is the original's."""
 
-    def __init__(self, batch_sampler, skip):
+    def __init__(self, batch_sampler: Iterable[list[int]], skip: int) -> None:
         self.batch_sampler = batch_sampler
         self.skip = skip
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[list[int]]:
         batches = iter(self.batch_sampler)
         for _ in range(self.skip):
             if next(batches, None) is None:
                 return
         yield from batches
 
-    def __len__(self):
-        return len(self.batch_sampler)
+    def __len__(self) -> int:
+        # typed an Iterable, as torch types it: a DataLoader's batch sampler has a length
+        return len(self.batch_sampler)  # type: ignore[arg-type]
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         if name == "batch_sampler":
             raise AttributeError(name)
         return getattr(self.batch_sampler, name)
 
 
 @contextmanager
-def skipping_batches(dataloader, skip):
+def skipping_batches(dataloader: DataLoader, skip: int) -> Iterator[None]:
     """While the block runs, iterating ``dataloader`` (prepared by
     accelerate) skips its first ``skip`` batches without loading them."""
     if not skip:

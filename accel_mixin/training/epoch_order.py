@@ -6,11 +6,15 @@ when it prepares the dataloader for several processes, seeded once, so N
 processes and one would train on other orders from the same seed.
 """
 
+from __future__ import annotations
+
+from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from accelerate.utils import broadcast_object_list
-from torch.utils.data import BatchSampler, RandomSampler
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
 __all__ = ["draw_orders_as_one_process", "keeping_global_draws", "shuffles_without_generator"]
 
@@ -21,30 +25,32 @@ class _SeededAsOneProcess:
     ``RandomSampler`` without a generator seeds itself in one process. The
     seed is rank 0's: ranks seeded apart still agree on the order."""
 
-    def __init__(self, sampler):
+    def __init__(self, sampler: RandomSampler) -> None:
         self.sampler = sampler
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[int]:
         seed = [int(torch.empty((), dtype=torch.int64).random_().item())]
-        self.sampler.generator.manual_seed(broadcast_object_list(seed)[0])
+        generator = self.sampler.generator
+        assert generator is not None  # accelerate gave it one: draw_orders_as_one_process
+        generator.manual_seed(broadcast_object_list(seed)[0])
         return iter(self.sampler)
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self.sampler)
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         if name == "sampler":
             raise AttributeError(name)
         return getattr(self.sampler, name)
 
 
-def shuffles_without_generator(dataloader):
+def shuffles_without_generator(dataloader: DataLoader | None) -> bool:
     """Whether ``dataloader`` shuffles with a generator of its own making."""
     sampler = getattr(dataloader, "sampler", None)
     return type(sampler) is RandomSampler and sampler.generator is None  # pylint: disable=unidiomatic-typecheck
 
 
-def draw_orders_as_one_process(prepared):
+def draw_orders_as_one_process(prepared: DataLoader) -> None:
     """Make ``prepared`` (the training dataloader of several processes, which
     ``shuffles_without_generator`` before accelerate prepared it) draw every
     epoch's order as one process draws it. accelerate seeds the generator it
@@ -54,11 +60,11 @@ def draw_orders_as_one_process(prepared):
     # exactly these: a SeedableRandomSampler (use_seedable_sampler) seeds itself
     sampler = getattr(batch_sampler, "sampler", None)
     if type(batch_sampler) is BatchSampler and type(sampler) is RandomSampler:  # pylint: disable=unidiomatic-typecheck
-        batch_sampler.sampler = _SeededAsOneProcess(batch_sampler.sampler)
+        batch_sampler.sampler = _SeededAsOneProcess(sampler)
 
 
 @contextmanager
-def keeping_global_draws(keep=True):
+def keeping_global_draws(keep: bool = True) -> Iterator[None]:
     """With ``keep``, the global generator is as it was after the block: the
     seed accelerate draws for the generator it makes (reseeded every epoch
     here) is a draw one process never makes."""

@@ -7,7 +7,11 @@ prepares them, finds the raw objects behind wrappers, and prepares again the
 modules whose trainable parameters changed.
 """
 
+from __future__ import annotations
+
+from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
 import torch
 from accelerate.utils import DistributedType
@@ -26,6 +30,9 @@ from accel_mixin.training.process_state import process_state
 from accel_mixin.training.stepping import takes_closures
 from accel_mixin.training.wrapping import Slot, requires_closure
 
+if TYPE_CHECKING:
+    from skorch import NeuralNet
+
 __all__ = [
     "bare_modules",
     "check_device",
@@ -43,13 +50,13 @@ __all__ = [
 ]
 
 
-def _scheduler_slot(cb_name, cb):
+def _scheduler_slot(cb_name: str, cb: LRScheduler) -> Slot:
     # a scheduler stepped per epoch steps once whatever the number of processes
     key = f"callbacks__{cb_name}__lr_scheduler_"
     return Slot(key, cb, "lr_scheduler_", "scheduler", step_once=cb.step_every != "batch")
 
 
-def slots(net):
+def slots(net: NeuralNet) -> Iterator[Slot]:
     """Every slot accelerate prepares, in the order it must prepare them."""
     for kind, names in (
         ("module", net._modules),  # pylint: disable=protected-access
@@ -63,28 +70,28 @@ def slots(net):
             yield _scheduler_slot(cb_name, cb)
 
 
-def raw(net, name):
+def raw(net: NeuralNet, name: str) -> Any:
     """The object the net built for ``name`` ('module', 'optimizer2'), wrapped now or not."""
     return process_state(net).prepared.raw_or_current(name + "_", net, name + "_")
 
 
-def raw_scheduler(cb_name, cb, net):
+def raw_scheduler(cb_name: str, cb: LRScheduler, net: NeuralNet) -> Any:
     """The scheduler an ``LRScheduler`` callback built, unwrapped, or None."""
     slot = _scheduler_slot(cb_name, cb)
     return process_state(net).prepared.raw_or_current(slot.key, slot.owner, slot.attr)
 
 
-def _named_raw(net, names):
+def _named_raw(net: NeuralNet, names: list[str]) -> list[tuple[str, Any]]:
     return [(name, raw(net, name)) for name in names]
 
 
-def sharded_module(net):
+def sharded_module(net: NeuralNet) -> tuple[str, torch.nn.Module] | None:
     """``(name, module)`` of the module FSDP2 shards, or None."""
     name = sharded_module_name(_named_raw(net, net._modules))  # pylint: disable=protected-access
     return None if name is None else (name, raw(net, name))
 
 
-def shards_in_place(net):
+def shards_in_place(net: NeuralNet) -> None:
     """Under FSDP2, make the sharded module's parameters its shards, those the
     optimizer holds: after a forward pass FSDP2 leaves the root's gathered
     parameters in place, which a callback (``Freezer``) or a new optimizer
@@ -95,14 +102,14 @@ def shards_in_place(net):
             reshard(named[1])
 
 
-def check_sharding(net):
+def check_sharding(net: NeuralNet) -> None:
     """Under FSDP2, refuse modules and criteria with parameters besides the one sharded."""
     if sharded(net.accelerator):
         # pylint: disable=protected-access
         check_shardable(_named_raw(net, net._modules), _named_raw(net, net._criteria))
 
 
-def net_modules(net):
+def net_modules(net: NeuralNet) -> Iterator[tuple[str, torch.nn.Module]]:
     """``(name, module)`` of every raw module and criterion that is a ``torch.nn.Module``."""
     for name in net._modules + net._criteria:  # pylint: disable=protected-access
         module = raw(net, name)
@@ -111,7 +118,7 @@ def net_modules(net):
 
 
 @contextmanager
-def bare_modules(net):
+def bare_modules(net: NeuralNet) -> Iterator[None]:
     """Within the block the net's module and criterion attributes hold the raw
     objects (a sharded module its shards)."""
     shards_in_place(net)
@@ -129,7 +136,7 @@ def bare_modules(net):
             setattr(net, attr, current)
 
 
-def check_device(net):
+def check_device(net: NeuralNet) -> None:
     """Refuse a ``device`` where the accelerator places the net: before skorch
     moves anything (``device='cuda'`` without CUDA would fail in torch)."""
     accelerator = net.accelerator
@@ -142,7 +149,7 @@ def check_device(net):
         )
 
 
-def check_params(net):
+def check_params(net: NeuralNet) -> None:
     """Refuse parameters that contradict the accelerator or the mixin."""
     check_device(net)
     adopt_history(net)
@@ -162,7 +169,7 @@ def check_params(net):
         )
 
 
-def check_optimizers(net):
+def check_optimizers(net: NeuralNet) -> None:
     """Refuse optimizers that need a closure where accelerate cannot give one."""
     if takes_closures(net.accelerator):
         return
@@ -178,7 +185,7 @@ def check_optimizers(net):
             )
 
 
-def prepare_retrainable_modules(net):
+def prepare_retrainable_modules(net: NeuralNet) -> None:
     """Give a new DDP wrapper to the modules whose trainable parameters changed
     (``Freezer``, ``requires_grad_``) on any rank; one small all-reduce."""
     accelerator = net.accelerator
@@ -198,7 +205,7 @@ def prepare_retrainable_modules(net):
         prepared.prepare(accelerator, slots(net), refresh=refresh)
 
 
-def check_net_replicas(net, when):
+def check_net_replicas(net: NeuralNet, when: str) -> None:
     """``check_replicas`` on every parameter of the net's modules and criteria
     that each rank holds whole: a sharded one (FSDP2) is no replica."""
     modules = ((name + "_", module) for name, module in net_modules(net))

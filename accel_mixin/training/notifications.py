@@ -10,12 +10,26 @@ training batch; ``on_epoch_finished(net, stopped)`` once the ranks agreed on
 an epoch's end (``TrainingCheckpoint`` uses all three).
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
+from typing import TYPE_CHECKING, Any
 
 from skorch.callbacks import EarlyStopping, EpochTimer, PrintLog, ProgressBar
 
 from accel_mixin.errors import DistributedError, Preempted
 from accel_mixin.internals import batches_per_epoch_phase
+
+if TYPE_CHECKING:
+    from skorch import NeuralNet
+    from skorch.callbacks import Callback
+    from torch.utils.data import Dataset
+
+    from accel_mixin.distributed.coordination import Coordinator
+
+# skorch's ``callbacks_``: (name, callback) pairs
+_Callbacks = Sequence[tuple[str, "Callback"]]
 
 __all__ = [
     "callbacks_during_fit",
@@ -32,10 +46,12 @@ _BARRIER_AFTER = frozenset(["on_train_begin", "on_epoch_begin"])
 _PER_BATCH = frozenset(["on_batch_begin", "on_batch_end", "on_grad_computed"])
 _LOGGERS = "skorch.callbacks.logging"
 _RUN_EVERYWHERE = (EpochTimer, PrintLog, ProgressBar)
-_MAIN_ONLY = {}
+_MAIN_ONLY: dict[type, bool] = {}
 
 
-def notify_in_section(coordinator, method_name, notify):
+def notify_in_section(
+    coordinator: Coordinator, method_name: str, notify: Callable[[], object]
+) -> None:
     """Run ``notify()`` for the notification ``method_name`` as a section."""
     if not coordinator.distributed:
         notify()
@@ -53,7 +69,7 @@ def notify_in_section(coordinator, method_name, notify):
                 coordinator.barrier(method_name)
 
 
-def main_process_only(callback):
+def main_process_only(callback: object) -> bool:
     """Whether ``callback`` runs on the main process only: skorch's loggers
     (``skorch.callbacks.logging``) and their subclasses, except ``EpochTimer``,
     ``PrintLog`` and ``ProgressBar``, which record alike on every rank. A
@@ -70,7 +86,7 @@ def main_process_only(callback):
 
 
 @contextmanager
-def callbacks_of_this_rank(net, coordinator):
+def callbacks_of_this_rank(net: NeuralNet, coordinator: Coordinator) -> Iterator[None]:
     """Within the block ``net.callbacks_`` holds what this rank runs: loggers
     on the main process only, where a collective they make raises on every
     rank, naming the logger (``save_params`` writes alone)."""
@@ -93,31 +109,31 @@ def callbacks_of_this_rank(net, coordinator):
 class _RunningAlone:
     """A main-process-only callback whose notifications run alone."""
 
-    def __init__(self, callback, coordinator, name):
+    def __init__(self, callback: Callback, coordinator: Coordinator, name: str) -> None:
         self._callback = callback
         self._coordinator = coordinator
         self._who = f"the callback {name!r}"
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         attr = getattr(self._callback, name)
         if not name.startswith("on_") or not callable(attr):
             return attr
 
-        def alone(*args, **kwargs):
+        def alone(*args: Any, **kwargs: Any) -> Any:
             with self._coordinator.running_alone(self._who):
                 return attr(*args, **kwargs)
 
         return alone
 
 
-def hook(callback, name):
+def hook(callback: object, name: str) -> Callable[..., Any] | None:
     """The bound hook ``name`` of ``callback``, or None; looked up on its class,
     so that a ``Mock`` has none."""
     return getattr(callback, name) if callable(getattr(type(callback), name, None)) else None
 
 
 @contextmanager
-def callbacks_during_fit(net):
+def callbacks_during_fit(net: NeuralNet) -> Iterator[None]:
     """Enter the ``during_fit(net)`` context of every callback that has one."""
     with ExitStack() as stack:
         for _, cb in net.callbacks_:
@@ -128,15 +144,16 @@ def callbacks_during_fit(net):
 
 
 @contextmanager
-def main_process_pickles(callbacks, is_main_process):
+def main_process_pickles(callbacks: _Callbacks, is_main_process: bool) -> Iterator[None]:
     """Let only the main process write the ``f_pickle`` of skorch's
     ``Checkpoint`` (and ``TrainEndCheckpoint``'s ``checkpoint_``)."""
     if is_main_process:
         yield
         return
-    saved = []
+    saved: list[tuple[Any, str]] = []
     for _, cb in callbacks:
-        for obj in (cb, getattr(cb, "checkpoint_", None)):
+        owners: tuple[Any, ...] = (cb, getattr(cb, "checkpoint_", None))
+        for obj in owners:
             if getattr(obj, "f_pickle", None):
                 saved.append((obj, obj.f_pickle))
                 obj.f_pickle = None
@@ -147,13 +164,15 @@ def main_process_pickles(callbacks, is_main_process):
             obj.f_pickle = value
 
 
-def progress_of_this_rank(net, dataset_train=None, dataset_valid=None):
+def progress_of_this_rank(
+    net: NeuralNet, dataset_train: Dataset | None = None, dataset_valid: Dataset | None = None
+) -> None:
     """Let each ``ProgressBar`` count the batches this rank runs, after the
     callbacks' ``on_epoch_begin``."""
     accelerator = net.accelerator
     n, rank = accelerator.num_processes, accelerator.process_index
 
-    def share(batches):  # rank r runs r, r + n, ...; even batches pad the rest
+    def share(batches: int) -> int:  # rank r runs r, r + n, ...; even batches pad the rest
         return -(-batches // n) if accelerator.even_batches else len(range(rank, batches, n))
 
     for _, cb in net.callbacks_:
@@ -176,7 +195,7 @@ def progress_of_this_rank(net, dataset_train=None, dataset_valid=None):
         cb.pbar_.refresh()
 
 
-def stopped_early(callbacks):
+def stopped_early(callbacks: _Callbacks) -> bool:
     """Whether an ``EarlyStopping`` in ``callbacks`` has just decided to stop."""
     return any(
         isinstance(cb, EarlyStopping) and getattr(cb, "misses_", None) == cb.patience

@@ -7,7 +7,10 @@ settings, and unpickling builds an Accelerator on this process's live state.
 A deep copy keeps the same Accelerator, as accelerate itself does.
 """
 
+from __future__ import annotations
+
 import warnings
+from typing import TYPE_CHECKING, Any
 
 from accelerate import Accelerator
 from accelerate.utils import GradientAccumulationPlugin
@@ -18,10 +21,13 @@ from accel_mixin.training.net_objects import net_modules
 
 __all__ = ["PortableAccelerator", "accelerator_settings", "build_accelerator", "settle_unpickled"]
 
+if TYPE_CHECKING:
+    from skorch import NeuralNet
+
 _HANDLERS = ("ddp_handler", "scaler_handler", "init_handler", "autocast_handler")
 
 
-def accelerator_settings(accelerator):
+def accelerator_settings(accelerator: Accelerator) -> dict[str, Any]:
     """The keyword arguments that rebuild ``accelerator`` in another process."""
     return {
         "device_placement": accelerator.device_placement,
@@ -41,7 +47,7 @@ def accelerator_settings(accelerator):
     }
 
 
-def build_accelerator(settings):
+def build_accelerator(settings: dict[str, Any]) -> Accelerator:
     """An Accelerator from ``settings`` on this process's live state; where that
     state has other settings, which cannot change, a warning names them."""
     check_not_a_child_of_a_rank()
@@ -61,17 +67,17 @@ def build_accelerator(settings):
 class PortableAccelerator:
     """Stand-in for an Accelerator inside a net's pickled state."""
 
-    def __init__(self, accelerator):
+    def __init__(self, accelerator: Accelerator) -> None:
         self.accelerator = accelerator
 
-    def __deepcopy__(self, memo):
+    def __deepcopy__(self, memo: dict[int, Any]) -> Accelerator:
         return self.accelerator
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]:
         return build_accelerator, (accelerator_settings(self.accelerator),)
 
 
-def settle_unpickled(net):
+def settle_unpickled(net: NeuralNet) -> None:
     """Make an unpickled net this process's: its 'auto' print sink (resolved
     by the rank that pickled), its modules on the accelerator's device."""
     if net.callbacks__print_log__sink == "auto":

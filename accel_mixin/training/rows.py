@@ -9,7 +9,10 @@ as tensors once, without a copy, gives the same batches: the same values,
 dtypes and shapes, in the same order.
 """
 
+from __future__ import annotations
+
 from collections.abc import Mapping
+from typing import Any, Union
 
 import numpy as np
 import torch
@@ -17,8 +20,11 @@ from skorch.dataset import Dataset
 
 __all__ = ["TensorRows", "tensor_rows"]
 
+# a sample's data viewed as tensors: one, or a mapping of names to them
+_Tensors = Union[torch.Tensor, dict[Any, torch.Tensor]]
 
-def _as_tensor(data):
+
+def _as_tensor(data: Any) -> torch.Tensor | None:
     """``data`` viewed as a tensor, or None where skorch's rows would differ."""
     if isinstance(data, torch.Tensor):
         return data
@@ -33,15 +39,16 @@ def _as_tensor(data):
         return None
 
 
-def _as_tensors(data):
+def _as_tensors(data: Any) -> _Tensors | None:
     """``data`` (an array, a tensor or a mapping of them) as tensors, or None."""
     if isinstance(data, Mapping):
         tensors = {key: _as_tensor(value) for key, value in data.items()}
-        return None if any(value is None for value in tensors.values()) else tensors
+        viewed = {key: value for key, value in tensors.items() if value is not None}
+        return None if len(viewed) < len(tensors) else viewed
     return _as_tensor(data)
 
 
-def _row(tensors, i):
+def _row(tensors: _Tensors, i: Any) -> _Tensors:
     if isinstance(tensors, dict):
         return {key: value[i] for key, value in tensors.items()}
     return tensors[i]
@@ -55,30 +62,32 @@ class TensorRows(Dataset):
     ``spawn``), so they never travel through shared memory.
     """
 
-    def __init__(self, X, y=None, length=None):
+    def __init__(self, X: Any, y: Any = None, length: int | None = None) -> None:
         super().__init__(X, y=y, length=length)
         self._view()
 
-    def _view(self):
+    def _view(self) -> None:
         self._X_rows = _as_tensors(self.X)
         self._y_rows = None if self.y is None else _as_tensors(self.y)
 
-    def __getitem__(self, i):
+    def __getitem__(self, i: Any) -> tuple[_Tensors, _Tensors]:
         # skorch's placeholder for a missing ``y``
-        yi = torch.Tensor([0]) if self.y is None else _row(self._y_rows, i)
+        # tensor_rows uses only a TensorRows whose data all viewed
+        assert self._X_rows is not None and (self.y is None or self._y_rows is not None)
+        yi = torch.Tensor([0]) if self._y_rows is None else _row(self._y_rows, i)
         return _row(self._X_rows, i), yi
 
-    def __getstate__(self):
+    def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         del state["_X_rows"], state["_y_rows"]
         return state
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._view()
 
 
-def tensor_rows(dataset):
+def tensor_rows(dataset: Dataset) -> Dataset:
     """``dataset``, or a :class:`TensorRows` over the same data that gives the
     same batches.
 

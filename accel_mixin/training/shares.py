@@ -14,9 +14,16 @@ criterion says with ``reduction="mean"`` (torch's default); other losses
 train on the padded batch as before, with one warning.
 """
 
+from __future__ import annotations
+
 import warnings
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from accelerate.state import GradientState
+    from skorch import NeuralNet
 
 __all__ = [
     "criterion_is_mean",
@@ -26,10 +33,10 @@ __all__ = [
     "warn_padding_trains",
 ]
 
-_WARNED = set()
+_WARNED: set[tuple[type, type]] = set()
 
 
-def _partial_remainder(gradient_state, num_processes):
+def _partial_remainder(gradient_state: GradientState, num_processes: int) -> int | None:
     """The real samples of an epoch's last global batch where accelerate
     padded it, else None: ``remainder`` is -1 with ``drop_last``, 0 where the
     data divides."""
@@ -39,7 +46,9 @@ def _partial_remainder(gradient_state, num_processes):
     return remainder
 
 
-def real_samples(gradient_state, num_processes, process_index, batch_size):
+def real_samples(
+    gradient_state: GradientState, num_processes: int, process_index: int, batch_size: int
+) -> int:
     """How many samples of this rank's current batch are real rather than
     padding: the gathered last batches hold the real samples first."""
     remainder = _partial_remainder(gradient_state, num_processes)
@@ -48,7 +57,7 @@ def real_samples(gradient_state, num_processes, process_index, batch_size):
     return min(max(remainder - process_index * batch_size, 0), batch_size)
 
 
-def loss_weight(gradient_state, num_processes, real):
+def loss_weight(gradient_state: GradientState, num_processes: int, real: int) -> float:
     """The weight of this rank's mean loss in the current step: 1 except in an
     epoch's last global batch when it is partial."""
     remainder = _partial_remainder(gradient_state, num_processes)
@@ -60,29 +69,29 @@ class _ScaleGradient(torch.autograd.Function):
     value, recorded in the history, stays the mean of its real samples."""
 
     @staticmethod
-    def forward(ctx, loss, weight):  # pylint: disable=arguments-differ
+    def forward(ctx: Any, loss: torch.Tensor, weight: float) -> torch.Tensor:  # pylint: disable=arguments-differ
         ctx.weight = weight
         return loss.view_as(loss)
 
     @staticmethod
-    def backward(ctx, grad):  # pylint: disable=arguments-differ
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # pylint: disable=arguments-differ
         return grad * ctx.weight, None
 
 
-def scale_gradient(loss, weight):
+def scale_gradient(loss: Any, weight: float) -> Any:
     """``loss``, whose gradient is ``weight`` times its own."""
     if weight == 1 or not isinstance(loss, torch.Tensor) or not loss.requires_grad:
         return loss
     return _ScaleGradient.apply(loss, weight)
 
 
-def criterion_is_mean(criterion):
+def criterion_is_mean(criterion: object) -> bool:
     """Whether ``criterion`` (a DDP wrapper's module counts) averages over samples."""
     criterion = getattr(criterion, "module", criterion)
     return getattr(criterion, "reduction", None) == "mean"
 
 
-def warn_padding_trains(net, criterion):
+def warn_padding_trains(net: NeuralNet, criterion: object) -> None:
     """Once per net class and criterion, on the main process: this loss is not
     known to be a mean, so the padded samples of the last batch train."""
     key = (type(net), type(criterion))
