@@ -1,0 +1,383 @@
+"""Collective sections that fail fast on every rank, agreed through gloo.
+
+WIP (issue 47, point 1): meant to replace ``coordination.py``'s store
+polling and ``liveness.py``'s lifelines and presence keys; not wired yet.
+
+A section is a block that every rank runs, in the same order. Its barriers
+are collectives on a gloo group of the coordinator's own (made at the first
+barrier, which every rank reaches): gloo's ``barrier`` first, which touches
+every pair, then one ``allreduce`` of the
+outcome, the same on every rank: passed, failed on a rank (whose message
+follows by one broadcast), or ranks in different calls. A rank whose section
+raised enters the barrier the others wait in, carrying its failure; the
+enclosing sections then leave without another collective.
+
+A rank whose process ends closes its connections: gloo raises at once,
+"Connection closed by peer [ADDR]:PORT", and a table of every rank's
+sockets, gathered once, turns it into the rank. A rank that lives but does
+not answer (paused, or holding the GIL) keeps its sockets: it is waited for.
+A waiting rank sleeps in gloo's transport; nothing polls.
+"""
+
+import contextlib
+import os
+import re
+import struct
+import zlib
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from accel_mixin.distributed.liveness import supervised
+from accel_mixin.errors import DistributedError, Preempted
+
+__all__ = ["Control", "own_sockets"]
+
+COLLECTIVE = (
+    "fit, partial_fit, predict, predict_proba, forward, score, save_params, "
+    "load_params, save_state, load_state, wait_for_saves, wait_for_everyone"
+)
+# a failure message travels in a tensor of this many bytes
+_MESSAGE_BYTES = 4096
+# the ranks that wait for a run's writer: it ends by its own io_timeout, and
+# a dead writer closes its connections, so this only caps a writer paused for good
+_WRITER_CAP = timedelta(days=1)
+_CLOSED = re.compile(r"Connection (?:closed|reset) by peer \[([^\]]*)\]:(\d+)")
+# a failure of the rank's own beats one that only echoes another's (a timeout)
+_OWN, _ECHO = 2, 1
+
+
+def failure_message(what, rank, exc):
+    """How the other ranks learn of ``exc``: the operation, the rank, the error."""
+    return f"{what} failed on rank {rank}: {type(exc).__name__}: {exc}"
+
+
+def namespace():
+    """This attempt's prefix: launchers may keep one store across restarts."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"accel_mixin/{run}/{attempt}" if run else f"accel_mixin/{attempt}"
+
+
+def own_sockets():
+    """This process's TCP sockets as ``(address, port)``, read from ``/proc``
+    (Linux); empty elsewhere, where a dead peer goes unnamed."""
+    inodes = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                link = os.readlink(f"/proc/self/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+    found = []
+    for name, width in (("/proc/self/net/tcp", 4), ("/proc/self/net/tcp6", 16)):
+        with contextlib.suppress(OSError):
+            with open(name, encoding="ascii") as f:
+                rows = f.read().splitlines()[1:]
+            for row in rows:
+                fields = row.split()
+                if fields[9] in inodes:
+                    address, port = fields[1].split(":")
+                    found.append((_address(address, width), int(port, 16)))
+    return found
+
+
+def _address(hexed, width):
+    """``/proc/net/tcp``'s address: 32-bit words in the host's byte order."""
+    raw = bytes.fromhex(hexed)
+    words = b"".join(
+        struct.pack("=I", int.from_bytes(raw[i : i + 4], "big")) for i in range(0, width, 4)
+    )
+    family = 2 if width == 4 else 10  # AF_INET, AF_INET6
+    import socket  # pylint: disable=import-outside-toplevel
+
+    text = socket.inet_ntop(family, words)
+    return text[7:] if text.startswith("::ffff:") else text
+
+
+def _ports(port):
+    """gloo prints a peer's port in network byte order: both readings."""
+    return {port, struct.unpack("<H", struct.pack(">H", port))[0]}
+
+
+def _encode(text, size=_MESSAGE_BYTES):
+    data = text.encode()[:size]
+    tensor = torch.zeros(size, dtype=torch.uint8)
+    if data:
+        tensor[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return tensor
+
+
+def _decode(tensor):
+    return bytes(tensor.tolist()).rstrip(b"\0").decode(errors="replace")
+
+
+class _Agreed(DistributedError):
+    """A failure every rank learned in the same barrier: no more collectives."""
+
+
+class Control:
+    """Fail-fast sessions, sections and barriers for one process group.
+
+    ``timeout`` is the seconds a barrier waits for the others; without a
+    ``store`` (one process) barriers return at once and failures just raise.
+    """
+
+    def __init__(self, num_processes, process_index, timeout=1800.0, store=None):
+        self.num_processes = num_processes
+        self.process_index = process_index
+        self.timeout = timeout
+        self.store = store
+        self.alone = None
+        self._open = []  # the sections this rank is in: [what, own failure]
+        self._group = None
+        self._peers = {}  # (address, port) -> rank, of every rank's sockets
+        self._broken = None  # the error that left the group unusable
+        self._last_call = None
+        self._carried = None  # the exception this rank's failure barrier carried
+
+    @property
+    def distributed(self):
+        return self.store is not None
+
+    @contextlib.contextmanager
+    def running_alone(self, who):
+        """Within the block only this rank runs ``who``: a collective call
+        there would wait for ranks that never come, so it raises at once."""
+        previous, self.alone = self.alone, who
+        try:
+            yield
+        finally:
+            self.alone = previous
+
+    def _refuse_alone(self, what):
+        if self.alone is not None:
+            raise DistributedError(
+                f"{what} is a collective call, which every rank must make, but "
+                f"{self.alone} runs on the main process only; give it "
+                "main_process_only=False to run it on every rank"
+            )
+
+    def session(self, what):
+        """A top-level section (or a section, when nested)."""
+        self._refuse_alone(what)
+        return _Section(self, what)
+
+    def section(self, what):
+        """Run a block on every rank; an error leaving it reaches every rank."""
+        return _Section(self, what)
+
+    def fail(self, what, exc):
+        """Fail the current section for an error this rank caught and acts on
+        later: every rank raises at the next barrier."""
+        if self._open and self._open[-1][1] is None:
+            self._open[-1][1] = failure_message(what, self.process_index, exc)
+
+    # -- the group ----------------------------------------------------------
+
+    def group(self):
+        """The control group, made (and its peers' sockets gathered) once."""
+        if self._group is None:
+            store = dist.PrefixStore(f"{namespace()}/control", self.store)
+            self._group = dist.ProcessGroupGloo(
+                store, self.process_index, self.num_processes, timedelta(seconds=self.timeout)
+            )
+            self._gather_peers()
+        return self._group
+
+    def _gather_peers(self):
+        mine = ";".join(f"{address},{port}" for address, port in own_sockets())
+        gathered = [
+            torch.zeros(_MESSAGE_BYTES * 4, dtype=torch.uint8) for _ in range(self.num_processes)
+        ]
+        tensor = _encode(mine, _MESSAGE_BYTES * 4)
+        self._group.allgather([gathered], [tensor]).wait()
+        for rank, row in enumerate(gathered):
+            for entry in filter(None, _decode(row).split(";")):
+                address, _, port = entry.rpartition(",")
+                if rank != self.process_index:
+                    self._peers[(address, int(port))] = rank
+
+    def gone(self, exc):
+        """The rank whose closed connection ``exc`` (gloo's error) names, or None."""
+        match = _CLOSED.search(str(exc))
+        if match is None:
+            return None
+        address = match.group(1)
+        for port in _ports(int(match.group(2))):
+            rank = self._peers.get((address, port))
+            if rank is not None:
+                return rank
+        return -1  # a peer's connection closed, whose rank the table lacks
+
+    def _lost(self, what, exc):
+        rank = self.gone(exc)
+        if rank is None:
+            return None
+        who = f"rank {rank}" if rank >= 0 else "a rank"
+        return _Agreed(
+            f"{what}: {who} is gone (its process ended), last seen "
+            f"{self._where()}; the other ranks cannot go on without it. Its own "
+            "output says why it ended."
+        )
+
+    def _where(self):
+        return f"in {self._open[0][0]}" if self._open else f"after {self._last_call}"
+
+    # -- barriers -----------------------------------------------------------
+
+    def barrier(self, what, patience=None, failure=None):
+        """Wait for every rank, or raise ``DistributedError`` if a rank failed
+        in a section this rank is in, or did not arrive within ``patience``
+        seconds (default: the timeout)."""
+        if not self.distributed:
+            return
+        self._refuse_alone(what)
+        if self._broken is not None:
+            raise self._broken
+        if not self._open:
+            with self.session(what):
+                self.barrier(what, patience)
+            return
+        if failure is None and self._open[-1][1] is not None:
+            failure, self._open[-1][1] = (_OWN, self._open[-1][1]), None
+        wait = timedelta(seconds=self.timeout if patience is None else patience)
+        try:
+            outcome = self._agree(what, wait, failure)
+        except DistributedError:
+            raise
+        except RuntimeError as exc:
+            self._broken = self._lost(what, exc) or self._timed_out(what, wait, exc)
+            raise self._broken from exc
+        if outcome is not None and failure is None:
+            raise outcome
+
+    def _agree(self, what, wait, failure):
+        group = self.group()
+        # gloo's barrier touches every pair: a dead rank is seen on every
+        # survivor at once (monitored_barrier is a star on rank 0: only rank 0
+        # would see it, the others waiting on rank 0 for the timeout)
+        arrival = dist.BarrierOptions()
+        arrival.timeout = wait
+        group.barrier(arrival).wait()
+        call = zlib.crc32(self._open[0][0].encode()) & 0x7FFFFFFF
+        priority, message = failure or (0, "")
+        # the failing rank of the highest priority, the lowest of them
+        rank_code = priority * (self.num_processes + 1) + (
+            self.num_processes - self.process_index if priority else 0
+        )
+        outcome = torch.tensor([rank_code, call, -call], dtype=torch.int64)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MAX
+        options.timeout = wait
+        group.allreduce([outcome], options).wait()
+        if outcome[1] != -outcome[2]:
+            return self._mismatch(what)
+        if outcome[0] == 0:
+            return None
+        root = self.num_processes - int(outcome[0]) % (self.num_processes + 1)
+        text = _encode(message if root == self.process_index else "")
+        broadcast = dist.BroadcastOptions()
+        broadcast.rootRank, broadcast.timeout = root, wait
+        group.broadcast([text], broadcast).wait()
+        return _Agreed(_decode(text))
+
+    def _mismatch(self, what):
+        calls = [torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8) for _ in range(self.num_processes)]
+        self.group().allgather([calls], [_encode(self._open[0][0])]).wait()
+        mine = self._open[0][0]
+        other = next((c for c in map(_decode, calls) if c != mine), mine)
+        return _Agreed(
+            f"{mine} on rank {self.process_index} met {other} on another rank: every "
+            f"rank must make the same collective calls, in the same order ({COLLECTIVE}); "
+            'a call under "if accelerator.is_main_process:" leaves the other ranks behind'
+        )
+
+    def _timed_out(self, what, wait, exc):
+        named = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", str(exc))
+        missing = (
+            f" Rank {named.group(1).strip()} did not arrive: its process lives (a dead one "
+            "would have been named at once), but it has not answered (paused, busy in a "
+            "call that holds the GIL, or in another call)."
+            if named
+            # TODO(issue 47): name them; gloo closes every pair at a timeout
+            # ("Application timeout caused pair closure"), so monitored_barrier
+            # cannot run after it on this group
+            else ""
+        )
+        return _Agreed(
+            f"{what}: rank {self.process_index} waited {wait.total_seconds():.0f} s for the "
+            f"other ranks, which neither arrived nor reported a failure.{missing} Every "
+            f"rank must make the same collective calls ({COLLECTIVE}); the process "
+            "group's timeout (InitProcessGroupKwargs) sets how long a rank is waited for"
+        )
+
+    def run(self, fn, *, what, here=True, io_timeout=None, files=None):
+        """Run ``fn`` on the ranks where ``here`` is true, and agree on the outcome.
+
+        Every rank starts once all arrived and returns once ``fn`` finished
+        wherever it ran. If it failed anywhere, every rank raises: the failing
+        one its exception, the others a ``DistributedError`` naming it.
+        ``io_timeout`` (default: the timeout) bounds a stall of ``fn`` on the
+        rank that runs it; ``files`` names them in its error.
+        """
+        io_timeout = self.timeout if io_timeout is None else io_timeout
+        with self.session(what):
+            self.barrier(what)
+            if here and self.distributed:
+                name = what if files is None else f"{what} of {files}"
+                result = supervised(fn, io_timeout=io_timeout, on_progress=_nothing, what=name)
+            else:
+                result = fn() if here else None
+            self.barrier(what, _WRITER_CAP.total_seconds())
+        return result
+
+
+def _nothing():
+    return None
+
+
+class _Section:
+    """The context of a section: entered on every batch, so a plain class."""
+
+    __slots__ = ("control", "what")
+
+    def __init__(self, control, what):
+        self.control, self.what = control, what
+
+    # pylint: disable=protected-access
+    def __enter__(self):
+        control = self.control
+        if not control._open:
+            control._last_call = self.what
+        control._open.append([self.what, None])
+        return self
+
+    def __exit__(self, exc_type, exc, traceback):
+        control = self.control
+        try:
+            # a stop every rank takes, or a failure every rank learned, is no news
+            if exc_type is None or issubclass(
+                exc_type, (KeyboardInterrupt, GeneratorExit, Preempted, _Agreed)
+            ):
+                return False
+            if not control.distributed or exc is control._carried:
+                return False
+            lost = control._lost(self.what, exc) if isinstance(exc, RuntimeError) else None
+            if lost is not None:
+                control._broken = lost
+                raise lost from exc
+            priority = _ECHO if isinstance(exc, DistributedError) else _OWN
+            message = (
+                str(exc)
+                if priority == _ECHO
+                else failure_message(self.what, control.process_index, exc)
+            )
+            # the others wait in a barrier of this section: meet them there
+            control._carried = exc
+            with contextlib.suppress(DistributedError):
+                control.barrier(self.what, failure=(priority, message))
+            return False
+        finally:
+            control._open.pop()

@@ -1,0 +1,25 @@
+# ruff: noqa
+import os, signal, sys, time, json
+from datetime import timedelta
+import torch, torch.distributed as dist
+from accel_mixin.distributed.control import Control
+
+dist.init_process_group("gloo", timeout=timedelta(seconds=15))
+rank, n = dist.get_rank(), dist.get_world_size()
+c = Control(n, rank, timeout=15, store=dist.distributed_c10d._get_default_store())
+c.barrier("warm up")
+start = time.monotonic()
+try:
+    with c.session("fit"):
+        with c.section("step"):
+            if rank == 1:
+                time.sleep(1)
+                os.kill(os.getpid(), signal.SIGKILL)
+            if sys.argv[1] == "data":
+                dist.all_reduce(torch.zeros(3))
+            c.barrier("step")
+    err = None
+except Exception as e:
+    err = f"{type(e).__name__}: {e}"
+print("RESULT", rank, round(time.monotonic() - start, 2), err, flush=True)
+os._exit(0)
