@@ -5,8 +5,9 @@ polling and ``liveness.py``'s lifelines and presence keys; not wired yet.
 
 A section is a block that every rank runs, in the same order. Its barriers
 are collectives on a gloo group of the coordinator's own (made at the first
-barrier, which every rank reaches): gloo's ``barrier`` first, which touches
-every pair, then one ``allreduce`` of the
+barrier, which every rank reaches): an arrival first, a byte to and from
+every peer (``monitored_barrier``'s mechanism, symmetric: every rank names a
+dead or missing peer, not rank 0 alone), then one ``allreduce`` of the
 outcome, the same on every rank: passed, failed on a rank (whose message
 follows by one broadcast), or ranks in different calls. A rank whose section
 raised enters the barrier the others wait in, carrying its failure; the
@@ -23,6 +24,7 @@ import contextlib
 import os
 import re
 import struct
+import time
 import zlib
 from datetime import timedelta
 
@@ -44,6 +46,7 @@ _MESSAGE_BYTES = 4096
 # a dead writer closes its connections, so this only caps a writer paused for good
 _WRITER_CAP = timedelta(days=1)
 _CLOSED = re.compile(r"Connection (?:closed|reset) by peer \[([^\]]*)\]:(\d+)")
+_ARRIVAL = 1  # the tag of arrival bytes
 # a failure of the rank's own beats one that only echoes another's (a timeout)
 _OWN, _ECHO = 2, 1
 
@@ -213,8 +216,9 @@ class Control:
 
     def _lost(self, what, exc):
         rank = self.gone(exc)
-        if rank is None:
-            return None
+        return None if rank is None else self._gone(what, rank)
+
+    def _gone(self, what, rank):
         who = f"rank {rank}" if rank >= 0 else "a rank"
         return _Agreed(
             f"{what}: {who} is gone (its process ended), last seen "
@@ -245,22 +249,18 @@ class Control:
         wait = timedelta(seconds=self.timeout if patience is None else patience)
         try:
             outcome = self._agree(what, wait, failure)
-        except DistributedError:
+        except _Agreed as exc:  # a peer gone or missing: the group is closed
+            self._broken = exc
             raise
         except RuntimeError as exc:
-            self._broken = self._lost(what, exc) or self._timed_out(what, wait, exc)
+            self._broken = self._lost(what, exc) or self._timed_out(what, wait)
             raise self._broken from exc
         if outcome is not None and failure is None:
             raise outcome
 
     def _agree(self, what, wait, failure):
         group = self.group()
-        # gloo's barrier touches every pair: a dead rank is seen on every
-        # survivor at once (monitored_barrier is a star on rank 0: only rank 0
-        # would see it, the others waiting on rank 0 for the timeout)
-        arrival = dist.BarrierOptions()
-        arrival.timeout = wait
-        group.barrier(arrival).wait()
+        self._arrive(what, wait)
         call = zlib.crc32(self._open[0][0].encode()) & 0x7FFFFFFF
         priority, message = failure or (0, "")
         # the failing rank of the highest priority, the lowest of them
@@ -283,6 +283,32 @@ class Control:
         group.broadcast([text], broadcast).wait()
         return _Agreed(_decode(text))
 
+    def _arrive(self, what, wait):
+        """Send a byte to every peer and receive one from each, as
+        ``monitored_barrier`` does with rank 0 alone: every rank, not only
+        rank 0, names a peer whose connection closed (at once) or whose byte
+        did not come within ``wait`` (a live rank that never arrived)."""
+        group = self.group()
+        peers = [rank for rank in range(self.num_processes) if rank != self.process_index]
+        received = {rank: torch.zeros(1, dtype=torch.uint8) for rank in peers}
+        works = {rank: group.recv([received[rank]], rank, _ARRIVAL) for rank in peers}
+        token = torch.ones(1, dtype=torch.uint8)
+        # kept until received: gloo drops the send of a Work nobody holds
+        sends = [group.send([token], rank, _ARRIVAL) for rank in peers]
+        deadline = time.monotonic() + wait.total_seconds()
+        missing = []
+        for rank, work in works.items():
+            try:
+                work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
+            except RuntimeError as exc:
+                if _CLOSED.search(str(exc)):
+                    raise self._gone(what, rank) from exc
+                missing.append(rank)
+        if missing:
+            raise self._timed_out(what, wait, missing)
+        for work in sends:
+            work.wait()
+
     def _mismatch(self, what):
         calls = [torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8) for _ in range(self.num_processes)]
         self.group().allgather([calls], [_encode(self._open[0][0])]).wait()
@@ -294,21 +320,18 @@ class Control:
             'a call under "if accelerator.is_main_process:" leaves the other ranks behind'
         )
 
-    def _timed_out(self, what, wait, exc):
-        named = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", str(exc))
-        missing = (
-            f" Rank {named.group(1).strip()} did not arrive: its process lives (a dead one "
-            "would have been named at once), but it has not answered (paused, busy in a "
-            "call that holds the GIL, or in another call)."
-            if named
-            # TODO(issue 47): name them; gloo closes every pair at a timeout
-            # ("Application timeout caused pair closure"), so monitored_barrier
-            # cannot run after it on this group
+    def _timed_out(self, what, wait, missing=()):
+        ranks = ", ".join(map(str, missing))
+        named = (
+            f" Rank {ranks} did not arrive: its process lives (a dead one would have "
+            "been named at once), but it has not answered (paused, busy in a call that "
+            "holds the GIL, or in another call)."
+            if missing
             else ""
         )
         return _Agreed(
             f"{what}: rank {self.process_index} waited {wait.total_seconds():.0f} s for the "
-            f"other ranks, which neither arrived nor reported a failure.{missing} Every "
+            f"other ranks, which neither arrived nor reported a failure.{named} Every "
             f"rank must make the same collective calls ({COLLECTIVE}); the process "
             "group's timeout (InitProcessGroupKwargs) sets how long a rank is waited for"
         )

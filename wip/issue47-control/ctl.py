@@ -1,12 +1,12 @@
 # ruff: noqa
-import os, signal, sys, time, json
+import json, os, signal, sys, time
 from datetime import timedelta
 import torch, torch.distributed as dist
 from accel_mixin.distributed.control import Control
 
-dist.init_process_group("gloo", timeout=timedelta(seconds=15))
+dist.init_process_group("gloo", timeout=timedelta(seconds=float(sys.argv[2]) if len(sys.argv) > 2 else 15))
 rank, n = dist.get_rank(), dist.get_world_size()
-c = Control(n, rank, timeout=15, store=dist.distributed_c10d._get_default_store())
+c = Control(n, rank, timeout=float(sys.argv[2]) if len(sys.argv) > 2 else 15, store=dist.distributed_c10d._get_default_store())
 c.barrier("warm up")
 start = time.monotonic()
 try:
