@@ -1,7 +1,8 @@
 """Collective sections that fail fast on every rank, agreed through gloo.
 
-WIP (issue 47, point 1): meant to replace ``coordination.py``'s store
-polling and ``liveness.py``'s lifelines and presence keys; not wired yet.
+Replaces ``coordination.py``'s store polling and ``liveness.py``'s
+lifelines and presence keys (issue 47, point 1); those go once the launched
+liveness tests pass with this module.
 
 A section is a block that every rank runs, in the same order. Its barriers
 are collectives on a gloo group of the coordinator's own (made at the first
@@ -11,7 +12,14 @@ dead or missing peer, not rank 0 alone), then one ``allreduce`` of the
 outcome, the same on every rank: passed, failed on a rank (whose message
 follows by one broadcast), or ranks in different calls. A rank whose section
 raised enters the barrier the others wait in, carrying its failure; the
-enclosing sections then leave without another collective.
+enclosing sections then leave without another collective. A rank that learns
+the failure deeper than the failing rank's section (in a save inside a
+callback, while another rank's callback raised) fails every section down to
+the failing one: their later barriers raise without a collective, and the
+failing one raises as it ends, so that both ranks leave it failed after the
+same number of barriers. A carried failure waits for the others at most
+``_CARRY`` seconds: they may be in a collective of the data (DDP's) instead,
+which ends as the failing rank's process ends.
 
 A rank whose process ends closes its connections: gloo raises at once,
 "Connection closed by peer [ADDR]:PORT", and a table of every rank's
@@ -33,8 +41,9 @@ import torch.distributed as dist
 
 from accel_mixin.distributed.liveness import supervised
 from accel_mixin.errors import DistributedError, Preempted
+from accel_mixin.internals import default_store
 
-__all__ = ["Control", "own_sockets"]
+__all__ = ["Control", "coordinator_for", "failure_message", "own_sockets"]
 
 COLLECTIVE = (
     "fit, partial_fit, predict, predict_proba, forward, score, save_params, "
@@ -47,6 +56,8 @@ _MESSAGE_BYTES = 4096
 _WRITER_CAP = timedelta(days=1)
 _CLOSED = re.compile(r"Connection (?:closed|reset) by peer \[([^\]]*)\]:(\d+)")
 _ARRIVAL = 1  # the tag of arrival bytes
+# how long a rank whose section raised waits for the others to meet its failure
+_CARRY = 10.0
 # a failure of the rank's own beats one that only echoes another's (a timeout)
 _OWN, _ECHO = 2, 1
 
@@ -133,7 +144,8 @@ class Control:
         self.timeout = timeout
         self.store = store
         self.alone = None
-        self._open = []  # the sections this rank is in: [what, own failure]
+        # the sections this rank is in: [what, own failure, failure agreed in it]
+        self._open = []
         self._group = None
         self._peers = {}  # (address, port) -> rank, of every rank's sockets
         self._broken = None  # the error that left the group unusable
@@ -244,6 +256,9 @@ class Control:
             with self.session(what):
                 self.barrier(what, patience)
             return
+        agreed = next((entry[2] for entry in self._open if entry[2] is not None), None)
+        if agreed is not None and failure is None:
+            raise _Agreed(agreed)  # the others left this section: no collective
         if failure is None and self._open[-1][1] is not None:
             failure, self._open[-1][1] = (_OWN, self._open[-1][1]), None
         wait = timedelta(seconds=self.timeout if patience is None else patience)
@@ -267,7 +282,8 @@ class Control:
         rank_code = priority * (self.num_processes + 1) + (
             self.num_processes - self.process_index if priority else 0
         )
-        outcome = torch.tensor([rank_code, call, -call], dtype=torch.int64)
+        depth = len(self._open) if priority else 0
+        outcome = torch.tensor([rank_code, call, -call, depth], dtype=torch.int64)
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.MAX
         options.timeout = wait
@@ -281,7 +297,11 @@ class Control:
         broadcast = dist.BroadcastOptions()
         broadcast.rootRank, broadcast.timeout = root, wait
         group.broadcast([text], broadcast).wait()
-        return _Agreed(_decode(text))
+        message = _decode(text)
+        # fail the sections from the failing rank's down: see the module's docstring
+        for entry in self._open[max(0, int(outcome[3]) - 1) :]:
+            entry[2] = message
+        return _Agreed(message)
 
     def _arrive(self, what, wait):
         """Send a byte to every peer and receive one from each, as
@@ -374,12 +394,17 @@ class _Section:
         control = self.control
         if not control._open:
             control._last_call = self.what
-        control._open.append([self.what, None])
+        control._open.append([self.what, None, None])
         return self
 
     def __exit__(self, exc_type, exc, traceback):
         control = self.control
         try:
+            agreed = control._open[-1][2]
+            if exc_type is None and agreed is not None:
+                # a failing rank left this section after the barrier this rank
+                # learned it in: leave it failed too, without another barrier
+                raise _Agreed(agreed)
             # a stop every rank takes, or a failure every rank learned, is no news
             if exc_type is None or issubclass(
                 exc_type, (KeyboardInterrupt, GeneratorExit, Preempted, _Agreed)
@@ -392,7 +417,8 @@ class _Section:
                 control._broken = lost
                 raise lost from exc
             priority = _ECHO if isinstance(exc, DistributedError) else _OWN
-            message = (
+            # a per-batch notification's failure, noted by fail() before it rose
+            message = control._open[-1][1] or (
                 str(exc)
                 if priority == _ECHO
                 else failure_message(self.what, control.process_index, exc)
@@ -400,7 +426,31 @@ class _Section:
             # the others wait in a barrier of this section: meet them there
             control._carried = exc
             with contextlib.suppress(DistributedError):
-                control.barrier(self.what, failure=(priority, message))
+                control.barrier(
+                    self.what, min(control.timeout, _CARRY), failure=(priority, message)
+                )
             return False
         finally:
             control._open.pop()
+
+
+_COORDINATORS = {}
+
+
+def coordinator_for(accelerator):
+    """The process's coordinator for the accelerator's process group, shared by
+    every net; its control group is made now, on every rank alike."""
+    # without the store, barriers could not wait: fail loudly instead
+    store = default_store() if accelerator.num_processes > 1 else None
+    key = (accelerator.num_processes, accelerator.process_index, id(store))
+    if key not in _COORDINATORS:
+        handler = getattr(accelerator, "init_handler", None)
+        timeout = getattr(handler, "timeout", None) or timedelta(minutes=30)
+        _COORDINATORS.clear()  # an older process group is gone
+        control = Control(
+            accelerator.num_processes, accelerator.process_index, timeout.total_seconds(), store
+        )
+        if control.distributed:
+            control.group()
+        _COORDINATORS[key] = control
+    return _COORDINATORS[key]

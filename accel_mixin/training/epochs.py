@@ -174,11 +174,15 @@ def end_epoch(net, coordinator, notify_callbacks, **cb_kwargs):
     except Exception as exc:  # pylint: disable=broad-except
         if not distributed:
             raise
-        error = exc
-        if not isinstance(exc, DistributedError):
-            # ranks waiting in a save inside a callback learn of it now
-            coordinator.fail("on_epoch_end", exc)
+        error = exc  # its section carried it to the others' barrier
     if distributed:
+        if error is None:
+            # where a rank's callbacks raised, its section met the others
+            # here (or in a save inside a callback) with its failure
+            try:
+                coordinator.barrier("on_epoch_end")
+            except DistributedError as exc:
+                error = exc
         stop, failure = agree_on_row(net, stop, error)
         if error is not None:
             raise error
