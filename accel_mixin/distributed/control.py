@@ -30,6 +30,7 @@ A waiting rank sleeps in gloo's transport; nothing polls.
 
 import atexit
 import contextlib
+import functools
 import gc
 import os
 import re
@@ -129,8 +130,15 @@ def _decode(tensor):
     return bytes(tensor.tolist()).rstrip(b"\0").decode(errors="replace")
 
 
-class _Agreed(DistributedError):
+def _agreed(message):
     """A failure every rank learned in the same barrier: no more collectives."""
+    exc = DistributedError(message)
+    exc.agreed = True
+    return exc
+
+
+def _is_agreed(exc):
+    return getattr(exc, "agreed", False)
 
 
 class Control:
@@ -150,8 +158,9 @@ class Control:
         self._open = []
         self._group = None
         self._peers = {}  # (address, port) -> rank, of every rank's sockets
-        self._broken = None  # the error that left the group unusable
-        self._last_call = None
+        self._broken = None  # what -> the error of a group left unusable
+        self._sessions = 0
+        self._met = None  # (session, call) of the last barrier every rank was in
         self._carried = None  # the exception this rank's failure barrier carried
 
     @property
@@ -228,20 +237,28 @@ class Control:
                 return rank
         return -1  # a peer's connection closed, whose rank the table lacks
 
+    def _break(self, make, what):
+        """Keep ``make(what)``, the error of every later call, and return it."""
+        self._broken = make
+        return make(what)
+
     def _lost(self, what, exc):
         rank = self.gone(exc)
-        return None if rank is None else self._gone(what, rank)
+        return None if rank is None else self._break(functools.partial(self._gone, rank=rank), what)
 
     def _gone(self, what, rank):
         who = f"rank {rank}" if rank >= 0 else "a rank"
-        return _Agreed(
+        return _agreed(
             f"{what}: {who} is gone (its process ended), last seen "
             f"{self._where()}; the other ranks cannot go on without it. Its own "
             "output says why it ended."
         )
 
     def _where(self):
-        return f"in {self._open[0][0]}" if self._open else f"after {self._last_call}"
+        if self._met is None:
+            return "before any collective call"
+        session, call = self._met
+        return f"in {call}" if self._open and session == self._sessions else f"after {call}"
 
     # -- barriers -----------------------------------------------------------
 
@@ -253,25 +270,27 @@ class Control:
             return
         self._refuse_alone(what)
         if self._broken is not None:
-            raise self._broken
+            raise self._broken(what)
         if not self._open:
             with self.session(what):
                 self.barrier(what, patience)
             return
         agreed = next((entry[2] for entry in self._open if entry[2] is not None), None)
         if agreed is not None and failure is None:
-            raise _Agreed(agreed)  # the others left this section: no collective
+            raise _agreed(agreed)  # the others left this section: no collective
         if failure is None and self._open[-1][1] is not None:
             failure, self._open[-1][1] = (_OWN, self._open[-1][1]), None
         wait = timedelta(seconds=self.timeout if patience is None else patience)
         try:
             outcome = self._agree(what, wait, failure)
-        except _Agreed as exc:  # a peer gone or missing: the group is closed
-            self._broken = exc
-            raise
         except RuntimeError as exc:
-            self._broken = self._lost(what, exc) or self._timed_out(what, wait)
-            raise self._broken from exc
+            if _is_agreed(exc):
+                raise
+            raise (
+                self._lost(what, exc)
+                or self._break(lambda later: self._timed_out(later, wait), what)
+            ) from exc
+        self._met = (self._sessions, self._open[0][0])
         if outcome is not None and failure is None:
             raise outcome
 
@@ -303,7 +322,7 @@ class Control:
         # fail the sections from the failing rank's down: see the module's docstring
         for entry in self._open[max(0, int(outcome[3]) - 1) :]:
             entry[2] = message
-        return _Agreed(message)
+        return _agreed(message)
 
     def _arrive(self, what, wait):
         """Send a byte to every peer and receive one from each, as
@@ -324,10 +343,10 @@ class Control:
                 work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
             except RuntimeError as exc:
                 if _CLOSED.search(str(exc)):
-                    raise self._gone(what, rank) from exc
+                    raise self._break(functools.partial(self._gone, rank=rank), what) from exc
                 missing.append(rank)
         if missing:
-            raise self._timed_out(what, wait, missing)
+            raise self._break(lambda later: self._timed_out(later, wait, missing), what)
         for work in sends:
             work.wait()
 
@@ -336,7 +355,7 @@ class Control:
         self.group().allgather([calls], [_encode(self._open[0][0])]).wait()
         mine = self._open[0][0]
         other = next((c for c in map(_decode, calls) if c != mine), mine)
-        return _Agreed(
+        return _agreed(
             f"{mine} on rank {self.process_index} met {other} on another rank: every "
             f"rank must make the same collective calls, in the same order ({COLLECTIVE}); "
             'a call under "if accelerator.is_main_process:" leaves the other ranks behind'
@@ -351,7 +370,7 @@ class Control:
             if missing
             else ""
         )
-        return _Agreed(
+        return _agreed(
             f"{what}: rank {self.process_index} waited {wait.total_seconds():.0f} s for the "
             f"other ranks, which neither arrived nor reported a failure.{named} Every "
             f"rank must make the same collective calls ({COLLECTIVE}); the process "
@@ -395,7 +414,7 @@ class _Section:
     def __enter__(self):
         control = self.control
         if not control._open:
-            control._last_call = self.what
+            control._sessions += 1
         control._open.append([self.what, None, None])
         return self
 
@@ -406,17 +425,18 @@ class _Section:
             if exc_type is None and agreed is not None:
                 # a failing rank left this section after the barrier this rank
                 # learned it in: leave it failed too, without another barrier
-                raise _Agreed(agreed)
+                raise _agreed(agreed)
             # a stop every rank takes, or a failure every rank learned, is no news
-            if exc_type is None or issubclass(
-                exc_type, (KeyboardInterrupt, GeneratorExit, Preempted, _Agreed)
+            if (
+                exc_type is None
+                or issubclass(exc_type, (KeyboardInterrupt, GeneratorExit, Preempted))
+                or _is_agreed(exc)
             ):
                 return False
             if not control.distributed or exc is control._carried:
                 return False
             lost = control._lost(self.what, exc) if isinstance(exc, RuntimeError) else None
             if lost is not None:
-                control._broken = lost
                 raise lost from exc
             priority = _ECHO if isinstance(exc, DistributedError) else _OWN
             # a per-batch notification's failure, noted by fail() before it rose
