@@ -10,7 +10,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from accel_mixin.distributed.control import Control
+from accel_mixin.distributed.control import Control, agreed_failure
 from accel_mixin.errors import DistributedError
 
 
@@ -344,67 +344,75 @@ def test_a_failure_learned_in_a_barrier_is_carried_by_every_later_barrier_of_its
 
 
 def end_epoch_like(coordinator, callbacks):
-    """end_epoch's protocol: the callbacks' section, then a barrier on the
-    ranks whose callbacks did not raise."""
-    error = None
-    try:
-        with coordinator.section("on_epoch_end"):
-            callbacks()
-    except Exception as exc:  # pylint: disable=broad-except
-        error = exc
-    if error is None:
+    """end_epoch's protocol, in its notification's section: the callbacks, a
+    failure noted, one barrier unless the failure was agreed in one; raise."""
+    with coordinator.section("on_epoch_end"):
+        error = None
         try:
-            coordinator.barrier("on_epoch_end")
-        except DistributedError as exc:
+            callbacks()
+        except Exception as exc:  # pylint: disable=broad-except
             error = exc
-    return error
+            if not isinstance(exc, DistributedError):
+                coordinator.fail("on_epoch_end", exc)
+        if error is None or not agreed_failure(error):
+            try:
+                coordinator.barrier("on_epoch_end")
+            except DistributedError as exc:
+                error = exc
+        if error is not None:
+            raise error
+
+
+def epoch_end_on_both(callbacks0, callbacks1):
+    """What end_epoch_like raised on each rank (``callbacks0(coordinator)``
+    gives rank 0's callbacks), after which the group still serves a barrier,
+    and the seconds it all took."""
+    rank0, rank1 = pair(timeout=30)
+
+    def body(coordinator, callbacks):
+        outcome = None
+        with coordinator.session("fit"):
+            try:
+                end_epoch_like(coordinator, callbacks(coordinator))
+            except Exception as exc:  # pylint: disable=broad-except
+                outcome = exc
+        with coordinator.session("save_params"):
+            coordinator.barrier("save_params")
+        return outcome
+
+    start = time.monotonic()
+    results = run_ranks(lambda: body(rank0, callbacks0), lambda: body(rank1, callbacks1))
+    assert [kind for kind, _ in results] == ["ok", "ok"], results
+    return [value for _, value in results], time.monotonic() - start
+
+
+def _raising(coordinator):
+    def callbacks():
+        raise ValueError("boom on rank 1")
+
+    return callbacks
+
+
+def _saving(coordinator):
+    def callbacks():
+        try:
+            coordinator.run(lambda: None, what="save_state")
+        except DistributedError:
+            pass  # as skorch's Checkpoint does
+
+    return callbacks
 
 
 def test_a_callback_error_meets_a_save_that_another_rank_swallows():
-    rank0, rank1 = pair(timeout=30)
-
-    def saving():
-        def callbacks():
-            try:
-                rank0.run(lambda: None, what="save_state")
-            except DistributedError:
-                pass  # as skorch's Checkpoint does
-
-        with rank0.session("fit"):
-            error = end_epoch_like(rank0, callbacks)
-            return error
-
-    def failing():
-        def callbacks():
-            raise ValueError("boom on rank 1")
-
-        with rank1.session("fit"):
-            return end_epoch_like(rank1, callbacks)
-
-    start = time.monotonic()
-    (_kind0, err0), (_kind1, err1) = run_ranks(saving, failing)
-    assert time.monotonic() - start < 5
-    assert isinstance(err1, ValueError)
-    assert isinstance(err0, DistributedError)
+    (err0, err1), seconds = epoch_end_on_both(_saving, _raising)
+    assert seconds < 5
+    assert isinstance(err1, ValueError), err1
+    assert isinstance(err0, DistributedError), err0
     assert "on_epoch_end failed on rank 1: ValueError: boom on rank 1" in str(err0)
 
 
 def test_a_callback_error_meets_the_end_of_epoch_barrier():
-    rank0, rank1 = pair(timeout=30)
-
-    def fine():
-        with rank0.session("fit"):
-            return end_epoch_like(rank0, lambda: None)
-
-    def failing():
-        def callbacks():
-            raise ValueError("boom on rank 1")
-
-        with rank1.session("fit"):
-            return end_epoch_like(rank1, callbacks)
-
-    start = time.monotonic()
-    (_kind0, err0), (_kind1, err1) = run_ranks(fine, failing)
-    assert time.monotonic() - start < 5
-    assert isinstance(err1, ValueError)
+    (err0, err1), seconds = epoch_end_on_both(lambda coordinator: lambda: None, _raising)
+    assert seconds < 5
+    assert isinstance(err1, ValueError), err1
     assert "on_epoch_end failed on rank 1: ValueError: boom on rank 1" in str(err0)

@@ -46,7 +46,7 @@ from accel_mixin.distributed.liveness import supervised
 from accel_mixin.errors import DistributedError, Preempted
 from accel_mixin.internals import default_store
 
-__all__ = ["Control", "coordinator_for", "failure_message", "own_sockets"]
+__all__ = ["Control", "agreed_failure", "coordinator_for", "failure_message", "own_sockets"]
 
 COLLECTIVE = (
     "fit, partial_fit, predict, predict_proba, forward, score, save_params, "
@@ -137,7 +137,8 @@ def _agreed(message):
     return exc
 
 
-def _is_agreed(exc):
+def agreed_failure(exc):
+    """Whether every rank learned ``exc`` in one barrier: no collective follows."""
     return getattr(exc, "agreed", False)
 
 
@@ -154,7 +155,8 @@ class Control:
         self.timeout = timeout
         self.store = store
         self.alone = None
-        # the sections this rank is in: [what, own failure, failure agreed in it]
+        # the sections this rank is in: [what, (own failure, its exception)
+        # noted by fail(), failure agreed in it]
         self._open = []
         self._group = None
         self._peers = {}  # (address, port) -> rank, of every rank's sockets
@@ -198,7 +200,7 @@ class Control:
         """Fail the current section for an error this rank caught and acts on
         later: every rank raises at the next barrier."""
         if self._open and self._open[-1][1] is None:
-            self._open[-1][1] = failure_message(what, self.process_index, exc)
+            self._open[-1][1] = (failure_message(what, self.process_index, exc), exc)
 
     # -- the group ----------------------------------------------------------
 
@@ -279,12 +281,13 @@ class Control:
         if agreed is not None and failure is None:
             raise _agreed(agreed)  # the others left this section: no collective
         if failure is None and self._open[-1][1] is not None:
-            failure, self._open[-1][1] = (_OWN, self._open[-1][1]), None
+            (message, self._carried), self._open[-1][1] = self._open[-1][1], None
+            failure = (_OWN, message)  # its exception, raised later, is no news
         wait = timedelta(seconds=self.timeout if patience is None else patience)
         try:
             outcome = self._agree(what, wait, failure)
         except RuntimeError as exc:
-            if _is_agreed(exc):
+            if agreed_failure(exc):
                 raise
             raise (
                 self._lost(what, exc)
@@ -430,7 +433,7 @@ class _Section:
             if (
                 exc_type is None
                 or issubclass(exc_type, (KeyboardInterrupt, GeneratorExit, Preempted))
-                or _is_agreed(exc)
+                or agreed_failure(exc)
             ):
                 return False
             if not control.distributed or exc is control._carried:
@@ -440,10 +443,15 @@ class _Section:
                 raise lost from exc
             priority = _ECHO if isinstance(exc, DistributedError) else _OWN
             # a per-batch notification's failure, noted by fail() before it rose
-            message = control._open[-1][1] or (
-                str(exc)
-                if priority == _ECHO
-                else failure_message(self.what, control.process_index, exc)
+            noted = control._open[-1][1]
+            message = (
+                noted[0]
+                if noted
+                else (
+                    str(exc)
+                    if priority == _ECHO
+                    else failure_message(self.what, control.process_index, exc)
+                )
             )
             # the others wait in a barrier of this section: meet them there
             control._carried = exc

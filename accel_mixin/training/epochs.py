@@ -17,6 +17,7 @@ import torch
 from skorch.dataset import get_len, unpack_data
 
 from accel_mixin.checkpoint.state_values import restore_rng
+from accel_mixin.distributed.control import agreed_failure
 from accel_mixin.distributed.epoch_scores import score_on_main, scored_on_main, share_predictions
 from accel_mixin.distributed.history_sync import agree_on_row, leading_samples, merge_epoch
 from accel_mixin.distributed.replicas import check_same_steps
@@ -174,11 +175,13 @@ def end_epoch(net, coordinator, notify_callbacks, **cb_kwargs):
     except Exception as exc:  # pylint: disable=broad-except
         if not distributed:
             raise
-        error = exc  # its section carried it to the others' barrier
+        error = exc
+        if not isinstance(exc, DistributedError):
+            coordinator.fail("on_epoch_end", exc)
     if distributed:
-        if error is None:
-            # where a rank's callbacks raised, its section met the others
-            # here (or in a save inside a callback) with its failure
+        if error is None or not agreed_failure(error):
+            # carries this rank's failure to the others: here, or to a save
+            # inside a callback (which then fails this section on them)
             try:
                 coordinator.barrier("on_epoch_end")
             except DistributedError as exc:
