@@ -316,6 +316,9 @@ def test_a_closed_connection_names_the_rank_whose_socket_it_was():
     # gloo prints the port in network byte order: that reading names it too
     swapped = int.from_bytes(port.to_bytes(2, "big"), "little")
     assert rank0.gone(_gloo_closed(address, swapped)) == 1
+    # a peer killed while this rank reads from it
+    read = f"[../pair.cc:537] Read error [{address}]:{port}: Connection reset by peer"
+    assert rank0.gone(RuntimeError(read)) == 1
     assert rank0.gone(RuntimeError("something else")) is None
     assert rank0.gone(_gloo_closed("203.0.113.9", 1)) == -1  # a peer, rank unknown
 

@@ -57,7 +57,10 @@ _MESSAGE_BYTES = 4096
 # the ranks that wait for a run's writer: it ends by its own io_timeout, and
 # a dead writer closes its connections, so this only caps a writer paused for good
 _WRITER_CAP = timedelta(days=1)
-_CLOSED = re.compile(r"Connection (?:closed|reset) by peer \[([^\]]*)\]:(\d+)")
+# gloo: "Connection closed by peer [ADDR]:PORT", or "Read error [ADDR]:PORT:
+# Connection reset by peer" (a peer killed while this rank reads)
+_CLOSED = re.compile(r"Connection (?:closed|reset) by peer")
+_PEER = re.compile(r"\[([^\]/][^\]]*)\]:(\d+)")
 _ARRIVAL = 1  # the tag of arrival bytes
 # how long a rank whose section raised waits for the others to meet its failure
 _CARRY = 10.0
@@ -229,14 +232,14 @@ class Control:
 
     def gone(self, exc):
         """The rank whose closed connection ``exc`` (gloo's error) names, or None."""
-        match = _CLOSED.search(str(exc))
-        if match is None:
+        text = str(exc)
+        if not _CLOSED.search(text):
             return None
-        address = match.group(1)
-        for port in _ports(int(match.group(2))):
-            rank = self._peers.get((address, port))
-            if rank is not None:
-                return rank
+        for address, port in _PEER.findall(text):
+            for reading in _ports(int(port)):
+                rank = self._peers.get((address, reading))
+                if rank is not None:
+                    return rank
         return -1  # a peer's connection closed, whose rank the table lacks
 
     def _break(self, make, what):
