@@ -419,3 +419,34 @@ def test_a_callback_error_meets_the_end_of_epoch_barrier():
     assert seconds < 5
     assert isinstance(err1, ValueError), err1
     assert "on_epoch_end failed on rank 1: ValueError: boom on rank 1" in str(err0)
+
+
+@pytest.mark.parametrize("swallowing", [0, 1])
+def test_a_failure_swallowed_on_one_rank_only_reaches_it_at_its_next_barrier(swallowing):
+    # LoadInitState: rank 1's load fails and one rank swallows what it raised
+    # there (rank 1 its FileNotFoundError, or rank 0 the DistributedError);
+    # the other's error leaves the enclosing section, where the swallowing
+    # rank's next barrier meets it, naming the load as it failed
+    rank0, rank1 = pair(timeout=30)
+
+    def body(coordinator):
+        def load():
+            if coordinator.process_index == 1:
+                raise FileNotFoundError("no checkpoint")
+
+        with coordinator.session("fit"), coordinator.section("on_train_begin"):
+            try:
+                coordinator.run(load, what="load_params")
+            except (FileNotFoundError, DistributedError):
+                if coordinator.process_index != swallowing:
+                    raise
+            coordinator.barrier("on_train_begin")
+        return "went on"
+
+    start = time.monotonic()
+    (kind0, out0), (kind1, out1) = run_ranks(lambda: body(rank0), lambda: body(rank1))
+    assert time.monotonic() - start < 5
+    assert (kind0, kind1) == ("raised", "raised"), (out0, out1)
+    swallowed = out0 if swallowing == 0 else out1
+    assert isinstance(swallowed, DistributedError), swallowed
+    assert "load_params failed on rank 1: FileNotFoundError: no checkpoint" in str(swallowed)

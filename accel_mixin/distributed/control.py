@@ -42,7 +42,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from accel_mixin.distributed.liveness import supervised
+from accel_mixin.distributed.io_watchdog import supervised
 from accel_mixin.errors import DistributedError, Preempted
 from accel_mixin.internals import default_store
 
@@ -166,7 +166,8 @@ class Control:
         self._broken = None  # what -> the error of a group left unusable
         self._sessions = 0
         self._met = None  # (session, call) of the last barrier every rank was in
-        self._carried = None  # the exception this rank's failure barrier carried
+        # this rank's failure that a barrier carried, and its message: (exc, message)
+        self._carried = (None, None)
 
     @property
     def distributed(self):
@@ -284,7 +285,8 @@ class Control:
         if agreed is not None and failure is None:
             raise _agreed(agreed)  # the others left this section: no collective
         if failure is None and self._open[-1][1] is not None:
-            (message, self._carried), self._open[-1][1] = self._open[-1][1], None
+            (message, exc), self._open[-1][1] = self._open[-1][1], None
+            self._carried = (exc, message)
             failure = (_OWN, message)  # its exception, raised later, is no news
         wait = timedelta(seconds=self.timeout if patience is None else patience)
         try:
@@ -316,7 +318,10 @@ class Control:
         options.timeout = wait
         group.allreduce([outcome], options).wait()
         if outcome[1] != -outcome[2]:
-            return self._mismatch(what)
+            mismatch = self._mismatch(what)
+            for entry in self._open:  # every rank leaves its call at once
+                entry[2] = str(mismatch)
+            return mismatch
         if outcome[0] == 0:
             return None
         root = self.num_processes - int(outcome[0]) % (self.num_processes + 1)
@@ -397,15 +402,11 @@ class Control:
             self.barrier(what)
             if here and self.distributed:
                 name = what if files is None else f"{what} of {files}"
-                result = supervised(fn, io_timeout=io_timeout, on_progress=_nothing, what=name)
+                result = supervised(fn, io_timeout=io_timeout, what=name)
             else:
                 result = fn() if here else None
             self.barrier(what, _WRITER_CAP.total_seconds())
         return result
-
-
-def _nothing():
-    return None
 
 
 class _Section:
@@ -432,32 +433,33 @@ class _Section:
                 # a failing rank left this section after the barrier this rank
                 # learned it in: leave it failed too, without another barrier
                 raise _agreed(agreed)
-            # a stop every rank takes, or a failure every rank learned, is no news
+            # a stop every rank takes is no news, nor a failure every rank
+            # learned in this section or one around it (which the others left)
             if (
                 exc_type is None
                 or issubclass(exc_type, (KeyboardInterrupt, GeneratorExit, Preempted))
-                or agreed_failure(exc)
+                or not control.distributed
+                or any(entry[2] is not None for entry in control._open)
             ):
-                return False
-            if not control.distributed or exc is control._carried:
                 return False
             lost = control._lost(self.what, exc) if isinstance(exc, RuntimeError) else None
             if lost is not None:
                 raise lost from exc
-            priority = _ECHO if isinstance(exc, DistributedError) else _OWN
-            # a per-batch notification's failure, noted by fail() before it rose
-            noted = control._open[-1][1]
-            message = (
-                noted[0]
-                if noted
-                else (
-                    str(exc)
-                    if priority == _ECHO
-                    else failure_message(self.what, control.process_index, exc)
+            # a failure learned in an inner section is carried as it is: a rank
+            # that swallowed it there (LoadInitState, Checkpoint) and went on
+            # waits in a barrier of this one
+            carried, carried_message = control._carried
+            noted = control._open[-1][1]  # noted by fail() before it rose
+            if exc is carried:
+                priority, message = _ECHO, carried_message
+            elif isinstance(exc, DistributedError):
+                priority, message = _ECHO, str(exc)
+            else:
+                priority = _OWN
+                message = (
+                    noted[0] if noted else failure_message(self.what, control.process_index, exc)
                 )
-            )
-            # the others wait in a barrier of this section: meet them there
-            control._carried = exc
+            control._carried = (exc, message)
             with contextlib.suppress(DistributedError):
                 control.barrier(
                     self.what, min(control.timeout, _CARRY), failure=(priority, message)
