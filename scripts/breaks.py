@@ -1710,14 +1710,18 @@ BREAKS = [
         "                raise self._break(functools.partial(self._gone, rank=rank), what)",
         (COORDINATION + "test_a_live_rank_that_does_not_arrive_is_named_not_gone",),
     ),
-    Break(
+    launched(
         "control-attempts-share-the-group",
         "control",
         "a restarted attempt makes its group on the keys the dead attempt left in a kept store",
         "accel_mixin/distributed/control.py",
         '    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")',
         '    attempt = "0"',
-        (COORDINATION + "test_a_restarted_attempt_never_meets_the_dead_one",),
+        (
+            COORDINATION + "test_a_restarted_attempt_never_meets_the_dead_one",
+            "tests/test_liveness.py::"
+            "test_on_a_store_shared_across_restarts_no_key_of_the_dead_attempt_is_read",
+        ),
     ),
     launched(
         "control-transport-error-raw",

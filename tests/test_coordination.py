@@ -73,11 +73,13 @@ def test_an_error_on_one_rank_reaches_the_other_promptly():
             time.sleep(0.1)
             raise ValueError("boom on rank 1")
 
+    wrote = []
+
     def waiting():
         start = time.monotonic()
         try:
             with rank0.session("fit"), rank0.section("on_epoch_end"):
-                rank0.run(lambda: None, what="save_params")
+                rank0.run(lambda: wrote.append(True), what="save_params")
         finally:
             waiting.seconds = time.monotonic() - start
 
@@ -87,6 +89,7 @@ def test_an_error_on_one_rank_reaches_the_other_promptly():
     assert isinstance(exc0, DistributedError)
     assert "on_epoch_end failed on rank 1: ValueError: boom on rank 1" in str(exc0)
     assert waiting.seconds < 5
+    assert not wrote  # the barrier before the write raised
 
 
 def test_main_only_failure_reaches_the_others():

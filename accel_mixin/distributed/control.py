@@ -1,25 +1,24 @@
 """Collective sections that fail fast on every rank, agreed through gloo.
 
-Replaces ``coordination.py``'s store polling and ``liveness.py``'s
-lifelines and presence keys (issue 47, point 1); those go once the launched
-liveness tests pass with this module.
-
 A section is a block that every rank runs, in the same order. Its barriers
-are collectives on a gloo group of the coordinator's own (made at the first
-barrier, which every rank reaches): an arrival first, a byte to and from
-every peer (``monitored_barrier``'s mechanism, symmetric: every rank names a
-dead or missing peer, not rank 0 alone), then one ``allreduce`` of the
-outcome, the same on every rank: passed, failed on a rank (whose message
-follows by one broadcast), or ranks in different calls. A rank whose section
-raised enters the barrier the others wait in, carrying its failure; the
-enclosing sections then leave without another collective. A rank that learns
-the failure deeper than the failing rank's section (in a save inside a
-callback, while another rank's callback raised) fails every section down to
-the failing one: their later barriers raise without a collective, and the
-failing one raises as it ends, so that both ranks leave it failed after the
-same number of barriers. A carried failure waits for the others at most
-``_CARRY`` seconds: they may be in a collective of the data (DDP's) instead,
-which ends as the failing rank's process ends.
+are collectives on a gloo group of the coordinator's own (made with it, on
+every rank alike): an arrival first, a byte to and from every peer
+(``monitored_barrier``'s mechanism, symmetric: every rank names a dead or
+missing peer, not rank 0 alone), then one ``allreduce`` of the outcome, the
+same on every rank: passed, failed on a rank (whose message follows by one
+broadcast), or ranks in different calls.
+
+A rank whose section raised enters the barrier the others wait in, carrying
+its failure. Every rank marks the sections it learned the failure in, from
+the failing rank's depth down: their later barriers raise without a
+collective, and each raises as it ends even if a callback swallowed the
+error there, so that every rank leaves them after the same number of
+barriers. An error leaving a section where it was not learned is carried
+there too, as it was first named: a rank that swallowed it deeper
+(``LoadInitState`` swallows a missing file) meets it at its next barrier.
+A carried failure waits for the others at most ``_CARRY`` seconds: they may
+be in a collective of the data (DDP's) instead, which ends as the failing
+rank's process ends.
 
 A rank whose process ends closes its connections: gloo raises at once,
 "Connection closed by peer [ADDR]:PORT", and a table of every rank's
