@@ -60,7 +60,7 @@ _WRITER_CAP = timedelta(days=1)
 # Connection reset by peer" (a peer killed while this rank reads)
 _CLOSED = re.compile(r"Connection (?:closed|reset) by peer")
 _PEER = re.compile(r"\[([^\]/][^\]]*)\]:(\d+)")
-_ARRIVAL = 1  # the tag of arrival bytes
+_ARRIVAL = 1  # the tag of a barrier's outcomes
 # how long a rank whose section raised waits for the others to meet its failure
 _CARRY = 10.0
 # a failure of the rank's own beats one that only echoes another's (a timeout)
@@ -303,7 +303,6 @@ class Control:
 
     def _agree(self, what, wait, failure):
         group = self.group()
-        self._arrive(what, wait)
         call = zlib.crc32(self._open[0][0].encode()) & 0x7FFFFFFF
         priority, message = failure or (0, "")
         # the failing rank of the highest priority, the lowest of them
@@ -311,11 +310,9 @@ class Control:
             self.num_processes - self.process_index if priority else 0
         )
         depth = len(self._open) if priority else 0
-        outcome = torch.tensor([rank_code, call, -call, depth], dtype=torch.int64)
-        options = dist.AllreduceOptions()
-        options.reduceOp = dist.ReduceOp.MAX
-        options.timeout = wait
-        group.allreduce([outcome], options).wait()
+        outcome = self._arrive(
+            what, wait, torch.tensor([rank_code, call, -call, depth], dtype=torch.int64)
+        )
         if outcome[1] != -outcome[2]:
             mismatch = self._mismatch(what)
             for entry in self._open:  # every rank leaves its call at once
@@ -334,18 +331,19 @@ class Control:
             entry[2] = message
         return _agreed(message)
 
-    def _arrive(self, what, wait):
-        """Send a byte to every peer and receive one from each, as
-        ``monitored_barrier`` does with rank 0 alone: every rank, not only
-        rank 0, names a peer whose connection closed (at once) or whose byte
-        did not come within ``wait`` (a live rank that never arrived)."""
+    def _arrive(self, what, wait, mine):
+        """Send ``mine`` (this rank's outcome) to every peer and receive
+        theirs, as ``monitored_barrier`` sends its token with rank 0 alone:
+        every rank, not only rank 0, names a peer whose connection closed (at
+        once) or whose outcome did not come within ``wait`` (a live rank that
+        never arrived). Return the outcomes' elementwise maximum, the same on
+        every rank: one round, where an arrival and an ``allreduce`` took two."""
         group = self.group()
         peers = [rank for rank in range(self.num_processes) if rank != self.process_index]
-        received = {rank: torch.zeros(1, dtype=torch.uint8) for rank in peers}
+        received = {rank: torch.zeros_like(mine) for rank in peers}
         works = {rank: group.recv([received[rank]], rank, _ARRIVAL) for rank in peers}
-        token = torch.ones(1, dtype=torch.uint8)
         # kept until received: gloo drops the send of a Work nobody holds
-        sends = [group.send([token], rank, _ARRIVAL) for rank in peers]
+        sends = [group.send([mine], rank, _ARRIVAL) for rank in peers]
         deadline = time.monotonic() + wait.total_seconds()
         missing = []
         for rank, work in works.items():
@@ -359,6 +357,7 @@ class Control:
             raise self._break(lambda later: self._timed_out(later, wait, missing), what)
         for work in sends:
             work.wait()
+        return torch.stack([mine, *received.values()]).amax(0)
 
     def _mismatch(self, what):
         calls = [torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8) for _ in range(self.num_processes)]

@@ -63,8 +63,8 @@ def supervised(fn, *, io_timeout, what):
 
     worker = threading.Thread(target=work, daemon=True, name="accel_mixin-io")
     worker.start()  # returns once the thread runs, its native_id set
+    # the first sample at the first look: a write shorter than that reads nothing
     sampler = _Sampler(worker.native_id)
-    sampler.advanced()
     last_progress = time.monotonic()
     look = _LOOK_FIRST
     while True:
