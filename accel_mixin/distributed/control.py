@@ -2,11 +2,11 @@
 
 A section is a block that every rank runs, in the same order. Its barriers
 are collectives on a gloo group of the coordinator's own (made with it, on
-every rank alike): an arrival first, a byte to and from every peer
-(``monitored_barrier``'s mechanism, symmetric: every rank names a dead or
-missing peer, not rank 0 alone), then one ``allreduce`` of the outcome, the
-same on every rank: passed, failed on a rank (whose message follows by one
-broadcast), or ranks in different calls.
+every rank alike): one round in which each rank sends its outcome to every
+peer and receives theirs (``monitored_barrier``'s mechanism, symmetric:
+every rank names a dead or missing peer, not rank 0 alone), and their
+maximum, the same on every rank: passed, failed on a rank (whose message
+follows by one broadcast), or ranks in different calls.
 
 A rank whose section raised enters the barrier the others wait in, carrying
 its failure. Every rank marks the sections it learned the failure in, from
