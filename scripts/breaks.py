@@ -70,6 +70,7 @@ SYNC = "tests/test_sync.py::"
 DIV = "tests/test_divergence.py::"
 SCORES = "tests/test_epoch_scores.py::"
 FSDP = "tests/test_fsdp.py::"
+COORDINATION = "tests/test_coordination.py::"
 FSDP_STATE = "tests/test_fsdp_resume.py::"
 RESUME = "tests/test_resume.py::"
 EXAMPLES = "tests/test_examples.py::"
@@ -314,161 +315,6 @@ BREAKS = [
             "tests/test_mid_epoch.py::"
             "test_a_synchronous_save_inside_an_epoch_names_itself_when_a_rank_is_gone",
         ),
-    ),
-    # --- coordination / liveness --------------------------------------------
-    Break(
-        "coordination-run-no-final-barrier",
-        "coordination",
-        "remove the barrier that ends run(): ranks return before the write ends",
-        "accel_mixin/distributed/coordination.py",
-        "            self.barrier(what, max(self.timeout, io_timeout) + "
-        "_report_grace(io_timeout))\n        return result",
-        "        return result",
-        ("tests/test_coordination.py",),
-    ),
-    launched(
-        "coordination-waiters-no-grace",
-        "coordination",
-        "the waiting ranks give up with the stalled rank's own bound, before its error arrives",
-        "accel_mixin/distributed/coordination.py",
-        "    return min(max(5.0, io_timeout / 4), 60.0)",
-        "    return -0.5",
-        (
-            "tests/test_liveness.py::"
-            "test_a_write_without_progress_fails_on_every_rank_after_the_io_timeout",
-        ),
-    ),
-    Break(
-        "coordination-no-failure-poll",
-        "coordination",
-        "a waiting rank ignores the failures of the others",
-        "accel_mixin/distributed/coordination.py",
-        "            if failure is not None:\n                raise DistributedError(failure)",
-        "            if False:\n                raise DistributedError(failure)",
-        ("tests/test_coordination.py",),
-    ),
-    Break(
-        "coordination-no-presence-check",
-        "coordination",
-        "a waiting rank never looks at whether the others are still there",
-        "accel_mixin/distributed/coordination.py",
-        "                if gone is not None and self.store.add(key, 0) < self.num_processes:",
-        "                if False:",
-        ("tests/test_coordination.py",),
-    ),
-    launched(
-        "liveness-presence-left-running-at-exit",
-        "liveness",
-        "the presence threads are not stopped before Python finalizes",
-        "accel_mixin/distributed/liveness.py",
-        "        atexit.register(_stop_at_exit)\n",
-        "",
-        ("tests/test_exit.py::test_a_job_exits_cleanly_mid_store_call",),
-    ),
-    launched(
-        "coordination-quiet-rank-is-gone",
-        "coordination",
-        "a rank whose key stood still a few beats is taken for gone, as a missed-beat window would",
-        "accel_mixin/distributed/coordination.py",
-        "            if rank in ended or (identity and exited(identity, zombies)):",
-        "            if rank in ended or (identity and exited(identity, zombies)) or rank in [\n"
-        "                r for r, *_ in self.unresponsive()\n            ]:",
-        (
-            "tests/test_coordination.py::"
-            "test_a_paused_rank_is_waited_for_then_named_unresponsive_not_gone",
-        ),
-    ),
-    launched(
-        "coordination-keys-shared-across-attempts",
-        "coordination",
-        "a restarted attempt reads the keys the dead attempt left on a store kept across restarts",
-        "accel_mixin/distributed/coordination.py",
-        '    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")',
-        '    attempt = "0"',
-        (
-            "tests/test_liveness.py::"
-            "test_on_a_store_shared_across_restarts_no_key_of_the_dead_attempt_is_read",
-        ),
-    ),
-    launched(
-        "coordination-transport-error-raw",
-        "coordination",
-        "an error of gloo's transport as a peer ends is raised as it is, naming no rank",
-        "accel_mixin/distributed/coordination.py",
-        "        lost = coordinator.lost_in_transport(exc, self.what)\n",
-        "        lost = None\n",
-        ("tests/test_liveness.py::test_a_rank_that_ends_in_any_phase_is_named_on_two_machines",),
-    ),
-    launched(
-        "liveness-lifeline-ignored",
-        "liveness",
-        "a proven line that the kernel closed does not count: only process ids tell",
-        "accel_mixin/distributed/liveness.py",
-        '        if line.verified:\n            return data == b""\n',
-        "        if line.verified:\n            return False\n",
-        (
-            "tests/test_coordination.py::"
-            "test_a_rank_whose_lifeline_was_reset_is_gone_whatever_its_process_id_says",
-            "tests/test_liveness.py::"
-            "test_a_peer_in_another_pid_namespace_that_ends_is_named_within_seconds",
-        ),
-    ),
-    Break(
-        "liveness-unproven-line-counts",
-        "liveness",
-        "a line that never carried the rank's token counts, and its close means an end",
-        "accel_mixin/distributed/liveness.py",
-        '        if line.verified:\n            return data == b""\n',
-        '        if line.verified or data != line.token:\n            return data == b""\n',
-        ("tests/test_coordination.py::test_a_line_to_something_else_than_the_rank_proves_nothing",),
-    ),
-    Break(
-        "liveness-pid-by-hostname",
-        "liveness",
-        "a process id is looked up whatever boot and PID namespace it is of",
-        "accel_mixin/distributed/liveness.py",
-        '    if mine is None or where != mine.rpartition("/")[0] or not pid.isdigit():',
-        "    if mine is None or not pid.isdigit():",
-        (
-            "tests/test_coordination.py::"
-            "test_a_process_id_of_another_boot_or_pid_namespace_is_never_looked_at",
-        ),
-    ),
-    Break(
-        "liveness-dead-pid-alive",
-        "liveness",
-        "a process of this machine that ended counts as alive",
-        "accel_mixin/distributed/liveness.py",
-        "    except ProcessLookupError:\n        return True\n",
-        "    except ProcessLookupError:\n        return False\n",
-        ("tests/test_coordination.py",),
-    ),
-    Break(
-        "liveness-zombie-alive",
-        "liveness",
-        "a process that ended but that its launcher has not collected counts as alive",
-        "accel_mixin/distributed/liveness.py",
-        '    return stat is not None and stat.rpartition(")")[2].split()[:1] == ["Z"]\n',
-        "    return False\n",
-        ("tests/test_coordination.py::test_a_process_that_ended_but_was_not_collected_has_ended",),
-    ),
-    Break(
-        "liveness-stall-never-fails",
-        "liveness",
-        "a file operation without progress waits forever",
-        "accel_mixin/distributed/liveness.py",
-        "        elif time.monotonic() - last_progress > io_timeout:",
-        "        elif False:",
-        ("tests/test_coordination.py",),
-    ),
-    Break(
-        "liveness-alive-is-progress",
-        "liveness",
-        "a live worker thread counts as progress, as a heartbeat would",
-        "accel_mixin/distributed/liveness.py",
-        "        if sampler.advanced():\n",
-        "        if True:\n",
-        ("tests/test_coordination.py",),
     ),
     # --- history_sync / epochs -----------------------------------------------
     Break(
@@ -1822,6 +1668,139 @@ BREAKS = [
             "tests/test_process_layout.py::test_a_rank_whose_launcher_lacks_its_variables_is_not_refused",
             "tests/test_process_layout.py::test_ranks_forked_by_notebook_launcher_are_not_refused",
         ),
+    ),
+    # --- issue 47: control plane ---
+    Break(
+        "control-port-one-reading",
+        "control",
+        "gloo's byte-swapped port is read as it is printed: a dead peer goes unnamed",
+        "accel_mixin/distributed/control.py",
+        '    return {port, struct.unpack("<H", struct.pack(">H", port))[0]}',
+        "    return {port}",
+        (COORDINATION + "test_a_closed_connection_names_the_rank_whose_socket_it_was",),
+    ),
+    Break(
+        "control-address-table-empty",
+        "control",
+        "the peers' sockets are gathered but not kept: a closed connection names no rank",
+        "accel_mixin/distributed/control.py",
+        "                    self._peers[(address, int(port))] = rank",
+        "                    pass",
+        (COORDINATION + "test_a_closed_connection_names_the_rank_whose_socket_it_was",),
+    ),
+    Break(
+        "control-agreed-failure-not-kept",
+        "control",
+        "a failure learned deeper than the failing section is forgotten: barrier counts part",
+        "accel_mixin/distributed/control.py",
+        "            entry[2] = message",
+        "            pass",
+        (COORDINATION + "test_a_callback_error_meets_a_save_that_another_rank_swallows",),
+    ),
+    Break(
+        "control-swallowed-failure-not-carried",
+        "control",
+        "a failure learned in an inner section leaves the outer one without a barrier, "
+        "while a rank that swallowed it waits there",
+        "accel_mixin/distributed/control.py",
+        "                or any(entry[2] is not None for entry in control._open)\n",
+        "                or any(entry[2] is not None for entry in control._open)\n"
+        "                or agreed_failure(exc)\n"
+        "                or exc is control._carried[0]\n",
+        (
+            COORDINATION
+            + "test_a_failure_swallowed_on_one_rank_only_reaches_it_at_its_next_barrier",
+        ),
+    ),
+    Break(
+        "control-carried-failure-renamed",
+        "control",
+        "a rank's failure, carried out of an outer section, is named after that section",
+        "accel_mixin/distributed/control.py",
+        "                priority, message = _ECHO, carried_message\n",
+        "                priority = _OWN\n"
+        "                message = failure_message(self.what, control.process_index, exc)\n",
+        (
+            COORDINATION
+            + "test_a_failure_swallowed_on_one_rank_only_reaches_it_at_its_next_barrier",
+        ),
+    ),
+    Break(
+        "control-run-no-final-barrier",
+        "control",
+        "remove the barrier that ends run(): ranks return before the write ends",
+        "accel_mixin/distributed/control.py",
+        "            self.barrier(what, _WRITER_CAP.total_seconds())\n",
+        "",
+        (COORDINATION + "test_a_run_without_progress_fails_on_every_rank_after_its_io_timeout",),
+    ),
+    Break(
+        "control-run-waiters-own-timeout",
+        "control",
+        "the ranks waiting for run()'s writer give up after their timeout while it writes",
+        "accel_mixin/distributed/control.py",
+        "            self.barrier(what, _WRITER_CAP.total_seconds())\n",
+        "            self.barrier(what)\n",
+        (COORDINATION + "test_a_run_slower_than_the_timeout_succeeds_while_it_writes",),
+    ),
+    Break(
+        "control-failure-ignored",
+        "control",
+        "a waiting rank passes a barrier in which another rank reported its failure",
+        "accel_mixin/distributed/control.py",
+        "        if outcome is not None and failure is None:\n            raise outcome",
+        "        if False:\n            raise outcome",
+        (COORDINATION + "test_an_error_on_one_rank_reaches_the_other_promptly",),
+    ),
+    Break(
+        "control-quiet-rank-is-gone",
+        "control",
+        "a live rank that does not arrive within the timeout is called gone",
+        "accel_mixin/distributed/control.py",
+        "                missing.append(rank)",
+        "                raise self._break(functools.partial(self._gone, rank=rank), what)",
+        (COORDINATION + "test_a_live_rank_that_does_not_arrive_is_named_not_gone",),
+    ),
+    launched(
+        "control-attempts-share-the-group",
+        "control",
+        "a restarted attempt makes its group on the keys the dead attempt left in a kept store",
+        "accel_mixin/distributed/control.py",
+        '    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")',
+        '    attempt = "0"',
+        (
+            COORDINATION + "test_a_restarted_attempt_never_meets_the_dead_one",
+            "tests/test_liveness.py::"
+            "test_on_a_store_shared_across_restarts_no_key_of_the_dead_attempt_is_read",
+        ),
+    ),
+    launched(
+        "control-transport-error-raw",
+        "control",
+        "gloo's error as a peer ends, leaving a section, is raised as it is, naming no rank",
+        "accel_mixin/distributed/control.py",
+        "            lost = control._lost(self.what, exc) if isinstance(exc, RuntimeError) "
+        "else None\n",
+        "            lost = None\n",
+        ("tests/test_liveness.py::test_a_rank_that_ends_in_any_phase_is_named_on_two_machines",),
+    ),
+    Break(
+        "io_watchdog-stall-never-fails",
+        "io_watchdog",
+        "a file operation without progress waits forever",
+        "accel_mixin/distributed/io_watchdog.py",
+        "        elif time.monotonic() - last_progress > io_timeout:",
+        "        elif False:",
+        (COORDINATION + "test_a_run_without_progress_fails_on_every_rank_after_its_io_timeout",),
+    ),
+    Break(
+        "io_watchdog-alive-is-progress",
+        "io_watchdog",
+        "a live worker thread counts as progress, as a heartbeat would",
+        "accel_mixin/distributed/io_watchdog.py",
+        "        if sampler.advanced():\n",
+        "        if True:\n",
+        (COORDINATION + "test_a_run_without_progress_fails_on_every_rank_after_its_io_timeout",),
     ),
 ]
 

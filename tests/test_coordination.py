@@ -1,25 +1,22 @@
-"""Fail-fast sections, with two coordinators on one in-memory store, in threads.
+"""Fail-fast sections, with two coordinators (``Control``) on one in-memory
+store, in threads: their gloo group connects over loopback.
 
 The same over real processes: test_multiprocess.py and test_sync.py.
 """
 
-import socket
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 import torch.distributed as dist
 
-from accel_mixin.distributed import liveness
-from accel_mixin.distributed.coordination import Coordinator
+from accel_mixin.distributed.control import Control, agreed_failure
 from accel_mixin.errors import DistributedError
 
 
 def pair(timeout=30.0):
     store = dist.HashStore()
-    return [Coordinator(2, rank, timeout=timeout, store=store) for rank in (0, 1)]
+    return [Control(2, rank, timeout=timeout, store=store) for rank in (0, 1)]
 
 
 def run_ranks(*bodies):
@@ -41,7 +38,7 @@ def run_ranks(*bodies):
 
 
 def test_single_process_needs_no_store():
-    coordinator = Coordinator(1, 0)
+    coordinator = Control(1, 0)
     assert not coordinator.distributed
     coordinator.barrier("nothing to wait for")
     assert coordinator.run(lambda: 42, what="x") == 42
@@ -76,11 +73,13 @@ def test_an_error_on_one_rank_reaches_the_other_promptly():
             time.sleep(0.1)
             raise ValueError("boom on rank 1")
 
+    wrote = []
+
     def waiting():
         start = time.monotonic()
         try:
             with rank0.session("fit"), rank0.section("on_epoch_end"):
-                rank0.run(lambda: None, what="save_params")
+                rank0.run(lambda: wrote.append(True), what="save_params")
         finally:
             waiting.seconds = time.monotonic() - start
 
@@ -90,6 +89,7 @@ def test_an_error_on_one_rank_reaches_the_other_promptly():
     assert isinstance(exc0, DistributedError)
     assert "on_epoch_end failed on rank 1: ValueError: boom on rank 1" in str(exc0)
     assert waiting.seconds < 5
+    assert not wrote  # the barrier before the write raised
 
 
 def test_main_only_failure_reaches_the_others():
@@ -175,7 +175,9 @@ def test_a_barrier_that_times_out_fails_on_every_rank():
         "arrived nor reported a failure. Every rank must make the same "
         "collective calls (fit, partial_fit, predict"
     )
-    assert str(exc0) == str(exc1)  # rank 0 learns why
+    # rank 0 learns why: it waited too, and nobody met it
+    assert isinstance(exc0, DistributedError)
+    assert "neither arrived nor reported a failure" in str(exc0)
 
 
 def test_a_run_slower_than_the_timeout_succeeds_while_it_writes(tmp_path):
@@ -222,128 +224,6 @@ def test_a_run_without_progress_fails_on_every_rank_after_its_io_timeout():
     assert "save_params failed on rank 0: Stalled: save_params of p.pt made no" in str(exc1)
 
 
-def _ended_process():
-    """The identity of a process of this machine that ended."""
-    return subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "from accel_mixin.distributed import liveness; print(liveness.process_identity())",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-
-
-def test_a_rank_whose_process_ended_is_named_within_seconds():
-    rank0, rank1 = pair(timeout=30)
-    ended = _ended_process()
-    assert ended.count("/") == 2 and ended != liveness.process_identity()
-    rank1._presence.stopped.set()  # pylint: disable=protected-access
-    rank1._presence.join()  # pylint: disable=protected-access
-    rank0.lifelines.close()  # the process id alone tells
-    rank0.lifelines = None
-    rank0.store.set("presence/1", f"7 {ended}|in predict")
-    start = time.monotonic()
-    with pytest.raises(
-        DistributedError, match=r"rank 1 is gone \(its process ended\), last seen in predict"
-    ):
-        rank0.barrier("save_params")
-    assert time.monotonic() - start < 5
-
-
-def test_a_process_id_of_another_boot_or_pid_namespace_is_never_looked_at():
-    # a peer with this hostname in another container: its process id, looked
-    # up here, may be no process, or another one
-    boot, namespace, _ = _ended_process().split("/")
-    assert liveness.exited(f"{boot}/{namespace}/999999999")  # no such process here
-    assert not liveness.exited(f"{boot}/pid:[1]/999999999")  # another PID namespace
-    assert not liveness.exited(f"another-boot/{namespace}/999999999")  # another machine
-    assert not liveness.exited("-")  # a system that did not say
-
-
-def test_a_process_that_ended_but_was_not_collected_has_ended():
-    # a zombie: its launcher looks at its workers seldom (torchrun's
-    # --monitor-interval) and has not collected it
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    boot, namespace, _ = liveness.process_identity().split("/")
-    deadline = time.monotonic() + 30
-    while not liveness.exited(f"{boot}/{namespace}/{child.pid}"):
-        assert time.monotonic() < deadline, "a zombie counts as alive"
-        time.sleep(0.05)
-    with open(f"/proc/{child.pid}/stat", encoding="ascii") as f:
-        assert f.read().rpartition(")")[2].split()[0] == "Z"  # not yet collected
-    child.wait()
-
-
-def _wait_for_lines(*coordinators):
-    deadline = time.monotonic() + 10
-    while not all(
-        line.verified for c in coordinators for line in list(c.lifelines.lines.values())
-    ) or not all(c.lifelines.lines for c in coordinators):
-        assert time.monotonic() < deadline, "the lifelines never came up"
-        for c in coordinators:
-            c.lifelines.ended()
-        time.sleep(0.05)
-
-
-def test_a_rank_whose_lifeline_was_reset_is_gone_whatever_its_process_id_says():
-    # another machine, or another PID namespace: no process id to look at;
-    # the kernel closes the rank's lines when its process ends
-    rank0, rank1 = pair(timeout=30)
-    _wait_for_lines(rank0, rank1)
-    # rank 1's presence thread would announce itself again over the key set
-    # below ("before any collective call"): under load it did, between the
-    # set and rank 0's look. A process that ended announces nothing
-    rank1._presence.stopped.set()  # pylint: disable=protected-access
-    rank1._presence.join()  # pylint: disable=protected-access
-    rank1.lifelines.close()  # what the kernel does at the end of rank 1's process
-    rank0.store.set("presence/1", "7 another-boot/pid:[1]/123|after fit")
-    start = time.monotonic()
-    with pytest.raises(
-        DistributedError, match=r"rank 1 is gone \(its process ended\), last seen after fit"
-    ):
-        rank0.barrier("on_epoch_end")
-    assert time.monotonic() - start < 5
-
-
-def test_a_line_to_something_else_than_the_rank_proves_nothing():
-    # an address that does not reach the rank (its host's loopback, seen
-    # from another machine) may reach another listener, which then closes
-    store = dist.HashStore()
-    with socket.create_server(("127.0.0.1", 0)) as stranger:
-        port = stranger.getsockname()[1]
-        store.set("lifeline/1", f"{port} 1-abcdef 127.0.0.1")
-        lifelines = liveness.Lifelines(store, 0, 2)
-        lifelines.connect()
-        conn, _ = stranger.accept()
-        conn.sendall(b"something else\n")
-        conn.close()
-        time.sleep(0.2)
-        assert lifelines.ended() == []
-        assert 1 not in lifelines.lines
-        lifelines.close()
-
-
-def test_a_paused_rank_is_waited_for_then_named_unresponsive_not_gone():
-    # rank 1 lives (its lines stay up) but its presence thread, like a
-    # process paused or holding the GIL, no longer sets its key
-    rank0, rank1 = pair(timeout=3)
-    _wait_for_lines(rank0, rank1)
-    paused = threading.Event()
-    rank1._presence.announce = lambda coordinator: paused.wait(20)  # pylint: disable=protected-access
-    time.sleep(1.5)
-    start = time.monotonic()
-    with pytest.raises(DistributedError) as raised:
-        rank0.barrier("on_epoch_end")
-    paused.set()
-    assert time.monotonic() - start >= 2.9  # the whole timeout
-    message = str(raised.value)
-    assert "rank 1 is gone" not in message
-    assert "Rank 1 is unresponsive: its process lives, but has not answered for" in message
-
-
 def test_a_live_rank_keeps_the_others_waiting():
     rank0, rank1 = pair(timeout=30)
 
@@ -353,16 +233,6 @@ def test_a_live_rank_keeps_the_others_waiting():
 
     results = run_ranks(lambda: rank0.barrier("b"), late)
     assert results == [("ok", None), ("ok", None)]
-
-
-def test_a_rank_that_times_out_just_as_the_last_arrives_passes():
-    rank0, rank1 = pair(timeout=0.2)
-    with rank0.session("x"), rank1.session("x"):
-        key = rank1._child("b")  # pylint: disable=protected-access
-        rank1.store.add(key, 2)  # both arrived, as the timeout fires
-        rank1._give_up(key, "x", 0.2)  # pylint: disable=protected-access
-        assert rank1.store.add(key, 0) == 2
-        assert rank1.failure() is None
 
 
 def test_ranks_in_different_calls_raise_at_once_naming_both():
@@ -385,41 +255,12 @@ def test_ranks_in_different_calls_raise_at_once_naming_both():
         assert "every rank must make the same collective calls" in message
 
 
-def test_ranks_in_the_same_calls_compare_them_once_per_call():
-    rank0, rank1 = pair()
-    compared = []
-
-    class Counting:
-        def __init__(self, store):
-            self.store = store
-
-        def compare_set(self, key, *args):
-            compared.append(key)
-            return self.store.compare_set(key, *args)
-
-        def __getattr__(self, name):
-            return getattr(self.store, name)
-
-    for coordinator in (rank0, rank1):
-        coordinator.store = Counting(coordinator.store)
-
-    def body(coordinator):
-        for _ in range(3):
-            coordinator.run(lambda: None, what="save_params")
-        with coordinator.session("fit"):
-            for _ in range(4):
-                coordinator.barrier("epoch")
-
-    assert run_ranks(lambda: body(rank0), lambda: body(rank1)) == [("ok", None)] * 2
-    assert sorted(compared) == sorted(f"g{g}/call" for g in (1, 2, 3, 4) for _ in range(2))
-
-
-def test_a_restarted_attempt_never_reads_the_keys_of_the_dead_one(monkeypatch):
+def test_a_restarted_attempt_never_meets_the_dead_one(monkeypatch):
     # one store across the attempts, as torchrun's static rendezvous keeps it
     store = dist.HashStore()
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    dead = [Coordinator(2, rank, timeout=30, store=store) for rank in (0, 1)]
+    dead = [Control(2, rank, timeout=30, store=store) for rank in (0, 1)]
 
     def fails(coordinator):
         with coordinator.session("fit"):
@@ -428,7 +269,7 @@ def test_a_restarted_attempt_never_reads_the_keys_of_the_dead_one(monkeypatch):
 
     run_ranks(*(lambda c=c: fails(c) for c in dead))
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    rank0, rank1 = (Coordinator(2, rank, timeout=30, store=store) for rank in (0, 1))
+    rank0, rank1 = (Control(2, rank, timeout=30, store=store) for rank in (0, 1))
     arrived = []
 
     def late():
@@ -445,3 +286,170 @@ def test_a_restarted_attempt_never_reads_the_keys_of_the_dead_one(monkeypatch):
     (state0, done), (state1, _) = run_ranks(early, late)
     assert (state0, state1) == ("ok", "ok")  # no failure of attempt 0 surfaced
     assert done >= arrived[0]  # and barrier 1 waited for rank 1
+
+
+def test_a_live_rank_that_does_not_arrive_is_named_not_gone():
+    # rank 1 lives (its connections stay up), paused or holding the GIL:
+    # it is waited for the whole timeout, then named as not arriving
+    rank0, rank1 = pair(timeout=3)
+    run_ranks(lambda: rank0.barrier("warm up"), lambda: rank1.barrier("warm up"))
+    start = time.monotonic()
+    with pytest.raises(DistributedError) as raised:
+        rank0.barrier("on_epoch_end")
+    assert time.monotonic() - start >= 2.9  # the whole timeout
+    message = str(raised.value)
+    assert "is gone" not in message
+    assert "Rank 1 did not arrive: its process lives" in message
+
+
+def _gloo_closed(address, port):
+    return RuntimeError(
+        "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] "
+        f"Connection closed by peer [{address}]:{port}"
+    )
+
+
+def test_a_closed_connection_names_the_rank_whose_socket_it_was():
+    rank0, rank1 = pair()
+    run_ranks(lambda: rank0.barrier("warm up"), lambda: rank1.barrier("warm up"))
+    sockets = {s for s, rank in rank0._peers.items() if rank == 1}  # pylint: disable=protected-access
+    assert sockets  # every rank's sockets, gathered with the group
+    address, port = next(iter(sockets))
+    assert rank0.gone(_gloo_closed(address, port)) == 1
+    # gloo prints the port in network byte order: that reading names it too
+    swapped = int.from_bytes(port.to_bytes(2, "big"), "little")
+    assert rank0.gone(_gloo_closed(address, swapped)) == 1
+    # a peer killed while this rank reads from it
+    read = f"[../pair.cc:537] Read error [{address}]:{port}: Connection reset by peer"
+    assert rank0.gone(RuntimeError(read)) == 1
+    assert rank0.gone(RuntimeError("something else")) is None
+    assert rank0.gone(_gloo_closed("203.0.113.9", 1)) == -1  # a peer, rank unknown
+
+
+def test_a_failure_learned_in_a_barrier_is_carried_by_every_later_barrier_of_its_section():
+    rank0, rank1 = pair(timeout=30)
+
+    def saving():
+        with rank0.session("fit"), rank0.section("on_epoch_end"):
+            with pytest.raises(DistributedError):
+                rank0.run(lambda: None, what="save_state")
+            with pytest.raises(DistributedError, match="boom on rank 1"):
+                rank0.barrier("on_epoch_end")  # no collective: rank 1 left
+        return "left"
+
+    def failing():
+        with rank1.session("fit"), rank1.section("on_epoch_end"):
+            raise ValueError("boom on rank 1")
+
+    start = time.monotonic()
+    (kind0, out0), (_kind1, out1) = run_ranks(saving, failing)
+    assert time.monotonic() - start < 5
+    assert isinstance(out1, ValueError)
+    # the section a failing rank left ends failed on the others too
+    assert kind0 == "raised" and "on_epoch_end failed on rank 1" in str(out0), out0
+
+
+def end_epoch_like(coordinator, callbacks):
+    """end_epoch's protocol, in its notification's section: the callbacks, a
+    failure noted, one barrier unless the failure was agreed in one; raise."""
+    with coordinator.section("on_epoch_end"):
+        error = None
+        try:
+            callbacks()
+        except Exception as exc:  # pylint: disable=broad-except
+            error = exc
+            if not isinstance(exc, DistributedError):
+                coordinator.fail("on_epoch_end", exc)
+        if error is None or not agreed_failure(error):
+            try:
+                coordinator.barrier("on_epoch_end")
+            except DistributedError as exc:
+                error = exc
+        if error is not None:
+            raise error
+
+
+def epoch_end_on_both(callbacks0, callbacks1):
+    """What end_epoch_like raised on each rank (``callbacks0(coordinator)``
+    gives rank 0's callbacks), after which the group still serves a barrier,
+    and the seconds it all took."""
+    rank0, rank1 = pair(timeout=30)
+
+    def body(coordinator, callbacks):
+        outcome = None
+        with coordinator.session("fit"):
+            try:
+                end_epoch_like(coordinator, callbacks(coordinator))
+            except Exception as exc:  # pylint: disable=broad-except
+                outcome = exc
+        with coordinator.session("save_params"):
+            coordinator.barrier("save_params")
+        return outcome
+
+    start = time.monotonic()
+    results = run_ranks(lambda: body(rank0, callbacks0), lambda: body(rank1, callbacks1))
+    assert [kind for kind, _ in results] == ["ok", "ok"], results
+    return [value for _, value in results], time.monotonic() - start
+
+
+def _raising(coordinator):
+    def callbacks():
+        raise ValueError("boom on rank 1")
+
+    return callbacks
+
+
+def _saving(coordinator):
+    def callbacks():
+        try:
+            coordinator.run(lambda: None, what="save_state")
+        except DistributedError:
+            pass  # as skorch's Checkpoint does
+
+    return callbacks
+
+
+def test_a_callback_error_meets_a_save_that_another_rank_swallows():
+    (err0, err1), seconds = epoch_end_on_both(_saving, _raising)
+    assert seconds < 5
+    assert isinstance(err1, ValueError), err1
+    assert isinstance(err0, DistributedError), err0
+    assert "on_epoch_end failed on rank 1: ValueError: boom on rank 1" in str(err0)
+
+
+def test_a_callback_error_meets_the_end_of_epoch_barrier():
+    (err0, err1), seconds = epoch_end_on_both(lambda coordinator: lambda: None, _raising)
+    assert seconds < 5
+    assert isinstance(err1, ValueError), err1
+    assert "on_epoch_end failed on rank 1: ValueError: boom on rank 1" in str(err0)
+
+
+@pytest.mark.parametrize("swallowing", [0, 1])
+def test_a_failure_swallowed_on_one_rank_only_reaches_it_at_its_next_barrier(swallowing):
+    # LoadInitState: rank 1's load fails and one rank swallows what it raised
+    # there (rank 1 its FileNotFoundError, or rank 0 the DistributedError);
+    # the other's error leaves the enclosing section, where the swallowing
+    # rank's next barrier meets it, naming the load as it failed
+    rank0, rank1 = pair(timeout=30)
+
+    def body(coordinator):
+        def load():
+            if coordinator.process_index == 1:
+                raise FileNotFoundError("no checkpoint")
+
+        with coordinator.session("fit"), coordinator.section("on_train_begin"):
+            try:
+                coordinator.run(load, what="load_params")
+            except (FileNotFoundError, DistributedError):
+                if coordinator.process_index != swallowing:
+                    raise
+            coordinator.barrier("on_train_begin")
+        return "went on"
+
+    start = time.monotonic()
+    (kind0, out0), (kind1, out1) = run_ranks(lambda: body(rank0), lambda: body(rank1))
+    assert time.monotonic() - start < 5
+    assert (kind0, kind1) == ("raised", "raised"), (out0, out1)
+    swallowed = out0 if swallowing == 0 else out1
+    assert isinstance(swallowed, DistributedError), swallowed
+    assert "load_params failed on rank 1: FileNotFoundError: no checkpoint" in str(swallowed)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from accelerate.utils import recursively_apply
 from skorch.callbacks import EpochScoring
 
-from accel_mixin.distributed.coordination import failure_message
+from accel_mixin.distributed.control import failure_message
 from accel_mixin.distributed.history_sync import interleave
 from accel_mixin.errors import DistributedError
 from accel_mixin.internals import cached_forward_iter, record_score, score_of

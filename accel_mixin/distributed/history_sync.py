@@ -18,7 +18,7 @@ import torch.distributed as dist
 from accelerate.utils import gather_object, recursively_apply
 from skorch.history import DistributedHistory
 
-from accel_mixin.distributed.coordination import failure_message
+from accel_mixin.distributed.control import failure_message
 from accel_mixin.errors import DistributedError
 from accel_mixin.internals import wrapped_history
 

@@ -17,6 +17,7 @@ import torch
 from skorch.dataset import get_len, unpack_data
 
 from accel_mixin.checkpoint.state_values import restore_rng
+from accel_mixin.distributed.control import agreed_failure
 from accel_mixin.distributed.epoch_scores import score_on_main, share_predictions
 from accel_mixin.distributed.history_sync import agree_on_row, leading_samples, merge_epoch
 from accel_mixin.distributed.replicas import check_same_steps
@@ -176,9 +177,15 @@ def end_epoch(net, coordinator, notify_epoch_end, **cb_kwargs):
             raise
         error = exc
         if not isinstance(exc, DistributedError):
-            # ranks waiting in a save inside a callback learn of it now
             coordinator.fail("on_epoch_end", exc)
     if distributed:
+        if error is None or not agreed_failure(error):
+            # carries this rank's failure to the others: here, or to a save
+            # inside a callback (which then fails this section on them)
+            try:
+                coordinator.barrier("on_epoch_end")
+            except DistributedError as exc:
+                error = exc
         stop, failure = agree_on_row(net, stop, error)
         if error is not None:
             raise error

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from skorch.callbacks import Callback
     from torch.utils.data import Dataset
 
-    from accel_mixin.distributed.coordination import Coordinator
+    from accel_mixin.distributed.control import Control as Coordinator
 
 # skorch's ``callbacks_``: (name, callback) pairs
 _Callbacks = Sequence[tuple[str, "Callback"]]

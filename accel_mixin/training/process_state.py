@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from accel_mixin.checkpoint.background import BackgroundWriter
-from accel_mixin.distributed.coordination import coordinator_for
+from accel_mixin.distributed.control import coordinator_for
 from accel_mixin.training.stepping import Stepper
 from accel_mixin.training.wrapping import PreparedObjects
 
