@@ -1750,6 +1750,43 @@ BREAKS = [
         "        if False:\n            # a sharded module",
         (FSDP + "test_refitting_frees_the_replaced_module_at_once[2-processes]",),
     ),
+    # --- issue 47: one checkpoint format ---
+    Break(
+        "dcp-folder-plain-values-unsafe",
+        "dcp_folder",
+        "a training state's plain values load with weights_only=False, running pickled code",
+        "accel_mixin/checkpoint/dcp_folder.py",
+        '            {"weights_only": True} if torch_load_kwargs is None',
+        '            {"weights_only": False} if torch_load_kwargs is None',
+        ("tests/test_dcp_folder.py::test_plain_values_that_would_run_code_are_refused",),
+    ),
+    Break(
+        "dcp-folder-metadata-unrestricted",
+        "dcp_folder",
+        "DCP's .metadata is unpickled without restriction, running pickled code",
+        "accel_mixin/checkpoint/dcp_folder.py",
+        "            metadata = _MetadataUnpickler(file).load()\n",
+        "            metadata = pickle.load(file)\n",
+        ("tests/test_dcp_folder.py::test_a_metadata_file_that_would_run_code_is_refused",),
+    ),
+    Break(
+        "dcp-folder-commit-in-place",
+        "dcp_folder",
+        "a replaced state is removed before the new one is renamed into place",
+        "accel_mixin/checkpoint/dcp_folder.py",
+        "        os.rename(path, aside)\n",
+        "        _remove(path)\n",
+        ("tests/test_dcp_folder.py::test_a_second_save_replaces_the_first_whole",),
+    ),
+    Break(
+        "dcp-folder-async-commit-late",
+        "dcp_folder",
+        "an asynchronous save's future ends before its folder is committed",
+        "accel_mixin/checkpoint/dcp_folder.py",
+        "    future.add_done_callback(done)\n    return committed\n",
+        "    future.add_done_callback(done)\n    return future\n",
+        ("tests/test_dcp_folder.py::test_an_asynchronous_save_commits_when_its_future_ends",),
+    ),
 ]
 
 
