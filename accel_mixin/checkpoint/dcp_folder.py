@@ -211,9 +211,10 @@ def save_folder(state, path, *, asynchronous=False, group=None, on_committed=Non
     Synchronous: returns once the folder is committed (on rank 0; the others
     once DCP's save ended, which waits for rank 0's ``.metadata``).
     Asynchronous: returns a future once the state is staged in CPU memory,
-    which ends once DCP's save ended and (on rank 0) the folder is committed. ``group`` is the process
-    group of the save's collectives (a gloo group for ``async_save``);
-    ``on_committed`` runs on rank 0 after the commit.
+    which ends once DCP's save ended and (on rank 0) the folder is
+    committed. ``group`` is the process group of the save's collectives (a
+    gloo group for ``async_save``); ``on_committed`` runs on rank 0 after
+    the commit.
     """
     import torch.distributed.checkpoint as dcp  # pylint: disable=import-outside-toplevel
 
