@@ -1787,6 +1787,18 @@ BREAKS = [
         "    future.add_done_callback(done)\n    return future\n",
         ("tests/test_dcp_folder.py::test_an_asynchronous_save_commits_when_its_future_ends",),
     ),
+    launched(
+        "dcp-folder-each-rank-alone",
+        "dcp_folder",
+        "each rank saves as if it were alone, over the others' files",
+        "accel_mixin/checkpoint/dcp_folder.py",
+        "    no_dist = not _distributed()\n",
+        "    no_dist = True\n",
+        (
+            "tests/test_dcp_folder.py::"
+            "test_two_processes_save_one_folder_that_loads_on_each_and_on_one",
+        ),
+    ),
 ]
 
 

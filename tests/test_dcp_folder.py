@@ -160,3 +160,22 @@ def test_a_metadata_file_that_would_run_code_is_refused(tmp_path):
         pickle.dump(Evil(), file)
     with pytest.raises(BaseException, match=r"not what a DCP \.metadata holds"):
         load_folder({"history": None}, tmp_path / "state", partial=True)
+
+
+@pytest.mark.multiprocess
+def test_two_processes_save_one_folder_that_loads_on_each_and_on_one(tmp_path):
+    from harness import CheckedRanks, run_plain, run_processes
+    from harness import check_values as values
+
+    saved = CheckedRanks(run_processes("dcp_folder_checks.py", "save", tmp_path, nproc=2))
+    for check in ("synchronous", "asynchronous"):
+        for value in values(saved, check):
+            assert value["module"] and value["rng"]  # each rank its own generators
+            assert value["history"] == [{"epoch": 1}]
+            assert value["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+            assert all(not name.startswith(".") for name in value["beside"])
+    (value,) = values(
+        CheckedRanks(run_plain("dcp_folder_checks.py", "load", tmp_path)), "on_one_process"
+    )
+    assert value["keys"] == {"history": ["history"], "rng": ["rng.rank-0", "rng.rank-1"]}
+    assert value["module"] and value["rank_1"]
