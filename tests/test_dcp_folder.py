@@ -179,3 +179,18 @@ def test_two_processes_save_one_folder_that_loads_on_each_and_on_one(tmp_path):
     )
     assert value["keys"] == {"history": ["history"], "rng": ["rng.rank-0", "rng.rank-1"]}
     assert value["module"] and value["rank_1"]
+
+
+def test_read_full_gives_back_the_nested_entries_whole(tmp_path):
+    module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    history = [{"epoch": 1, "loss": 0.25}]
+    save_folder(
+        {"modules": {"module": module.state_dict()}, "history": plain(history)}, tmp_path / "s"
+    )
+    read = dcp_folder.read_full(tmp_path / "s")
+    assert sorted(read) == ["history", "modules"]
+    assert unplain(read["history"]) == history
+    saved = module.state_dict()
+    assert sorted(read["modules"]["module"]) == sorted(saved)  # dotted names kept whole
+    assert all(torch.equal(read["modules"]["module"][k], v) for k, v in saved.items())
+    assert sorted(dcp_folder.read_full(tmp_path / "s", keys={"history"})) == ["history"]

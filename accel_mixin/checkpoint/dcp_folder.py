@@ -35,6 +35,7 @@ __all__ = [
     "load_folder",
     "partial_folder",
     "plain",
+    "read_full",
     "remove_partial_folders",
     "save_folder",
     "saved_keys",
@@ -276,3 +277,39 @@ def load_folder(state, path, *, torch_load_kwargs=None, group=None, partial=Fals
             no_dist=not _distributed(),
         )
     return state
+
+
+def read_full(path, keys=None, *, torch_load_kwargs=None):
+    """The entries of the DCP folder ``path`` (those under the top-level
+    ``keys``, or all), whole: full tensors whatever layout saved them, plain
+    values as saved, nested as they were saved (mapping keys as strings).
+    Each process that calls it reads alone (no collective): for DDP and one
+    process, whose every rank needs the whole state."""
+    from torch.distributed.checkpoint.metadata import (  # pylint: disable=import-outside-toplevel
+        TensorStorageMetadata,
+    )
+
+    reader = SafeReader(os.fspath(path))
+    metadata = reader.read_metadata()
+    paths = metadata.planner_data or {}
+    flat = {}
+    for fqn, item in metadata.state_dict_metadata.items():
+        if keys is not None and fqn.split(".", 1)[0] not in keys:
+            continue
+        if isinstance(item, TensorStorageMetadata):
+            flat[fqn] = torch.empty(item.size, dtype=item.properties.dtype)
+        else:
+            flat[fqn] = None
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        import torch.distributed.checkpoint as dcp  # pylint: disable=import-outside-toplevel
+
+        planner = WeightsOnlyPlanner(torch_load_kwargs, flatten_state_dict=False)
+        dcp.load(flat, storage_reader=SafeReader(os.fspath(path)), planner=planner, no_dist=True)
+    # DCP loads into a shallow copy: tensors are filled in place, plain values
+    # are in the planner's dict only
+    flat.update((fqn, value) for fqn, value in planner.state_dict.items() if flat[fqn] is None)
+    nested = {}
+    for fqn, value in flat.items():
+        set_element(nested, paths.get(fqn, (fqn,)), value)
+    return nested
