@@ -197,7 +197,7 @@ def remove_partial_folders(directory, name=None):
 
 
 @contextlib.contextmanager
-def _one_process_quietly():
+def one_process_quietly():
     """Without a process group DCP warns that it assumes one process: it is one."""
     with warnings.catch_warnings():
         if not _distributed():
@@ -229,7 +229,7 @@ def save_folder(state, path, *, asynchronous=False, group=None, on_committed=Non
                 on_committed()
 
     no_dist = not _distributed()
-    with _one_process_quietly():
+    with one_process_quietly():
         if not asynchronous:
             dcp.save(state, checkpoint_id=partial, process_group=group, no_dist=no_dist)
             commit()
@@ -268,7 +268,7 @@ def load_folder(state, path, *, torch_load_kwargs=None, group=None, partial=Fals
     ``partial``: keys of ``state`` that the folder lacks stay as they are."""
     import torch.distributed.checkpoint as dcp  # pylint: disable=import-outside-toplevel
 
-    with _one_process_quietly():
+    with one_process_quietly():
         dcp.load(
             state,
             storage_reader=SafeReader(os.fspath(path)),
@@ -301,6 +301,7 @@ def read_full(path, keys=None, *, torch_load_kwargs=None):
         else:
             flat[fqn] = None
     with warnings.catch_warnings():
+        # one reader alone, whatever process group exists
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         import torch.distributed.checkpoint as dcp  # pylint: disable=import-outside-toplevel
 

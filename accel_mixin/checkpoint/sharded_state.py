@@ -36,10 +36,10 @@ import os
 import re
 import secrets
 import shutil
-import warnings
 
 import torch
 
+from accel_mixin.checkpoint.dcp_folder import one_process_quietly as _one_process_quietly
 from accel_mixin.checkpoint.files import without_name, write_cause
 from accel_mixin.distributed.sharding import reshard
 from accel_mixin.errors import CheckpointError
@@ -215,15 +215,6 @@ def _load(target, folder, source, what):
             "initialize the net as it was when it was saved."
         ) from None
     return target
-
-
-@contextlib.contextmanager
-def _one_process_quietly():
-    """Without a process group DCP warns that it assumes one process: it is one."""
-    with warnings.catch_warnings():
-        if not _distributed():
-            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        yield
 
 
 def _checkpoint_exception():
