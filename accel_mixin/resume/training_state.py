@@ -55,8 +55,10 @@ __all__ = [
     "VERSION",
     "callback_state",
     "collect_state",
+    "partial_epoch",
     "restore_callback_state",
     "save_sharded_entries",
+    "shared_state",
     "train_iterator_state",
     "warn_if_inside_accumulation",
 ]
@@ -186,6 +188,21 @@ def collect_state(net, train_iterator_state, stopped=False, position=None):
     if position is not None:
         mine["partial"] = partial_epoch(net, position[1])
     everyone = gather_object([mine]) if accelerator.num_processes > 1 else [mine]
+    state = shared_state(net, train_iterator_state, stopped=stopped, position=position)
+    state["modules"] = {name: clean_state_dict(module) for name, module in net_modules(net)}
+    state["optimizers"] = {name: raw(net, name).state_dict() for name in net._optimizers}  # pylint: disable=protected-access
+    state["rng"] = [item["rng"] for item in everyone]
+    state["loop"]["partial_epoch"] = (
+        [item["partial"] for item in everyone] if position is not None else None
+    )
+    return state
+
+
+def shared_state(net, train_iterator_state, stopped=False, position=None):
+    """What every rank holds alike of ``net``'s training state, as plain
+    values: all but the modules, optimizers, generators and each rank's part
+    of an unfinished epoch. The arguments are ``collect_state``'s."""
+    accelerator = net.accelerator
     rows = net.history if position is None else net.history[:-1]
     schedulers = {}
     for name, cb in net.callbacks_:
@@ -199,11 +216,8 @@ def collect_state(net, train_iterator_state, stopped=False, position=None):
         "version": VERSION,
         "num_processes": accelerator.num_processes,
         "epoch": len(rows),
-        "modules": {name: clean_state_dict(module) for name, module in net_modules(net)},
-        "optimizers": {name: raw(net, name).state_dict() for name in net._optimizers},  # pylint: disable=protected-access
         "schedulers": schedulers,
         "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None,
-        "rng": [item["rng"] for item in everyone],
         "history": history_state(rows),
         "callbacks": {name: _callback_state(net, name, cb) for name, cb in net.callbacks_},
         "loop": {
@@ -211,9 +225,6 @@ def collect_state(net, train_iterator_state, stopped=False, position=None):
             "train_iterator": train_iterator_state,
             "stopped": bool(stopped),
             "batches": position[0] if position is not None else 0,
-            "partial_epoch": (
-                [item["partial"] for item in everyone] if position is not None else None
-            ),
         },
     }
 

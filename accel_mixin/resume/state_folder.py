@@ -1,0 +1,116 @@
+"""A training state as the keys of one DCP folder (``checkpoint.dcp_folder``).
+
+``folder_state`` lays out what ``training_state.collect_state`` collects as
+``torch.distributed.checkpoint`` expects it, the same in every layout:
+
+- ``modules``: ``{name: state dict}`` of every module and criterion under
+  its parameters' names (DCP's ``get_model_state_dict``: without wrapper
+  prefixes; a module FSDP2 shards holds its shards, which DCP reshards);
+- ``optimizers``: ``{name: state dict}`` keyed by parameter names
+  (``get_optimizer_state_dict`` over the module that holds its parameters),
+  so that a state loads into any layout;
+- ``best_weights``: ``{callback name: state dict}``, ``EarlyStopping``'s
+  best weights as tensors (sharded where the module is);
+- ``rng.rank-<r>`` and, inside an epoch, ``partial.rank-<r>``: each rank
+  saves its own, so no rank gathers another's;
+- ``meta``, ``schedulers``, ``scaler``, ``history``, ``callbacks``,
+  ``loop``: plain values, one DCP item each (``dcp_folder.plain``).
+
+WIP (issue 47, point 2): ``save_state`` does not write it yet.
+"""
+
+from accel_mixin.checkpoint.dcp_folder import plain
+from accel_mixin.checkpoint.state_values import rng_state
+from accel_mixin.distributed.sharding import reshard, sharded
+from accel_mixin.resume.training_state import (
+    BEST_WEIGHTS,
+    FORMAT,
+    partial_epoch,
+    shared_state,
+)
+from accel_mixin.training.net_objects import net_modules, raw, sharded_module
+
+__all__ = ["FOLDER_VERSION", "folder_state", "rank_key"]
+
+# version 1 is the single torch file (and its folder of shards under FSDP2)
+FOLDER_VERSION = 2
+
+
+def rank_key(what, rank):
+    """The key of rank ``rank``'s own entry ``what`` ('rng', 'partial')."""
+    return f"{what}.rank-{rank}"
+
+
+def _api():
+    # pylint: disable-next=import-outside-toplevel
+    from torch.distributed.checkpoint import state_dict
+
+    return state_dict
+
+
+def _owner(modules, optimizer):
+    """The module among ``modules`` that holds every parameter of
+    ``optimizer``, or None."""
+    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for module in modules:
+        if params <= {id(p) for p in module.parameters()}:
+            return module
+    return None
+
+
+def _module_state(module):
+    """``module``'s state dict under its parameters' names (a sharded one's
+    shards)."""
+    if not any(True for _ in module.state_dict(keep_vars=True)):
+        return {}  # DCP's refuses an empty one (a criterion without parameters)
+    return _api().get_model_state_dict(module)
+
+
+def _optimizer_state(optimizer, modules):
+    """``optimizer``'s state dict keyed by parameter names where one module
+    holds its parameters; else as torch keys it (by position), plain."""
+    owner = _owner(modules, optimizer)
+    if owner is None:
+        return plain(optimizer.state_dict())
+    return _api().get_optimizer_state_dict(owner, optimizer)
+
+
+def folder_state(net, train_iterator_state, stopped=False, position=None):
+    """The training state of ``net`` as the keys of one DCP folder; every
+    rank calls it (no collective). The arguments are ``collect_state``'s."""
+    accelerator = net.accelerator
+    rank = accelerator.process_index
+    named = sharded_module(net) if sharded(accelerator) else None
+    if named is not None:
+        reshard(named[1])  # named_parameters must be the shards the optimizers hold
+    modules = dict(net_modules(net))
+    shared = shared_state(net, train_iterator_state, stopped=stopped, position=position)
+    callbacks = shared.pop("callbacks")
+    best = {
+        name: cb_state.pop(BEST_WEIGHTS)
+        for name, cb_state in callbacks.items()
+        if cb_state.get(BEST_WEIGHTS) is not None
+    }
+    state = {
+        "meta": plain(
+            {
+                "format": FORMAT,
+                "version": FOLDER_VERSION,
+                "num_processes": accelerator.num_processes,
+                "epoch": shared["epoch"],
+            }
+        ),
+        "modules": {name: _module_state(module) for name, module in modules.items()},
+        "optimizers": {
+            name: _optimizer_state(raw(net, name), modules.values())
+            for name in net._optimizers  # pylint: disable=protected-access
+        },
+        "best_weights": best,
+        "callbacks": plain(callbacks),
+        rank_key("rng", rank): plain(rng_state()),
+    }
+    for key in ("schedulers", "scaler", "history", "loop"):
+        state[key] = plain(shared[key])
+    if position is not None:
+        state[rank_key("partial", rank)] = plain(partial_epoch(net, position[1]))
+    return state

@@ -1,0 +1,84 @@
+"""A training state as the keys of one DCP folder, on one process: what
+``folder_state`` lays out, saved and read back whole, holds what the
+single-file state holds, its tensors under parameter names."""
+
+import torch
+from accelerate import Accelerator
+from common import MLP, AcceleratedNet
+from skorch.callbacks import EarlyStopping, LRScheduler
+
+from accel_mixin.checkpoint.dcp_folder import read_full, save_folder, saved_keys, unplain
+from accel_mixin.resume.state_folder import FOLDER_VERSION, folder_state
+from accel_mixin.resume.training_state import BEST_WEIGHTS, collect_state
+
+
+def _fitted(data):
+    torch.manual_seed(0)
+    net = AcceleratedNet(
+        MLP,
+        accelerator=Accelerator(cpu=True),
+        max_epochs=3,
+        lr=0.1,
+        batch_size=32,
+        verbose=0,
+        optimizer=torch.optim.Adam,
+        callbacks=[
+            # a threshold no epoch meets: the best stays epoch 1's, not the current
+            ("stop", EarlyStopping(patience=5, threshold=10.0, load_best=True)),
+            ("sched", LRScheduler(torch.optim.lr_scheduler.StepLR, step_size=1)),
+        ],
+    )
+    return net.fit(*data)
+
+
+SHUFFLING = {"generators": [], "iteration": None}
+
+
+def test_a_folder_holds_the_single_file_state_under_parameter_names(data, tmp_path):
+    net = _fitted(data)
+    state = folder_state(net, SHUFFLING)
+    save_folder(state, tmp_path / "state")
+    keys = saved_keys(tmp_path / "state")
+    assert {"meta", "modules", "optimizers", "best_weights", "rng", "history", "loop"} <= set(keys)
+    assert keys["rng"] == ["rng.rank-0"]  # each rank its own key
+    assert "partial" not in keys  # saved between epochs
+
+    read = read_full(tmp_path / "state")
+    single = collect_state(net, SHUFFLING)
+    meta = unplain(read["meta"])
+    assert meta["version"] == FOLDER_VERSION and meta["epoch"] == 3
+    for key in ("history", "loop", "schedulers", "scaler"):
+        expected = dict(single[key], partial_epoch=None) if key == "loop" else single[key]
+        got = unplain(read[key])
+        assert (dict(got, partial_epoch=None) if key == "loop" else got) == expected, key
+    # the module's tensors, by name
+    module = single["modules"]["module"]
+    assert sorted(read["modules"]["module"]) == sorted(module)
+    assert all(torch.equal(read["modules"]["module"][k], v) for k, v in module.items())
+    # Adam's moments keyed by parameter names, not positions
+    moments = read["optimizers"]["optimizer"]["state"]
+    assert sorted(moments) == sorted(name for name, _ in net.module_.named_parameters())
+    by_position = single["optimizers"]["optimizer"]["state"]
+    for position, (name, _) in enumerate(net.module_.named_parameters()):
+        assert torch.equal(moments[name]["exp_avg"], by_position[position]["exp_avg"])
+    # EarlyStopping's best weights as tensors of their own, its counters plain
+    stop = single["callbacks"]["stop"]
+    assert stop[BEST_WEIGHTS] is not None  # epoch 1's, not the current ones
+    best = read["best_weights"]["stop"]
+    assert all(torch.equal(best[k], v) for k, v in stop[BEST_WEIGHTS].items())
+    assert unplain(read["callbacks"])["stop"] == {
+        k: v for k, v in stop.items() if k != BEST_WEIGHTS
+    }
+    assert unplain(read["rng.rank-0"])["torch"].dtype == torch.uint8
+
+
+def test_a_state_inside_an_epoch_holds_this_ranks_part(data, tmp_path):
+    net = _fitted(data)
+    net.history.new_epoch()
+    net.history.record("epoch", 4)
+    state = folder_state(net, SHUFFLING, position=(2, 2))
+    save_folder(state, tmp_path / "state")
+    read = read_full(tmp_path / "state", keys={"partial", "loop"})
+    partial = unplain(read["partial.rank-0"])
+    assert partial["batch_count"] == 2 and partial["row"]["epoch"] == 4
+    assert unplain(read["loop"])["batches"] == 2
