@@ -18,12 +18,14 @@ from accel_mixin.checkpoint.sharded_state import (
     remove_shards,
     remove_stale_shards,
 )
+from accel_mixin.checkpoint.state_saves import save_group, save_state_folder
 from accel_mixin.checkpoint.state_values import cpu_snapshot
 from accel_mixin.distributed.process_layout import quiet_unless_main, writes_files
 from accel_mixin.distributed.sharding import full_states, sharded
 from accel_mixin.errors import DistributedError, Stalled
 from accel_mixin.internals import batch_sampler_owner, check_f_arguments
 from accel_mixin.resume.resuming import resume
+from accel_mixin.resume.state_folder import folder_state
 from accel_mixin.resume.training_state import (
     collect_state,
     save_sharded_entries,
@@ -205,15 +207,7 @@ class CheckpointingMixin(SafeParamsMixin):
         ):
             # a failure here (a rank gone, the previous write's error) is this call's
             self._finish_saves("save_state")
-            fit = self._process.fit
-            if fit.position is None:
-                shuffling = train_iterator_state(fit.running_train_iterator())
-            else:  # inside an epoch: its order is replayed from its start
-                batch_sampler_owner(fit.running_train_iterator())
-                shuffling = fit.epoch_start_iterator
-            if stopped is None:
-                stopped = fit.position is None and stopped_early(self.callbacks_)
-            state = collect_state(self, shuffling, stopped=stopped, position=fit.position)
+            state = collect_state(self, *self._where_training_is(stopped))
             named = sharded_module(self) if sharded(self.accelerator) else None
             if named is not None:
                 optimizers = {name: raw(self, name) for name in self._optimizers}
@@ -245,6 +239,48 @@ class CheckpointingMixin(SafeParamsMixin):
                 copy = self._process.snapshot = cpu_snapshot(state, reuse=self._process.snapshot)
                 self._process.background_writer().submit(lambda: write(copy))
 
+    def _where_training_is(self, stopped):
+        """``(train iterator state, stopped, position)`` of a state saved now
+        (``collect_state``'s arguments); ``stopped`` is ``save_state``'s."""
+        fit = self._process.fit
+        if fit.position is None:
+            shuffling = train_iterator_state(fit.running_train_iterator())
+        else:  # inside an epoch: its order is replayed from its start
+            batch_sampler_owner(fit.running_train_iterator())
+            shuffling = fit.epoch_start_iterator
+        if stopped is None:
+            stopped = fit.position is None and stopped_early(self.callbacks_)
+        return shuffling, stopped, fit.position
+
+    def _save_state_folder(self, path, asynchronous=False, on_written=None, stopped=None):
+        """``save_state`` as one DCP folder ``path`` in every layout
+        (``resume.state_folder``), every rank writing its own part; with
+        ``asynchronous``, through ``dcp.async_save`` on a gloo group.
+
+        WIP (issue 47, point 2): ``save_state`` calls it once ``load_state``
+        and ``ResumeTraining`` read such folders.
+        """
+        with (
+            self._unwrapped(),
+            quiet_unless_main(self.accelerator),
+            self._coordinator.session("save_state"),
+        ):
+            # a failure here (a rank gone, the previous save's error) is this call's
+            self._finish_saves("save_state")
+            state = folder_state(self, *self._where_training_is(stopped))
+            warn_if_inside_accumulation(self.accelerator)
+            group = None
+            if asynchronous:
+                group, self._process.save_group = save_group(self._process.save_group)
+            self._process.save_in_flight = self._coordinator.run(
+                lambda: save_state_folder(
+                    state, path, asynchronous=asynchronous, group=group, on_committed=on_written
+                ),
+                what="save_state",
+                files=str(path),
+                io_timeout=self.io_timeout,
+            )
+
     def _write_sharded(self, path, write, folder):
         """Write the file of a state whose shards are in ``folder`` (``write()``
         returns its error); where it fails, every rank raises the same
@@ -268,7 +304,15 @@ class CheckpointingMixin(SafeParamsMixin):
 
     def _finish_saves(self, what):
         """``wait_for_saves`` within the call ``what``, which its errors name."""
-        self._coordinator.run(self._process.background_writer().wait, what=what)
+        self._coordinator.run(self._wait_for_my_saves, what=what)
+
+    def _wait_for_my_saves(self):
+        """On this rank: wait for this net's asynchronous save in flight, at
+        most ``io_timeout``; raise what it raised."""
+        self._process.background_writer().wait()
+        in_flight, self._process.save_in_flight = self._process.save_in_flight, None
+        if in_flight is not None:
+            in_flight.wait(self.io_timeout)
 
     def _wait_for_writes_in_flight(self, what):
         """Before a load, on every rank: wait for this process's asynchronous
@@ -276,7 +320,7 @@ class CheckpointingMixin(SafeParamsMixin):
 
         def finish():
             join_all()
-            self._process.background_writer().wait()
+            self._wait_for_my_saves()
 
         # a failure there (a rank gone) is the load's own unless a save is in flight
         label = f"{what}: asynchronous saves in flight" if in_flight() else what

@@ -2,12 +2,25 @@
 ``folder_state`` lays out, saved and read back whole, holds what the
 single-file state holds, its tensors under parameter names."""
 
+import concurrent.futures
+import os
+
+import pytest
 import torch
 from accelerate import Accelerator
 from common import MLP, AcceleratedNet
 from skorch.callbacks import EarlyStopping, LRScheduler
 
-from accel_mixin.checkpoint.dcp_folder import read_full, save_folder, saved_keys, unplain
+from accel_mixin import CheckpointError
+from accel_mixin.checkpoint.dcp_folder import (
+    is_state_folder,
+    read_full,
+    save_folder,
+    saved_keys,
+    unplain,
+)
+from accel_mixin.checkpoint.state_saves import SaveInFlight
+from accel_mixin.errors import Stalled
 from accel_mixin.resume.state_folder import FOLDER_VERSION, folder_state
 from accel_mixin.resume.training_state import BEST_WEIGHTS, collect_state
 
@@ -82,3 +95,56 @@ def test_a_state_inside_an_epoch_holds_this_ranks_part(data, tmp_path):
     partial = unplain(read["partial.rank-0"])
     assert partial["batch_count"] == 2 and partial["row"]["epoch"] == 4
     assert unplain(read["loop"])["batches"] == 2
+
+
+# --- saving through save_state's path (_save_state_folder) ------------------
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_save_commits_one_folder_and_then_says_so(data, tmp_path, asynchronous):
+    net = _fitted(data)
+    written = []
+    path = tmp_path / "state"
+    net._save_state_folder(path, asynchronous=asynchronous, on_written=lambda: written.append(1))
+    net.wait_for_saves()
+    assert written == [1]
+    assert is_state_folder(path)
+    assert sorted(os.listdir(tmp_path)) == ["state"]  # no partial folder left
+    read = read_full(path, keys={"modules", "history"})
+    assert unplain(read["history"]) == list(net.history)
+    weights = net.module_.state_dict()
+    assert all(torch.equal(read["modules"]["module"][k], v) for k, v in weights.items())
+
+
+def test_an_asynchronous_save_keeps_the_state_of_its_call(data, tmp_path):
+    net = _fitted(data)
+    before = {k: v.clone() for k, v in net.module_.state_dict().items()}
+    net._save_state_folder(tmp_path / "state", asynchronous=True)
+    net.partial_fit(*data)  # trains on while the save is in flight
+    net.wait_for_saves()
+    read = read_full(tmp_path / "state", keys={"modules", "history"})
+    assert len(unplain(read["history"])) == 3
+    assert all(torch.equal(read["modules"]["module"][k], v) for k, v in before.items())
+
+
+def test_a_failed_save_names_the_state_and_leaves_the_previous_one(data, tmp_path):
+    net = _fitted(data)
+    path = tmp_path / "state"
+    net._save_state_folder(path)
+    net.partial_fit(*data)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(os, "rename", _refused)  # the commit fails: the disk is full
+        with pytest.raises(CheckpointError, match=r"Cannot save the training state .*state: "):
+            net._save_state_folder(path)
+    assert sorted(os.listdir(tmp_path)) == ["state"]  # its partial folder removed
+    assert len(unplain(read_full(path, keys={"history"})["history"])) == 3  # the previous one
+
+
+def _refused(*args):
+    raise OSError(28, "No space left on device")
+
+
+def test_a_stalled_asynchronous_save_ends_within_io_timeout():
+    never = concurrent.futures.Future()
+    with pytest.raises(Stalled, match=r"state-7 did not end within io_timeout=0.1 s"):
+        SaveInFlight("state-7", never).wait(0.1)

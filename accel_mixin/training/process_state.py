@@ -50,6 +50,8 @@ class ProcessState:
     coordinator: Optional[tuple] = None  # (accelerator, its coordinator)
     writer: Any = None
     snapshot: Any = None  # the CPU copy that asynchronous saves reuse
+    save_in_flight: Any = None  # an asynchronous save of a DCP folder (checkpoint.state_saves)
+    save_group: Any = None  # the gloo group of asynchronous saves beside NCCL
     plan: Any = None  # what a loaded training state gives the next fit (resume/resuming.py)
     keep_loaded: bool = False  # while a fit goes on from a loaded state
     fit: FitContext = field(default_factory=FitContext)
