@@ -148,3 +148,28 @@ def test_a_stalled_asynchronous_save_ends_within_io_timeout():
     never = concurrent.futures.Future()
     with pytest.raises(Stalled, match=r"state-7 did not end within io_timeout=0.1 s"):
         SaveInFlight("state-7", never).wait(0.1)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", ["ddp", "fsdp"])
+def test_on_two_processes_each_rank_writes_its_part_of_one_folder(tmp_path, layout):
+    from harness import CheckedRanks, run_processes
+    from harness import check_values as values
+
+    ranks = CheckedRanks(
+        run_processes("state_folder_checks.py", layout, tmp_path, nproc=2, timeout=300)
+    )
+    for check, epochs in (("synchronous", 2), ("asynchronous", 2)):
+        for value in values(ranks, check):
+            assert value["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+            assert value["beside"] == []  # no partial folder left
+            assert value["rng"] == ["rng.rank-0", "rng.rank-1"]
+            assert value["weights"]  # full weights, whatever the layout
+            assert value["epochs"] == epochs  # the async save's state is its call's
+            assert all(not key.isdigit() for key in value["moments"])  # parameter names
+    rank0, rank1 = values(ranks, "commit_fails_on_rank_0")
+    assert "CheckpointError: Cannot save the training state" in rank0["error"]
+    assert "No space left on device" in rank0["error"]
+    assert rank1["error"].startswith("DistributedError") and "rank 0" in rank1["error"]
+    for value in (rank0, rank1):
+        assert value["epochs"] == 2 and value["beside"] == []  # the previous state
