@@ -323,7 +323,8 @@ class CheckpointingMixin(SafeParamsMixin):
             self._wait_for_my_saves()
 
         # a failure there (a rank gone) is the load's own unless a save is in flight
-        label = f"{what}: asynchronous saves in flight" if in_flight() else what
+        waits = in_flight() or self._process.save_in_flight is not None
+        label = f"{what}: asynchronous saves in flight" if waits else what
         self._coordinator.run(finish, what=label)
 
     def load_state(self, path):

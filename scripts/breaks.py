@@ -1489,7 +1489,7 @@ BREAKS = [
         "sharded_state",
         "DCP's CheckpointException (a BaseException) passes through instead of naming the file",
         "accel_mixin/checkpoint/sharded_state.py",
-        "    except _checkpoint_exception() as exc:  # on every rank, with every rank's failure\n",
+        "    except checkpoint_exception() as exc:  # on every rank, with every rank's failure\n",
         "    except Exception as exc:  # on every rank, with every rank's failure\n",
         ("tests/test_sharded_state.py",),
     ),

@@ -30,7 +30,9 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 __all__ = [
     "PARTIAL",
     "WeightsOnlyPlanner",
+    "checkpoint_exception",
     "commit_folder",
+    "failures",
     "is_state_folder",
     "load_folder",
     "partial_folder",
@@ -145,6 +147,25 @@ def new_token(group=None):
 
 def _distributed():
     return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def checkpoint_exception():
+    """DCP's ``CheckpointException``: a ``BaseException``, which ``except
+    Exception`` lets through."""
+    from torch.distributed.checkpoint.api import (  # pylint: disable=import-outside-toplevel
+        CheckpointException,
+    )
+
+    return CheckpointException
+
+
+def failures(exc):
+    """Every rank's failure in DCP's ``CheckpointException``, one line each."""
+    lines = []
+    for rank, failure in sorted(exc.failures.items()):
+        error = failure[0] if isinstance(failure, tuple) else failure
+        lines.append(f"rank {rank}: {type(error).__name__}: {error}")
+    return "; ".join(lines) or str(exc)
 
 
 def _fsync_dir(path):

@@ -39,6 +39,7 @@ import shutil
 
 import torch
 
+from accel_mixin.checkpoint.dcp_folder import checkpoint_exception, failures
 from accel_mixin.checkpoint.dcp_folder import one_process_quietly as _one_process_quietly
 from accel_mixin.checkpoint.files import without_name, write_cause
 from accel_mixin.distributed.sharding import reshard
@@ -127,7 +128,7 @@ def save_shards(path, module, optimizers, best_weights, num_processes):
             os.fsync(fd)
         finally:
             os.close(fd)
-    except (OSError, _checkpoint_exception()) as exc:
+    except (OSError, checkpoint_exception()) as exc:
         failure = exc
     else:
         failure = None
@@ -143,7 +144,7 @@ def agree_on_the_save(path, failure, num_processes, target, step):
     rank = torch.distributed.get_rank() if _distributed() else 0
     directory = os.path.dirname(target)
     mine = None if failure is None else ""  # "": failed, on another rank
-    if isinstance(failure, _checkpoint_exception()):  # DCP's: every rank's, on every rank
+    if isinstance(failure, checkpoint_exception()):  # DCP's: every rank's, on every rank
         failure = _failure_of(failure, rank)
     if failure is not None:  # its cause looked up before the partial folder frees the space
         mine = f"rank {rank}: {without_name(failure)}"
@@ -160,7 +161,7 @@ def agree_on_the_save(path, failure, num_processes, target, step):
         everyone = gather_object([mine])
     if all(item is None for item in everyone):
         return
-    failures = [item for item in everyone if item] or ["a rank that reported no error"]
+    failed = [item for item in everyone if item] or ["a rank that reported no error"]
     if rank == 0:
         _remove_folder(target)
     left = [os.path.isdir(target)]
@@ -169,7 +170,7 @@ def agree_on_the_save(path, failure, num_processes, target, step):
     partial = "could not be removed: remove it" if left[0] else "is removed"
     before = "the state saved there before is intact" if os.path.exists(path) else "none was"
     raise CheckpointError(
-        f"Cannot save the training state {path}: {step} failed on {'; '.join(failures)}. "
+        f"Cannot save the training state {path}: {step} failed on {'; '.join(failed)}. "
         f"{path} was not written ({before}); this save's folder of shards "
         f"{os.path.basename(target)} {partial}."
     )
@@ -204,40 +205,22 @@ def _load(target, folder, source, what):
     try:
         with _one_process_quietly():
             _dcp().load(target, checkpoint_id=folder, no_dist=not _distributed())
-    except _checkpoint_exception() as exc:  # on every rank, with every rank's failure
+    except checkpoint_exception() as exc:  # on every rank, with every rank's failure
         if _damage().is_damage(exc):
             raise CheckpointError(
-                _damage().damaged_message(source, folder, _failures(exc))
+                _damage().damaged_message(source, folder, failures(exc))
             ) from None
         raise CheckpointError(
             f"{source} does not fit {what}: reading its shards in {folder} failed "
-            f"({_failures(exc)}). The state was saved from a net with other parameters: "
+            f"({failures(exc)}). The state was saved from a net with other parameters: "
             "initialize the net as it was when it was saved."
         ) from None
     return target
 
 
-def _checkpoint_exception():
-    # a BaseException: ``except Exception`` lets it through
-    from torch.distributed.checkpoint.api import (  # pylint: disable=import-outside-toplevel
-        CheckpointException,
-    )
-
-    return CheckpointException
-
-
 def _failure_of(exc, rank):
     failure = exc.failures.get(rank)
     return failure[0] if isinstance(failure, tuple) else failure
-
-
-def _failures(exc):
-    """Every rank's failure in a ``CheckpointException``, one line each."""
-    lines = []
-    for rank, failure in sorted(exc.failures.items()):
-        error = failure[0] if isinstance(failure, tuple) else failure
-        lines.append(f"rank {rank}: {type(error).__name__}: {error}")
-    return "; ".join(lines) or str(exc)
 
 
 def load_sharded_module(module, source, entry, name):

@@ -13,7 +13,12 @@ from typing import Any, Optional
 
 import torch
 
-from accel_mixin.checkpoint.dcp_folder import remove_partial_folders, save_folder
+from accel_mixin.checkpoint.dcp_folder import (
+    checkpoint_exception,
+    failures,
+    remove_partial_folders,
+    save_folder,
+)
 from accel_mixin.errors import CheckpointError, Stalled
 
 __all__ = ["SaveInFlight", "save_group", "save_state_folder"]
@@ -21,15 +26,6 @@ __all__ = ["SaveInFlight", "save_group", "save_state_folder"]
 
 def _distributed():
     return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
-def _checkpoint_exception():
-    # a BaseException: ``except Exception`` lets it through
-    from torch.distributed.checkpoint.api import (  # pylint: disable=import-outside-toplevel
-        CheckpointException,
-    )
-
-    return CheckpointException
 
 
 def save_group(held):
@@ -44,15 +40,6 @@ def save_group(held):
     return held, held
 
 
-def _failures(exc):
-    """Every rank's failure in DCP's ``CheckpointException``, one line each."""
-    lines = []
-    for rank, failure in sorted(exc.failures.items()):
-        error = failure[0] if isinstance(failure, tuple) else failure
-        lines.append(f"rank {rank}: {type(error).__name__}: {error}")
-    return "; ".join(lines) or str(exc)
-
-
 def _save_error(path, exc):
     """``CheckpointError`` for the save of ``path`` that ``exc`` ended; rank 0
     removes the save's partial folder first."""
@@ -60,10 +47,10 @@ def _save_error(path, exc):
     rank = torch.distributed.get_rank() if _distributed() else 0
     if rank == 0:
         remove_partial_folders(directory, name)
-    failures = _failures(exc) if isinstance(exc, _checkpoint_exception()) else f"{exc}"
+    failed = failures(exc) if isinstance(exc, checkpoint_exception()) else f"{exc}"
     before = "the state saved there before is intact" if os.path.exists(path) else "none was"
     return CheckpointError(
-        f"Cannot save the training state {path}: writing it failed on {failures}. "
+        f"Cannot save the training state {path}: writing it failed on {failed}. "
         f"{path} was not written ({before}); its partial folder is removed."
     )
 
@@ -75,7 +62,7 @@ def save_state_folder(state, path, *, asynchronous=False, group=None, on_committ
         future = save_folder(
             state, path, asynchronous=asynchronous, group=group, on_committed=on_committed
         )
-    except (OSError, _checkpoint_exception()) as exc:
+    except (OSError, checkpoint_exception()) as exc:
         raise _save_error(path, exc) from None
     return None if future is None else SaveInFlight(os.fspath(path), future)
 
@@ -98,5 +85,5 @@ class SaveInFlight:
                 f"io_timeout={io_timeout} s: its storage stalls. Check the filesystem, or "
                 "raise io_timeout if it is slow."
             ) from None
-        except (OSError, _checkpoint_exception()) as exc:
+        except (OSError, checkpoint_exception()) as exc:
             raise _save_error(self.path, exc) from None
