@@ -271,7 +271,7 @@ class CheckpointingMixin(SafeParamsMixin):
             warn_if_inside_accumulation(self.accelerator)
             group = None
             if asynchronous:
-                group, self._process.save_group = save_group(self._process.save_group)
+                group = self._process.save_group = save_group(self._process.save_group)
             self._process.save_in_flight = self._coordinator.run(
                 lambda: save_state_folder(
                     state, path, asynchronous=asynchronous, group=group, on_committed=on_written

@@ -29,15 +29,16 @@ def _distributed():
 
 
 def save_group(held):
-    """The process group of asynchronous saves, whose collectives run in
-    DCP's thread beside training's: None (the default group) where that is
-    gloo's, else ``held`` or a new gloo group (a collective: every rank
-    calls it). Returns ``(group, group to hold)``."""
-    if not _distributed() or torch.distributed.get_backend() == "gloo":
-        return None, held
-    if held is None:
-        held = torch.distributed.new_group(backend="gloo")
-    return held, held
+    """The process group of asynchronous saves: ``held``, or a new gloo group
+    (a collective: every rank calls it); None without a process group.
+
+    Never the default group, even where it is gloo's: DCP's thread runs its
+    collectives while training's run on that group, and two threads' calls
+    on one group pair up across ranks in whatever order each rank made them.
+    """
+    if not _distributed():
+        return None
+    return held if held is not None else torch.distributed.new_group(backend="gloo")
 
 
 def _save_error(path, exc):
