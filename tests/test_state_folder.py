@@ -21,7 +21,7 @@ from accel_mixin.checkpoint.dcp_folder import (
 )
 from accel_mixin.checkpoint.state_saves import SaveInFlight
 from accel_mixin.errors import Stalled
-from accel_mixin.resume.state_folder import FOLDER_VERSION, folder_state
+from accel_mixin.resume.state_folder import FOLDER_VERSION, as_single_file, folder_state
 from accel_mixin.resume.training_state import BEST_WEIGHTS, collect_state
 
 
@@ -173,3 +173,29 @@ def test_on_two_processes_each_rank_writes_its_part_of_one_folder(tmp_path, layo
     assert rank1["error"].startswith("DistributedError") and "rank 0" in rank1["error"]
     for value in (rank0, rank1):
         assert value["epochs"] == 2 and value["beside"] == []  # the previous state
+
+
+@pytest.mark.parametrize("position", [None, (2, 2)])
+def test_a_folder_read_whole_is_the_single_file_state(data, tmp_path, position):
+    net = _fitted(data)
+    if position is not None:  # inside epoch 4
+        net.history.new_epoch()
+        net.history.record("epoch", 4)
+    save_folder(folder_state(net, SHUFFLING, position=position), tmp_path / "state")
+    single = collect_state(net, SHUFFLING, position=position)
+    got = as_single_file(read_full(tmp_path / "state"))
+    assert _differences(got, single) == []
+
+
+def _differences(a, b, where=""):
+    """Where ``a`` and ``b`` differ (tensors bitwise), as paths."""
+    if isinstance(a, torch.Tensor):
+        same = isinstance(b, torch.Tensor) and torch.equal(a, b)
+        return [] if same else [where]
+    if isinstance(a, dict) and isinstance(b, dict):
+        if sorted(map(str, a)) != sorted(map(str, b)):
+            return [f"{where} keys"]
+        return [d for k in a for d in _differences(a[k], b[k], f"{where}/{k}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{where}/{i}")]
+    return [] if a == b else [f"{where}: {a!r} != {b!r}"]

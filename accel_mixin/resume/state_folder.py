@@ -19,18 +19,19 @@
 WIP (issue 47, point 2): ``save_state`` does not write it yet.
 """
 
-from accel_mixin.checkpoint.dcp_folder import plain
+from accel_mixin.checkpoint.dcp_folder import plain, unplain
 from accel_mixin.checkpoint.state_values import rng_state
 from accel_mixin.distributed.sharding import reshard, sharded
 from accel_mixin.resume.training_state import (
     BEST_WEIGHTS,
     FORMAT,
+    VERSION,
     partial_epoch,
     shared_state,
 )
 from accel_mixin.training.net_objects import net_modules, raw, sharded_module
 
-__all__ = ["FOLDER_VERSION", "folder_state", "rank_key"]
+__all__ = ["FOLDER_VERSION", "as_single_file", "folder_state", "rank_key"]
 
 # version 1 is the single torch file (and its folder of shards under FSDP2)
 FOLDER_VERSION = 2
@@ -98,6 +99,8 @@ def folder_state(net, train_iterator_state, stopped=False, position=None):
                 "version": FOLDER_VERSION,
                 "num_processes": accelerator.num_processes,
                 "epoch": shared["epoch"],
+                # DCP keeps no key of an empty state dict (a criterion's)
+                "modules": list(modules),
             }
         ),
         "modules": {name: _module_state(module) for name, module in modules.items()},
@@ -113,4 +116,47 @@ def folder_state(net, train_iterator_state, stopped=False, position=None):
         state[key] = plain(shared[key])
     if position is not None:
         state[rank_key("partial", rank)] = plain(partial_epoch(net, position[1]))
+    return state
+
+
+def _by_position(optimizer_state):
+    """An optimizer state keyed by parameter names as torch keys it, by
+    position (the order of its groups' parameters)."""
+    if isinstance(optimizer_state, tuple):  # saved by position already
+        return unplain(optimizer_state)
+    groups = [dict(group) for group in optimizer_state["param_groups"]]
+    position = {}
+    for group in groups:
+        group["params"] = [position.setdefault(name, len(position)) for name in group["params"]]
+    return {
+        "state": {position[name]: value for name, value in optimizer_state["state"].items()},
+        "param_groups": groups,
+    }
+
+
+def as_single_file(read):
+    """A folder's entries read whole (``dcp_folder.read_full``) laid out as
+    the single file of version 1 holds them (``collect_state``'s), for the
+    readers of one process and DDP."""
+    meta = unplain(read["meta"])
+    ranks = range(meta["num_processes"])
+    callbacks = unplain(read["callbacks"])
+    for name, weights in read.get("best_weights", {}).items():
+        callbacks[name][BEST_WEIGHTS] = weights
+    loop = unplain(read["loop"])
+    partial = [read.get(rank_key("partial", rank)) for rank in ranks]
+    loop["partial_epoch"] = None if partial[0] is None else [unplain(p) for p in partial]
+    state = {
+        "format": meta["format"],
+        "version": VERSION,
+        "num_processes": meta["num_processes"],
+        "epoch": meta["epoch"],
+        "modules": {name: read.get("modules", {}).get(name, {}) for name in meta["modules"]},
+        "optimizers": {name: _by_position(opt) for name, opt in read["optimizers"].items()},
+        "rng": [unplain(read[rank_key("rng", rank)]) for rank in ranks],
+        "callbacks": callbacks,
+        "loop": loop,
+    }
+    for key in ("schedulers", "scaler", "history"):
+        state[key] = unplain(read[key])
     return state
