@@ -25,11 +25,8 @@ from accel_mixin.resume.state_folder import FOLDER_VERSION, as_single_file, fold
 from accel_mixin.resume.training_state import BEST_WEIGHTS, collect_state
 
 
-def _fitted(data):
-    torch.manual_seed(0)
-    net = AcceleratedNet(
-        MLP,
-        accelerator=Accelerator(cpu=True),
+def _net(**kwargs):
+    params = dict(
         max_epochs=3,
         lr=0.1,
         batch_size=32,
@@ -41,7 +38,13 @@ def _fitted(data):
             ("sched", LRScheduler(torch.optim.lr_scheduler.StepLR, step_size=1)),
         ],
     )
-    return net.fit(*data)
+    params.update(kwargs)
+    return AcceleratedNet(MLP, accelerator=Accelerator(cpu=True), **params)
+
+
+def _fitted(data):
+    torch.manual_seed(0)
+    return _net().fit(*data)
 
 
 SHUFFLING = {"generators": [], "iteration": None}
@@ -148,6 +151,26 @@ def test_a_stalled_asynchronous_save_ends_within_io_timeout():
     never = concurrent.futures.Future()
     with pytest.raises(Stalled, match=r"state-7 did not end within io_timeout=0.1 s"):
         SaveInFlight("state-7", never).wait(0.1)
+
+
+def test_load_state_resumes_from_a_folder_as_from_the_single_file(data, tmp_path):
+    net = _fitted(data)
+    net._save_state_folder(tmp_path / "folder")
+    net.save_state(tmp_path / "file.pt")
+    resumed = []
+    for source in ("folder", "file.pt"):
+        other = _net(max_epochs=5)
+        other.initialize()
+        other.load_state(tmp_path / source)
+        other.fit(*data)
+        resumed.append(other)
+    by_folder, by_file = resumed
+    assert len(by_folder.history) == 5
+    assert by_folder.history[:, "train_loss"] == by_file.history[:, "train_loss"]
+    for (name, a), (_, b) in zip(
+        by_folder.module_.named_parameters(), by_file.module_.named_parameters()
+    ):
+        assert torch.equal(a, b), name
 
 
 @pytest.mark.multiprocess

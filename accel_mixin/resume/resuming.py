@@ -20,6 +20,7 @@ from typing import Optional
 
 from skorch.history import History
 
+from accel_mixin.checkpoint.dcp_folder import is_state_folder, read_full
 from accel_mixin.checkpoint.params import load_optimizer_state
 from accel_mixin.checkpoint.sharded_state import (
     is_sharded_entry,
@@ -29,7 +30,9 @@ from accel_mixin.checkpoint.sharded_state import (
 )
 from accel_mixin.checkpoint.state_dict import load_module_state, read_state, strip_wrapper_prefixes
 from accel_mixin.checkpoint.state_values import restore_rng, rng_state
+from accel_mixin.distributed.sharding import sharded
 from accel_mixin.errors import CheckpointError
+from accel_mixin.resume.state_folder import as_single_file
 from accel_mixin.resume.training_state import (
     BEST_IS_CURRENT,
     BEST_WEIGHTS,
@@ -76,6 +79,9 @@ def resume(net, path):
 
 
 def _read(net, path):
+    if is_state_folder(path) and not sharded(net.accelerator):
+        # WIP (issue 47): a sharded net loads its shards of a folder (load_folder)
+        return as_single_file(read_full(path, torch_load_kwargs=net.torch_load_kwargs))
     # unmapped: optimizers keep the loaded tensors
     state = read_state(path, torch_load_kwargs=net.torch_load_kwargs)
     if not isinstance(state, dict) or state.get("format") != FORMAT:
