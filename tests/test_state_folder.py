@@ -193,7 +193,7 @@ def test_on_two_processes_each_rank_writes_its_part_of_one_folder(tmp_path, layo
     rank0, rank1 = values(ranks, "commit_fails_on_rank_0")
     assert "CheckpointError: Cannot save the training state" in rank0["error"]
     assert "No space left on device" in rank0["error"]
-    assert rank1["error"].startswith("DistributedError") and "rank 0" in rank1["error"]
+    assert "Cannot save the training state" in rank1["error"]  # every rank raises
     for value in (rank0, rank1):
         assert value["epochs"] == 2 and value["beside"] == []  # the previous state
 

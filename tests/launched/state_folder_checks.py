@@ -94,6 +94,7 @@ def commit_fails_on_rank_0():
         error = outcome(lambda: net._save_state_folder(path))
     finally:
         os.rename = rename
+    net.wait_for_everyone()  # rank 0 removes the partial folder: a rank may raise first
     return {
         "error": error,
         "epochs": len(unplain(read_full(path, keys={"history"})["history"])),
