@@ -188,7 +188,13 @@ def commit_folder(partial, path):
     if os.path.lexists(path):
         aside = os.path.join(directory, f".{name}{_ASIDE}{secrets.token_hex(6)}")
         os.rename(path, aside)
-    os.rename(partial, path)
+    try:
+        os.rename(partial, path)
+    except OSError:
+        if aside is not None:  # the previous state back under its name
+            with contextlib.suppress(OSError):
+                os.rename(aside, path)
+        raise
     _fsync_dir(directory)
     if aside is not None:
         _remove(aside)
