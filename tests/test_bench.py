@@ -141,7 +141,15 @@ def test_benchmarks_run_and_report(tmp_path):
     assert set(timing["ranks"][0]) == {"accelerate loop", "accel_mixin fit"}
     assert (results / "bench_sharded.png").read_bytes()[:4] == b"\x89PNG"
 
+    control = json.loads((results / "raw" / "control_2.json").read_text())
+    assert control["processes"] == 2 and len(control["ranks"]) == 2
+    for rank in control["ranks"]:
+        # the process group's own sockets at least: one per peer
+        assert rank["sockets_after_fit"] >= rank["sockets_group"] >= 1
+        assert set(rank["save_params"]) == {"hand-written", "save_params"}
+        assert rank["wait"]["core_fraction"] >= 0 and rank["wait"]["wall_s"][0] > 0
     table = (results / "bench.md").read_text()
+    assert "**Control plane**" in table and "| 2 | " in table
     assert "2,000 x 100, 2 processes: main at most 1.2 x plain skorch" in table
     assert "| batch records | processes |" in table
     assert "unwrap + rewrap" in table and "| target |" in table

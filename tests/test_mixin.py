@@ -5,6 +5,8 @@ marked as a strict expected failure where it has the defect in question: if
 the incumbent ever passed, the test would fail.
 """
 
+import inspect
+
 import pytest
 import torch
 from accelerate import Accelerator
@@ -67,7 +69,11 @@ def test_fsdp_asked_for_in_one_process_on_cpu_is_refused(mlp, monkeypatch):
     from accelerate.utils import FullyShardedDataParallelPlugin
 
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    # FSDP2 where this accelerate has it (1.6 and later), else FSDP: either is refused
+    fields = inspect.signature(FullyShardedDataParallelPlugin).parameters
+    plugin = FullyShardedDataParallelPlugin(
+        **({"fsdp_version": 2} if "fsdp_version" in fields else {})
+    )
     net = make_net(AcceleratedNet, mlp, accelerator=Accelerator(cpu=True, fsdp_plugin=plugin))
     with pytest.raises(
         ValueError, match=r"FSDP was asked for .* distributed_type=DistributedType.NO on 1 "

@@ -93,11 +93,12 @@ def test_several_optimizers_update_the_scaler_once():
     with stepper.step_window(closures=False):
         stepper.unscale([opt1, opt2])
         stepper.unscale([opt1, opt2])  # once per step: a second call does nothing
-        with stepper.one_scaler_update():
+        with stepper.one_scaler_update([opt1, opt2]):
             opt1.step()
             opt2.step()  # accelerate's update after opt1 would unscale opt2 again
     assert scaler.get_scale() == 8.0  # one update, after a finite step
     assert "update" not in vars(scaler)
+    assert opt1.scaler is scaler and opt2.scaler is scaler
 
 
 @pytest.fixture

@@ -191,10 +191,17 @@ def test_plateau_scheduler_still_passes_for_one():
         owner.optimizer_, patience=0, factor=0.5
     )
     slots[3] = slots[3]._replace(step_once=False)
-    PreparedObjects().prepare(accelerator, slots)
+    prepared = PreparedObjects()
+    prepared.prepare(accelerator, slots)
     scheduler = callback.lr_scheduler_
     assert isinstance(scheduler, AcceleratedScheduler)
     assert isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    # the accelerator saves and rewraps the scheduler the net steps
+    assert accelerator._schedulers == [scheduler]
+    prepared.unwrap()
+    prepared.wrap(accelerator)
+    assert callback.lr_scheduler_ is scheduler
+    assert accelerator._schedulers == [scheduler]
     for _ in range(3):
         scheduler.step(1.0)  # no improvement after the first
     assert owner.optimizer_.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**2)

@@ -8,6 +8,8 @@ it forever. torch's communication threads take it without the GIL: a gloo
 ``backward`` stashes, makes a thread state to release them when it is
 destroyed on that thread. A DataLoader worker forked in that instant never
 starts, and its rank waits for its batches until the others time out.
+``scripts/fork_defect/run`` counts the children that hang: 39 of 2,000 on
+3.11.7 and 45 on 3.10.13, none on 3.12.1 and 3.13.0 (``needed`` agrees).
 
 ``guard_forks`` registers, once, a hook that runs before every fork of the
 process while the forking thread holds the GIL. While a process group

@@ -145,20 +145,47 @@ class Stepper:
         return lambda: accelerator.reduce(step_fn().detach() * self.loss_weight, reduction="mean")
 
     @contextlib.contextmanager
-    def one_scaler_update(self):
-        """Hold back the scaler's ``update`` within the block; run it once after."""
+    def one_scaler_update(self, optimizers):
+        """Within the block the prepared ``optimizers`` hold back the scaler's
+        ``update``; it runs once after.
+
+        accelerate's optimizer updates its scaler after its own step, which
+        would unscale the next optimizer's gradients with a new scale. The
+        optimizers are this net's, so each gets a scaler of its own for the
+        block; the accelerator's, which others may share, is left as it is.
+        """
         scaler = self.accelerator.scaler
-        if scaler is None:
+        held = [
+            o for o in optimizers if scaler is not None and getattr(o, "scaler", None) is scaler
+        ]
+        if not held:
             yield
             return
-        asked = []
-        scaler.update = lambda new_scale=None: asked.append(new_scale)
+        deferred = _DeferredUpdate(scaler)
+        for optimizer in held:
+            optimizer.scaler = deferred
         try:
             yield
         finally:
-            del scaler.update  # the class's method again
-        if asked:
-            scaler.update(asked[-1])
+            for optimizer in held:
+                optimizer.scaler = scaler
+        if deferred.asked:
+            scaler.update(deferred.asked[-1])
+
+
+class _DeferredUpdate:
+    """A gradient scaler whose ``update`` is recorded, not run; everything
+    else is the scaler's own."""
+
+    def __init__(self, scaler):
+        self._scaler = scaler
+        self.asked = []
+
+    def update(self, new_scale=None):
+        self.asked.append(new_scale)
+
+    def __getattr__(self, name):
+        return getattr(self._scaler, name)
 
 
 @contextlib.contextmanager
@@ -282,7 +309,7 @@ class StepMixin:
         # compute the gradients once; every optimizer steps on them
         if step_fn is not None:
             step_fn()
-        with stepper.one_scaler_update():
+        with stepper.one_scaler_update(self._optimizers_now()):
             return super()._step_optimizer(None)
 
     def _zero_grad_optimizer(self, set_to_none=None):

@@ -308,12 +308,27 @@ def _prepare_one(accelerator, obj, slot):
     prepared = accelerator.prepare_scheduler(obj)
     plateau = isinstance(obj, ReduceLROnPlateau)
     if plateau:
-        prepared.__class__ = AcceleratedPlateauScheduler
+        prepared = _as_plateau(accelerator, prepared)
     if slot.step_once or plateau:
         # accelerate steps once per process per call, right for per-batch
         # schedules; epochs and plateaus are shared by every process
         prepared.split_batches = True
     return prepared
+
+
+def _as_plateau(accelerator, prepared):
+    # accelerate's wrapper is no ReduceLROnPlateau, which skorch's LRScheduler
+    # checks to step with the score: the same wrapper, built as one that is,
+    # takes its place in the accelerator's list
+    plateau = AcceleratedPlateauScheduler(
+        prepared.scheduler,
+        prepared.optimizers,
+        step_with_optimizer=prepared.step_with_optimizer,
+        split_batches=prepared.split_batches,
+    )
+    schedulers = accelerator_list(accelerator, "scheduler")
+    schedulers[:] = [plateau if s is prepared else s for s in schedulers]
+    return plateau
 
 
 class AcceleratedPlateauScheduler(AcceleratedScheduler, ReduceLROnPlateau):

@@ -253,6 +253,27 @@ def replicas_table(result):
     )
 
 
+def control_table(results):
+    """Sockets, a waiting rank's CPU and ``save_params`` against a
+    hand-written save, per number of processes (control.py)."""
+    lines = [
+        "**Control plane** (rank 0 writes, the other ranks wait)",
+        "",
+        "| processes | sockets: group | sockets: after fit | waiting rank, core fraction (max) "
+        "| save_params / torch.save+fsync (paired) |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for result in results:
+        ranks = result["ranks"]
+        waiting = max(r["wait"]["core_fraction"] for r in ranks[1:])
+        ratio = ranks[0]["save_params"]["save_params"]["paired_ratio"]
+        lines.append(
+            f"| {result['processes']} | {max(r['sockets_group'] for r in ranks)} | "
+            f"{max(r['sockets_after_fit'] for r in ranks)} | {waiting:.3f} | {ratio:.2f} |"
+        )
+    return lines
+
+
 def small_save_table(result):
     return [
         f"**save_params of a small model** ({result['processes']} processes, "
@@ -518,6 +539,9 @@ def main():
         lines += midepoch_table(midepoch) + [""]
     if replicas:
         lines += replicas_table(replicas) + [""]
+    control = [c for c in (load(args.raw, f"control_{n}") for n in (2, 4, 8)) if c]
+    if control:
+        lines += control_table(control) + [""]
     fits, merges = load_memory(args.raw)
     if fits:
         lines += memory_tables(fits, merges, load_everywhere(args.raw)) + [""]

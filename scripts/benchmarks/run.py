@@ -1,6 +1,6 @@
 """Run every benchmark, each in its own launch, then write the report.
 
-python scripts/benchmarks/run.py [--quick] [--only timing|memory|sharded] [--out results]
+python scripts/benchmarks/run.py [--quick] [--only timing|memory|sharded|control] [--out results]
     [--readme README.md] [--allocator default|tuned|both]
 """
 
@@ -48,6 +48,13 @@ MEMORY_QUICK = {"sizes": [2000], "processes": [2], "rounds": 1}
 
 # sharded.py: process counts, the model's size, the timing's rounds
 SHARDED = {"processes": [2, 4], "size": [], "time": ["--repeats", "5", "--steps", "16"]}
+# control.py: process counts and its arguments
+CONTROL = {"processes": [2, 4, 8], "args": []}
+CONTROL_QUICK = {
+    "processes": [2],
+    "args": ["--repeats", "2", "--wait-repeats", "1", "--write-mb", "8"],
+}
+
 SHARDED_QUICK = {
     "processes": [2],
     "size": ["--width", "256", "--depth", "2"],
@@ -106,7 +113,7 @@ def main():
     parser.add_argument("--readme", default=None, help="README whose benchmark section to update")
     parser.add_argument(
         "--only",
-        choices=("timing", "memory", "sharded"),
+        choices=("timing", "memory", "sharded", "control"),
         help="run one part; the report also reads the results already in --out",
     )
     parser.add_argument(
@@ -127,6 +134,10 @@ def main():
     if args.only in (None, "sharded"):
         allocators = list(ALLOCATORS) if args.allocator == "both" else [args.allocator]
         sharded(raw, timeout, SHARDED_QUICK if args.quick else SHARDED, allocators)
+    if args.only in (None, "control"):
+        control = CONTROL_QUICK if args.quick else CONTROL
+        for n in control["processes"]:
+            launch("control.py", raw / f"control_{n}.json", n, control["args"], timeout)
     report = [sys.executable, str(HERE / "report.py"), "--raw", str(raw), "--out", args.out]
     if args.readme:
         report += ["--readme", args.readme]
