@@ -27,9 +27,10 @@ from accel_mixin.checkpoint.checkpoint_files import (
     describe_position,
     position_of,
 )
+from accel_mixin.checkpoint.dcp_folder import remove_partial_folders
 from accel_mixin.checkpoint.files import remove_temporaries
 from accel_mixin.checkpoint.folder_claim import claim, release
-from accel_mixin.checkpoint.sharded_state import remove_orphan_shards, remove_training_state
+from accel_mixin.checkpoint.sharded_state import remove_training_state
 from accel_mixin.distributed.preemption import NoticeBoard, can_handle, handling_signals
 from accel_mixin.distributed.process_layout import writes_files
 from accel_mixin.errors import CheckpointError, Preempted
@@ -326,8 +327,9 @@ class TrainingCheckpoint(_RunCallback):
 
     def _written(self):
         """On the writing process, once a file is complete."""
-        remove_temporaries(self.run_folder_)  # of killed saves, whose names were this run's
-        remove_orphan_shards(self.run_folder_)
+        # of killed saves, whose names were this run's (the folder claim: no other job's)
+        remove_temporaries(self.run_folder_)
+        remove_partial_folders(self.run_folder_)
         if self.keep_last is not None:
             ends = [
                 path

@@ -8,7 +8,7 @@ development section maps them).
 from contextlib import contextmanager
 from typing import ClassVar
 
-from accel_mixin.checkpoint.background import finished_on_error
+from accel_mixin.checkpoint.state_saves import finished_on_error
 from accel_mixin.checkpointing import CheckpointingMixin
 from accel_mixin.distributed.fork_guard import guard_forks
 from accel_mixin.distributed.history_sync import adopt_history
@@ -238,7 +238,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
         with (
             self._coordinator.session("fit"),
             quiet_unless_main(self.accelerator),
-            finished_on_error(lambda: self._process.writer),
+            finished_on_error(self._process, self.io_timeout),
         ):
             # before initialize(), whose preparation runs DDP's collectives:
             # a rank in another call learns it here, naming both calls
@@ -259,7 +259,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
         with (
             self._coordinator.session("partial_fit"),
             quiet_unless_main(self.accelerator),
-            finished_on_error(lambda: self._process.writer),
+            finished_on_error(self._process, self.io_timeout),
             callbacks_during_fit(self),
         ):
             return super().partial_fit(X, y, classes=classes, **fit_params)
@@ -376,9 +376,6 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
         # it took from the wrapped module
         if self.unwrap_after_train:
             self._unwrap_accelerator()
-        # asynchronous saves reuse the CPU copy within one fit; a write in
-        # flight holds its own reference
-        self._process.snapshot = None
 
     def get_dataset(self, X, y=None):
         dataset = super().get_dataset(X, y)

@@ -45,7 +45,7 @@ def _sharded_names(files):
 def test_a_run_resumed_at_an_epochs_end_from_asynchronous_saves_goes_on_exactly(trained):
     for value in values(trained, "epoch_end_resume_is_exact"):
         assert value["stopped"] == "Stop: epoch 2"
-        assert value["resumed_from"] == "training-state-000001.pt"  # stopped as epoch 2 began
+        assert value["resumed_from"] == "training-state-000001"  # stopped as epoch 2 began
         _exact(value)
         assert [name.split(".shards-")[0] for name in value["folders"]] == value["files"]
 
@@ -53,7 +53,7 @@ def test_a_run_resumed_at_an_epochs_end_from_asynchronous_saves_goes_on_exactly(
 def test_a_run_resumed_inside_an_epoch_goes_on_exactly(trained):
     for value in values(trained, "mid_epoch_resume_is_exact"):
         assert value["stopped"] == "Stop: batch 5 of epoch 2"
-        assert value["resumed_from"] == f"training-state-000001-batch-000004-ranks-{PROCESSES}.pt"
+        assert value["resumed_from"] == f"training-state-000001-batch-000004-ranks-{PROCESSES}"
         _exact(value)
         assert [name.split(".shards-")[0] for name in value["folders"]] == value["files"]
 
@@ -63,13 +63,13 @@ def test_a_notice_saves_the_shards_and_the_rerun_goes_on_exactly(trained):
         assert value["stopped"].startswith("Preempted: Preempted (notice: ")
         # every rank stopped at the batch after the notice, and saved there
         assert "training stopped after training batch 6 of epoch 2" in value["stopped"]
-        assert value["resumed_from"] == f"training-state-000001-batch-000006-ranks-{PROCESSES}.pt"
+        assert value["resumed_from"] == f"training-state-000001-batch-000006-ranks-{PROCESSES}"
         _exact(value)
 
 
 def test_early_stoppings_best_weights_other_than_the_current_come_back(trained):
     for value in values(trained, "early_stoppings_best_weights_come_back"):
-        assert value["resumed_from"] == f"training-state-000001-batch-000004-ranks-{PROCESSES}.pt"
+        assert value["resumed_from"] == f"training-state-000001-batch-000004-ranks-{PROCESSES}"
         assert value["best_epoch"] == [1, 1]
         # load_best put the first epoch's weights back, as in the uninterrupted run
         assert value["difference"] == 0.0
@@ -77,7 +77,7 @@ def test_early_stoppings_best_weights_other_than_the_current_come_back(trained):
 
 def test_rotation_removes_each_files_folder_of_shards(trained):
     for value in values(trained, "rotation_removes_folders_with_files"):
-        assert value["files"] == ["training-state-000004.pt"]
+        assert value["files"] == ["training-state-000004"]
         assert [name.split(".shards-")[0] for name in value["folders"]] == value["files"]
 
 

@@ -108,7 +108,7 @@ def test_a_save_commits_one_folder_and_then_says_so(data, tmp_path, asynchronous
     net = _fitted(data)
     written = []
     path = tmp_path / "state"
-    net._save_state_folder(path, asynchronous=asynchronous, on_written=lambda: written.append(1))
+    net.save_state(path, asynchronous=asynchronous, on_written=lambda: written.append(1))
     net.wait_for_saves()
     assert written == [1]
     assert is_state_folder(path)
@@ -122,7 +122,7 @@ def test_a_save_commits_one_folder_and_then_says_so(data, tmp_path, asynchronous
 def test_an_asynchronous_save_keeps_the_state_of_its_call(data, tmp_path):
     net = _fitted(data)
     before = {k: v.clone() for k, v in net.module_.state_dict().items()}
-    net._save_state_folder(tmp_path / "state", asynchronous=True)
+    net.save_state(tmp_path / "state", asynchronous=True)
     net.partial_fit(*data)  # trains on while the save is in flight
     net.wait_for_saves()
     read = read_full(tmp_path / "state", keys={"modules", "history"})
@@ -133,12 +133,12 @@ def test_an_asynchronous_save_keeps_the_state_of_its_call(data, tmp_path):
 def test_a_failed_save_names_the_state_and_leaves_the_previous_one(data, tmp_path):
     net = _fitted(data)
     path = tmp_path / "state"
-    net._save_state_folder(path)
+    net.save_state(path)
     net.partial_fit(*data)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(os, "rename", _refused)  # the commit fails: the disk is full
         with pytest.raises(CheckpointError, match=r"Cannot save the training state .*state: "):
-            net._save_state_folder(path)
+            net.save_state(path)
     assert sorted(os.listdir(tmp_path)) == ["state"]  # its partial folder removed
     assert len(unplain(read_full(path, keys={"history"})["history"])) == 3  # the previous one
 
@@ -155,7 +155,7 @@ def test_a_stalled_asynchronous_save_ends_within_io_timeout():
 
 def test_load_state_resumes_from_a_folder_as_from_the_single_file(data, tmp_path):
     net = _fitted(data)
-    net._save_state_folder(tmp_path / "folder")
+    net.save_state(tmp_path / "folder")
     net.save_state(tmp_path / "file.pt")
     resumed = []
     for source in ("folder", "file.pt"):

@@ -1,12 +1,14 @@
-"""Which training-state files a folder holds, and which one every rank has.
+"""Which training states a folder holds, and which one every rank has.
 
-``TrainingCheckpoint`` names its files after the position of training they
-hold: ``training-state-<epoch>.pt`` after ``epoch`` epochs, and
-``training-state-<epoch>-batch-<batch>-ranks-<n>.pt`` after ``batch``
-training batches of the next epoch on ``n`` processes (such a state resumes
-on ``n`` processes only: each holds its own part of the epoch). Positions
-``(epoch, batch)`` order the files (an epoch's end is ``(epoch, 0)``). Each
-file is renamed into place once complete, so a file with such a name is whole.
+``TrainingCheckpoint`` names its states (folders) after the position of
+training they hold: ``training-state-<epoch>`` after ``epoch`` epochs, and
+``training-state-<epoch>-batch-<batch>-ranks-<n>`` after ``batch`` training
+batches of the next epoch on ``n`` processes (such a state resumes on ``n``
+processes only: each holds its own part of the epoch). Positions ``(epoch,
+batch)`` order them (an epoch's end is ``(epoch, 0)``). Each is renamed into
+place once complete, so a state with such a name is whole. Earlier releases
+wrote single files, the same names with ``.pt``: they are found and read too;
+where a folder and a file hold the same position, the folder is the newer.
 """
 
 import os
@@ -15,17 +17,20 @@ import warnings
 
 from accelerate.utils import gather_object
 
+from accel_mixin.checkpoint.dcp_folder import is_state_folder
 from accel_mixin.errors import CheckpointError
 
-_CHECKPOINT_RE = re.compile(r"^training-state-(\d{6,})(?:-batch-(\d{6,})-ranks-(\d+))?\.pt$")
+_CHECKPOINT_RE = re.compile(
+    r"^training-state-(\d{6,})(?:-batch-(\d{6,})-ranks-(\d+))?(?P<file>\.pt)?$"
+)
 
 
 def checkpoint_name(epoch, batch=0, processes=1):
-    """The file name of the training state after ``epoch`` epochs and
-    ``batch`` training batches of the next one, on ``processes`` processes."""
+    """The name of the training state after ``epoch`` epochs and ``batch``
+    training batches of the next one, on ``processes`` processes."""
     if batch:
-        return f"training-state-{epoch:06d}-batch-{batch:06d}-ranks-{processes}.pt"
-    return f"training-state-{epoch:06d}.pt"
+        return f"training-state-{epoch:06d}-batch-{batch:06d}-ranks-{processes}"
+    return f"training-state-{epoch:06d}"
 
 
 def describe_position(position):
@@ -34,8 +39,8 @@ def describe_position(position):
 
 
 def position_of(path):
-    """The ``(epoch, batch)`` of a training-state file by its name, None
-    for a name that ``checkpoint_name`` does not give."""
+    """The ``(epoch, batch)`` of a training state by its name, None for a
+    name that ``checkpoint_name`` does not give (with or without ``.pt``)."""
     match = _CHECKPOINT_RE.match(os.path.basename(path))
     return (int(match.group(1)), int(match.group(2) or 0)) if match else None
 
@@ -46,24 +51,47 @@ def _describe_positions(positions):
 
 
 def checkpoint_positions(dirname, processes=None):
-    """The complete training-state files in ``dirname``, by ``(epoch, batch)``;
-    with ``processes``, only those that resume on that many processes."""
-    try:
-        names = os.listdir(dirname)
-    except FileNotFoundError:
-        return {}
+    """The complete training states in ``dirname`` (folders, and files of
+    earlier releases), by ``(epoch, batch)``; with ``processes``, only those
+    that resume on that many processes."""
     return {
-        (int(m.group(1)), int(m.group(2) or 0)): os.path.join(dirname, n)
-        for n in names
-        for m in [_CHECKPOINT_RE.match(n)]
-        if m and (processes is None or not m.group(2) or int(m.group(3)) == processes)
+        position: paths[-1][0]
+        for position, paths in _states(dirname).items()
+        if processes is None or not position[1] or paths[-1][1] == processes
     }
 
 
-def checkpoint_files(dirname):
-    """The complete training-state files in ``dirname``, oldest first."""
-    found = checkpoint_positions(dirname)
-    return [found[position] for position in sorted(found)]
+def _states(dirname):
+    """``{(epoch, batch): [(path, processes), ...]}``: files before folders."""
+    try:
+        names = sorted(os.listdir(dirname))
+    except FileNotFoundError:
+        return {}
+    found = {}
+    for name in names:
+        match = _CHECKPOINT_RE.match(name)
+        if match is None:
+            continue
+        path = os.path.join(dirname, name)
+        is_file = match.group("file") is not None
+        if is_file != os.path.isfile(path) or not (is_file or is_state_folder(path)):
+            continue  # a folder without .metadata, a file named as a folder
+        position = (int(match.group(1)), int(match.group(2) or 0))
+        processes = int(match.group(3)) if match.group(2) else None
+        entry = (path, processes, not is_file)
+        found.setdefault(position, []).append(entry)
+    return {position: sorted(paths, key=lambda e: e[2]) for position, paths in found.items()}
+
+
+def checkpoint_files(dirname, every=False):
+    """The complete training states in ``dirname``, oldest first (with
+    ``every``, also a file that a folder of the same position shadows)."""
+    states = _states(dirname)
+    return [
+        entry[0]
+        for position in sorted(states)
+        for entry in (states[position] if every else states[position][-1:])
+    ]
 
 
 def agreed_checkpoint(dirname, accelerator):

@@ -77,6 +77,8 @@ def _folders(value, found):
 
 def intact(path):
     """Whether the training state ``path`` loads and its shards are complete."""
+    if os.path.isdir(path):  # a folder: committed, and every file it names whole
+        return os.path.isfile(os.path.join(path, ".metadata")) and not _problems(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:  # pylint: disable=broad-except

@@ -39,7 +39,12 @@ import shutil
 
 import torch
 
-from accel_mixin.checkpoint.dcp_folder import checkpoint_exception, failures
+from accel_mixin.checkpoint.dcp_folder import (
+    checkpoint_exception,
+    failures,
+    load_folder,
+    partial_folder,
+)
 from accel_mixin.checkpoint.dcp_folder import one_process_quietly as _one_process_quietly
 from accel_mixin.checkpoint.files import without_name, write_cause
 from accel_mixin.distributed.sharding import reshard
@@ -49,6 +54,9 @@ __all__ = [
     "SHARDED",
     "agree_on_the_save",
     "is_sharded_entry",
+    "load_best_weights_from",
+    "load_module_from",
+    "load_optimizer_from",
     "load_sharded_best_weights",
     "load_sharded_module",
     "load_sharded_optimizer",
@@ -56,6 +64,7 @@ __all__ = [
     "remove_shards",
     "remove_stale_shards",
     "remove_training_state",
+    "restore_groups",
     "save_shards",
     "shards_folder",
 ]
@@ -200,11 +209,11 @@ def _damage():
 
 
 def _load(target, folder, source, what):
-    """DCP's load of ``target`` (a nested dict of tensors, filled in place);
-    its errors as ``CheckpointError`` naming the file."""
+    """DCP's load of ``target`` (a nested dict of tensors, filled in place),
+    plain values read ``weights_only``; its errors as ``CheckpointError``
+    naming the file."""
     try:
-        with _one_process_quietly():
-            _dcp().load(target, checkpoint_id=folder, no_dist=not _distributed())
+        load_folder(target, folder)
     except checkpoint_exception() as exc:  # on every rank, with every rank's failure
         if _damage().is_damage(exc):
             raise CheckpointError(
@@ -218,6 +227,53 @@ def _load(target, folder, source, what):
     return target
 
 
+def _nested(keys, value):
+    for key in reversed(keys):
+        value = {key: value}
+    return value
+
+
+def _inside(state, keys):
+    for key in keys:
+        state = state[key]
+    return state
+
+
+def load_module_from(module, folder, keys, source, name):
+    """Load the module state under ``keys`` of the DCP folder ``folder``
+    into ``module``, sharded or not (DCP reshards); every rank calls it."""
+    api = _state_dict_api()
+    reshard(module)
+    template = api.get_model_state_dict(module)
+    if not template:  # nothing to load (a criterion without parameters)
+        return
+    state = _load(_nested(keys, template), folder, source, name)
+    api.set_model_state_dict(module, _inside(state, keys))
+
+
+def load_optimizer_from(module, optimizer, folder, keys, source, name):
+    """Load the optimizer state under ``keys`` of ``folder`` (keyed by
+    ``module``'s parameter names) into ``optimizer``; returns its param
+    groups as saved."""
+    api = _state_dict_api()
+    reshard(module)
+    # a fresh optimizer's state is created here (torch steps it with zero
+    # gradients and a learning rate of 0), so that DCP has tensors to fill
+    template = api.get_optimizer_state_dict(module, optimizer)
+    loaded = _inside(_load(_nested(keys, template), folder, source, name), keys)
+    api.set_optimizer_state_dict(module, optimizer, loaded)
+    return loaded["param_groups"]
+
+
+def load_best_weights_from(module, folder, keys, source, name):
+    """``EarlyStopping``'s best weights under ``keys`` of ``folder``, as a
+    state dict laid out as ``module``'s own (sharded or not), under its bare
+    keys."""
+    reshard(module)
+    like = {key: copy.deepcopy(value) for key, value in module.state_dict().items()}
+    return _inside(_load(_nested(keys, like), folder, source, name), keys)
+
+
 def _failure_of(exc, rank):
     failure = exc.failures.get(rank)
     return failure[0] if isinstance(failure, tuple) else failure
@@ -225,27 +281,23 @@ def _failure_of(exc, rank):
 
 def load_sharded_module(module, source, entry, name):
     """Load the shards that ``entry`` names into ``module``, sharded or not."""
-    api = _state_dict_api()
-    folder = _folder_of(source, entry, name)
-    reshard(module)
-    state = _load({"module": api.get_model_state_dict(module)}, folder, source, name)
-    api.set_model_state_dict(module, state["module"])
+    load_module_from(module, _folder_of(source, entry, name), ("module",), source, name)
 
 
 def load_sharded_optimizer(module, optimizer, source, entry, name):
     """Load the optimizer state that ``entry`` names into ``optimizer`` over
     ``module``'s parameters, sharded or not."""
-    api = _state_dict_api()
     folder = _folder_of(source, entry, name)
-    reshard(module)
-    # a fresh optimizer's state is created here (torch steps it with zero
-    # gradients and a learning rate of 0), so that DCP has tensors to fill
-    target = {"optimizers": {entry["name"]: api.get_optimizer_state_dict(module, optimizer)}}
-    state = _load(target, folder, source, name)
-    api.set_optimizer_state_dict(module, optimizer, state["optimizers"][entry["name"]])
+    load_optimizer_from(module, optimizer, folder, ("optimizers", entry["name"]), source, name)
     # torch's loader keeps only the keys the groups had (a scheduler's
     # initial_lr is lost); the file has the groups as optimizer.state_dict()
-    for group, saved in zip(optimizer.param_groups, entry["param_groups"]):
+    restore_groups(optimizer, entry["param_groups"])
+
+
+def restore_groups(optimizer, groups):
+    """The hyperparameters of ``groups`` (saved param groups) back into
+    ``optimizer``'s, which torch's loader drops (a scheduler's ``initial_lr``)."""
+    for group, saved in zip(optimizer.param_groups, groups):
         group.update((key, value) for key, value in saved.items() if key != "params")
 
 
@@ -253,10 +305,7 @@ def load_sharded_best_weights(module, source, entry, name):
     """``EarlyStopping``'s best weights that ``entry`` names, as a state dict
     laid out as ``module``'s own (sharded or not), under its bare keys."""
     folder = _folder_of(source, entry, name)
-    reshard(module)
-    like = {key: copy.deepcopy(value) for key, value in module.state_dict().items()}
-    state = _load({"best": {entry["name"]: like}}, folder, source, name)
-    return state["best"][entry["name"]]
+    return load_best_weights_from(module, folder, ("best", entry["name"]), source, name)
 
 
 def _remove_folder(folder):
@@ -281,7 +330,16 @@ def remove_stale_shards(path, keep):
 
 
 def remove_training_state(path):
-    """Remove the training state ``path`` and its folders of shards."""
+    """Remove the training state ``path``: a folder, or an earlier release's
+    file and its folders of shards."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        # renamed aside first: a crash halfway leaves no folder under its name
+        # that looks whole and is not
+        aside = partial_folder(path, secrets.token_hex(6))
+        with contextlib.suppress(OSError):
+            os.rename(path, aside)
+            _remove_folder(aside)
+        return
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     remove_stale_shards(path, keep=None)

@@ -1,13 +1,13 @@
 """Training states saved as DCP folders (``dcp_folder``): the gloo group of
 asynchronous saves, the save in flight, and one ``CheckpointError`` for a
 save that failed on any rank.
-
-WIP (issue 47, point 2): ``CheckpointingMixin._save_state_folder`` uses it;
-``save_state`` does not yet.
 """
 
 import concurrent.futures
+import contextlib
 import os
+import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -19,9 +19,17 @@ from accel_mixin.checkpoint.dcp_folder import (
     remove_partial_folders,
     save_folder,
 )
+from accel_mixin.checkpoint.files import check_directory
 from accel_mixin.errors import CheckpointError, Stalled
 
-__all__ = ["SaveInFlight", "save_group", "save_state_folder"]
+__all__ = [
+    "SaveInFlight",
+    "finished_on_error",
+    "save_group",
+    "save_state_folder",
+    "saves_in_flight",
+    "wait_for_all",
+]
 
 
 def _distributed():
@@ -58,7 +66,10 @@ def _save_error(path, exc):
 
 def save_state_folder(state, path, *, asynchronous=False, group=None, on_committed=None):
     """``dcp_folder.save_folder`` whose failures raise ``CheckpointError``;
-    asynchronous: a ``SaveInFlight``."""
+    asynchronous: a ``SaveInFlight``. Where the directory to save in is
+    missing, every rank raises before anything is written (DCP would create
+    it)."""
+    check_directory(path)
     try:
         future = save_folder(
             state, path, asynchronous=asynchronous, group=group, on_committed=on_committed
@@ -68,13 +79,32 @@ def save_state_folder(state, path, *, asynchronous=False, group=None, on_committ
     return None if future is None else SaveInFlight(os.fspath(path), future)
 
 
-@dataclass
+# every save in flight of this process, so that a load (of any net) waits for them
+_IN_FLIGHT = weakref.WeakSet()
+
+
+def wait_for_all(io_timeout):
+    """Wait, at most ``io_timeout`` each, for every asynchronous save of
+    this process to end; their errors are their nets' to raise."""
+    for in_flight in list(_IN_FLIGHT):
+        concurrent.futures.wait([in_flight.future], timeout=io_timeout)
+
+
+def saves_in_flight():
+    """Whether an asynchronous save of this process has not ended."""
+    return any(not in_flight.future.done() for in_flight in list(_IN_FLIGHT))
+
+
+@dataclass(eq=False)
 class SaveInFlight:
     """An asynchronous save: ``path``, and the future that ends once its
     folder is committed."""
 
     path: str
     future: Any
+
+    def __post_init__(self):
+        _IN_FLIGHT.add(self)
 
     def wait(self, io_timeout: Optional[float]):
         """Wait for the save, at most ``io_timeout`` seconds; raise what it raised."""
@@ -88,3 +118,23 @@ class SaveInFlight:
             ) from None
         except (OSError, checkpoint_exception()) as exc:
             raise _save_error(self.path, exc) from None
+
+
+@contextlib.contextmanager
+def finished_on_error(process, io_timeout):
+    """Where the block raises, finish ``process``'s save in flight (its
+    ``save_in_flight``), at most ``io_timeout``, and warn if it failed too,
+    without hiding the block's error."""
+    try:
+        yield
+    except BaseException:
+        in_flight, process.save_in_flight = process.save_in_flight, None
+        if in_flight is not None:
+            try:
+                in_flight.wait(io_timeout)
+            except Exception as exc:  # pylint: disable=broad-except
+                warnings.warn(
+                    f"An asynchronous save_state failed too: {type(exc).__name__}: {exc}",
+                    RuntimeWarning,
+                )
+        raise

@@ -19,7 +19,10 @@
 WIP (issue 47, point 2): ``save_state`` does not write it yet.
 """
 
-from accel_mixin.checkpoint.dcp_folder import plain, unplain
+import os
+from dataclasses import dataclass
+
+from accel_mixin.checkpoint.dcp_folder import plain, read_full, saved_keys, unplain
 from accel_mixin.checkpoint.state_values import rng_state
 from accel_mixin.distributed.sharding import reshard, sharded
 from accel_mixin.resume.training_state import (
@@ -31,7 +34,17 @@ from accel_mixin.resume.training_state import (
 )
 from accel_mixin.training.net_objects import net_modules, raw, sharded_module
 
-__all__ = ["FOLDER_VERSION", "as_single_file", "folder_state", "rank_key"]
+__all__ = [
+    "FOLDER_VERSION",
+    "InFolder",
+    "as_single_file",
+    "by_position",
+    "folder_state",
+    "in_folder_entries",
+    "owner_module",
+    "rank_key",
+    "read_whole",
+]
 
 # version 1 is the single torch file (and its folder of shards under FSDP2)
 FOLDER_VERSION = 2
@@ -49,7 +62,7 @@ def _api():
     return state_dict
 
 
-def _owner(modules, optimizer):
+def owner_module(modules, optimizer):
     """The module among ``modules`` that holds every parameter of
     ``optimizer``, or None."""
     params = {id(p) for group in optimizer.param_groups for p in group["params"]}
@@ -70,7 +83,7 @@ def _module_state(module):
 def _optimizer_state(optimizer, modules):
     """``optimizer``'s state dict keyed by parameter names where one module
     holds its parameters; else as torch keys it (by position), plain."""
-    owner = _owner(modules, optimizer)
+    owner = owner_module(modules, optimizer)
     if owner is None:
         return plain(optimizer.state_dict())
     return _api().get_optimizer_state_dict(owner, optimizer)
@@ -119,7 +132,7 @@ def folder_state(net, train_iterator_state, stopped=False, position=None):
     return state
 
 
-def _by_position(optimizer_state):
+def by_position(optimizer_state):
     """An optimizer state keyed by parameter names as torch keys it, by
     position (the order of its groups' parameters)."""
     if isinstance(optimizer_state, tuple):  # saved by position already
@@ -129,15 +142,48 @@ def _by_position(optimizer_state):
     for group in groups:
         group["params"] = [position.setdefault(name, len(position)) for name in group["params"]]
     return {
-        "state": {position[name]: value for name, value in optimizer_state["state"].items()},
+        # DCP keeps no key of an empty dict: an optimizer without state (SGD)
+        "state": {
+            position[name]: value for name, value in optimizer_state.get("state", {}).items()
+        },
         "param_groups": groups,
     }
 
 
-def as_single_file(read):
+@dataclass(frozen=True)
+class InFolder:
+    """In place of an entry of a state that a sharded net loads from the
+    folder itself into what it holds: the entry under ``keys`` of ``path``."""
+
+    path: str
+    keys: tuple
+
+
+def in_folder_entries(path, names):
+    """``{name: InFolder}`` for each of ``names`` ('modules', 'optimizers',
+    'best_weights') under which the folder ``path`` keeps entries."""
+    found = {}
+    for fqn in saved_keys(path).get(names, ()):
+        parts = fqn.split(".")
+        if len(parts) > 1:
+            found.setdefault(parts[1], InFolder(os.fspath(path), (names, parts[1])))
+    return found
+
+
+def as_single_file(read, folder=None):
     """A folder's entries read whole (``dcp_folder.read_full``) laid out as
     the single file of version 1 holds them (``collect_state``'s), for the
-    readers of one process and DDP."""
+    readers of one process and DDP. With ``folder``, for a sharded net: the
+    modules, optimizers and best weights, not read, are ``InFolder``
+    entries of it."""
+    if folder is not None:
+        read = dict(
+            read,
+            **{
+                key: in_folder_entries(folder, key)
+                for key in ("modules", "optimizers", "best_weights")
+            },
+        )
     meta = unplain(read["meta"])
     ranks = range(meta["num_processes"])
     callbacks = unplain(read["callbacks"])
@@ -146,13 +192,17 @@ def as_single_file(read):
     loop = unplain(read["loop"])
     partial = [read.get(rank_key("partial", rank)) for rank in ranks]
     loop["partial_epoch"] = None if partial[0] is None else [unplain(p) for p in partial]
+    modules = read.get("modules", {})
     state = {
         "format": meta["format"],
         "version": VERSION,
         "num_processes": meta["num_processes"],
         "epoch": meta["epoch"],
-        "modules": {name: read.get("modules", {}).get(name, {}) for name in meta["modules"]},
-        "optimizers": {name: _by_position(opt) for name, opt in read["optimizers"].items()},
+        "modules": {name: modules.get(name, {}) for name in meta["modules"]},
+        "optimizers": {
+            name: opt if isinstance(opt, InFolder) else by_position(opt)
+            for name, opt in read["optimizers"].items()
+        },
         "rng": [unplain(read[rank_key("rng", rank)]) for rank in ranks],
         "callbacks": callbacks,
         "loop": loop,
@@ -160,3 +210,9 @@ def as_single_file(read):
     for key in ("schedulers", "scaler", "history"):
         state[key] = unplain(read[key])
     return state
+
+
+def read_whole(path, torch_load_kwargs=None):
+    """The training-state folder ``path`` read whole by this process alone,
+    laid out as ``collect_state`` lays out a state (no collective)."""
+    return as_single_file(read_full(path, torch_load_kwargs=torch_load_kwargs))

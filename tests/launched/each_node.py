@@ -67,7 +67,7 @@ def resume(max_epochs):
 def resume_from_the_epoch_every_node_has():
     resume(3)  # every node keeps its own epochs 1 to 3
     if rank == 1:  # node 1 was killed while writing epoch 3
-        (state,) = Path("states").glob("run-*/training-state-000003.pt")
+        (state,) = Path("states").glob("run-*/training-state-000003")
         state.unlink()
     net, caught = resume(4)
     return {

@@ -154,7 +154,7 @@ elif PHASE == "damaged":
     net = net_of(max_epochs=2, callbacks=[TrainingCheckpoint(str(dirname), keep_last=None)])
     net.fit(X, y)
     run_folder = Path(dict(net.callbacks_)["TrainingCheckpoint"].run_folder_)
-    newest = run_folder / "training-state-000002.pt"
+    newest = run_folder / "training-state-000002"
     (shards,) = [run_folder / name for name in shard_folders(run_folder) if "000002" in name]
     shard = shards / "__1_0.distcp"  # rank 1's
 

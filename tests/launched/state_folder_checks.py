@@ -51,7 +51,7 @@ def saved(name, asynchronous):
     path = SHARED / f"{LAYOUT}-{name}"
     reference = SHARED / f"{LAYOUT}-{name}.params.pt"
     net.save_params(f_params=reference)  # the full weights at the save
-    net._save_state_folder(path, asynchronous=asynchronous)
+    net.save_state(path, asynchronous=asynchronous)
     if asynchronous:
         net.partial_fit(X, y)  # trains on while the save is in flight
     net.wait_for_saves()
@@ -91,7 +91,7 @@ def commit_fails_on_rank_0():
     if RANK == 0:
         os.rename = _refused  # test only: the commit's rename fails on rank 0
     try:
-        error = outcome(lambda: net._save_state_folder(path))
+        error = outcome(lambda: net.save_state(path))
     finally:
         os.rename = rename
     net.wait_for_everyone()  # rank 0 removes the partial folder: a rank may raise first
