@@ -160,7 +160,8 @@ def _restore_training_state(net, state, source):
             raise CheckpointError(f"{source} holds no state for {name}_.")
         saved = state["optimizers"][name]
         if isinstance(saved, InFolder):
-            saved = state["optimizers"][name] = _load_optimizer(net, name, saved, source)
+            groups = state["optimizer_groups"][name]
+            saved = state["optimizers"][name] = _load_optimizer(net, name, saved, groups, source)
         elif is_sharded_entry(saved):
             load_sharded_optimizer(
                 _module_of(net, saved, source), raw(net, name), source, saved, name + "_"
@@ -206,16 +207,17 @@ def _restore_training_state(net, state, source):
     return plan
 
 
-def _load_optimizer(net, name, entry, source):
-    """Load the optimizer ``name`` from a folder (``entry``) into a sharded
-    net; returns what the plan needs of it (its param groups)."""
+def _load_optimizer(net, name, entry, groups, source):
+    """Load the optimizer ``name`` from a folder (``entry``; ``groups``: its
+    saved hyperparameters) into a sharded net; returns what the plan needs
+    of it (its param groups)."""
     optimizer = raw(net, name)
     owner = owner_module(dict(net_modules(net)).values(), optimizer)
     if owner is None:  # saved by position (several modules' parameters)
         saved = by_position(read_full(source, ["optimizers"])["optimizers"][name])
         load_optimizer_state(optimizer, saved, source=source, name=name + "_")
         return saved
-    groups = load_optimizer_from(owner, optimizer, source, entry.keys, source, name + "_")
+    load_optimizer_from(owner, optimizer, source, entry.keys, source, name + "_")
     restore_groups(optimizer, groups)
     return {"param_groups": groups}
 

@@ -13,8 +13,10 @@
   best weights as tensors (sharded where the module is);
 - ``rng.rank-<r>`` and, inside an epoch, ``partial.rank-<r>``: each rank
   saves its own, so no rank gathers another's;
-- ``meta``, ``schedulers``, ``scaler``, ``history``, ``callbacks``,
-  ``loop``: plain values, one DCP item each (``dcp_folder.plain``).
+- ``meta``, ``optimizer_groups`` (every optimizer's hyperparameters,
+  ``initial_lr`` included), ``schedulers``, ``scaler``, ``history``,
+  ``callbacks``, ``loop``: plain values, one DCP item each
+  (``dcp_folder.plain``).
 
 WIP (issue 47, point 2): ``save_state`` does not write it yet.
 """
@@ -122,6 +124,17 @@ def folder_state(net, train_iterator_state, stopped=False, position=None):
             for name in net._optimizers  # pylint: disable=protected-access
         },
         "best_weights": best,
+        # a sharded net loads optimizers into a template of the groups it has,
+        # which lacks what schedulers add (initial_lr): the groups whole
+        "optimizer_groups": plain(
+            {
+                name: [
+                    {key: value for key, value in group.items() if key != "params"}
+                    for group in raw(net, name).param_groups
+                ]
+                for name in net._optimizers  # pylint: disable=protected-access
+            }
+        ),
         "callbacks": plain(callbacks),
         rank_key("rng", rank): plain(rng_state()),
     }
@@ -209,6 +222,8 @@ def as_single_file(read, folder=None):
     }
     for key in ("schedulers", "scaler", "history"):
         state[key] = unplain(read[key])
+    if folder is not None:
+        state["optimizer_groups"] = unplain(read["optimizer_groups"])
     return state
 
 
