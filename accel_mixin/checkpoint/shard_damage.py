@@ -17,6 +17,7 @@ import os
 import torch
 
 from accel_mixin.checkpoint.checkpoint_files import checkpoint_files
+from accel_mixin.checkpoint.dcp_folder import SafeReader
 from accel_mixin.checkpoint.sharded_state import SHARDED
 
 __all__ = ["damaged_message", "is_damage"]
@@ -40,10 +41,8 @@ def is_damage(exc):
 def _problems(folder):
     """What is wrong with ``folder``'s files: its ``.metadata`` unreadable, or
     shard files it names missing or shorter than it says; [] if nothing."""
-    from torch.distributed.checkpoint import FileSystemReader  # pylint: disable=import-outside-toplevel
-
     try:
-        metadata = FileSystemReader(folder).read_metadata()
+        metadata = SafeReader(folder).read_metadata()
     except Exception as exc:  # pylint: disable=broad-except
         return [f".metadata is unreadable ({type(exc).__name__})"]
     needed = {}
@@ -98,11 +97,13 @@ def newest_intact(source):
 
 
 def damaged_message(source, folder, detail):
-    """What to say of ``source``, whose folder of shards ``folder`` is
-    damaged (``detail``: what failed), and what to do."""
+    """What to say of ``source``, whose folder of shards ``folder`` (for a
+    training-state folder, itself) is damaged (``detail``: what failed), and
+    what to do."""
     found = _problems(folder) if os.path.isdir(folder) else ["it is missing"]
     if found:
         detail = f"{'; '.join(found)}; {detail}"
+    own = os.path.abspath(folder) == os.path.abspath(source)
     other = newest_intact(source)
     if other is None:
         advice = (
@@ -112,11 +113,11 @@ def damaged_message(source, folder, detail):
     else:
         advice = (
             f"The newest intact state beside it is {other}: load it with "
-            f"net.load_state({other!r}), or delete {source} and its folder so that "
-            "ResumeTraining resumes from it."
+            f"net.load_state({other!r}), or delete {source}"
+            f"{'' if own else ' and its folder'} so that ResumeTraining resumes from it."
         )
+    what = "its files are" if own else f"its folder of shards {folder} is"
     return (
-        f"{source} cannot be loaded: its folder of shards {folder} is damaged or unreadable "
-        f"({detail}); a shard file was deleted, truncated or overwritten since it was saved. "
-        f"{advice}"
+        f"{source} cannot be loaded: {what} damaged or unreadable ({detail}); a file was "
+        f"deleted, truncated or overwritten since it was saved. {advice}"
     )

@@ -15,11 +15,10 @@ import torch
 
 from accel_mixin.checkpoint.dcp_folder import (
     checkpoint_exception,
-    failures,
     remove_partial_folders,
     save_folder,
 )
-from accel_mixin.checkpoint.files import check_directory
+from accel_mixin.checkpoint.files import check_directory, without_name, write_cause
 from accel_mixin.errors import CheckpointError, Stalled
 
 __all__ = [
@@ -49,14 +48,33 @@ def save_group(held):
     return held if held is not None else torch.distributed.new_group(backend="gloo")
 
 
+def _failed_writes(directory, exc, rank):
+    """Every rank's failure in ``exc`` (DCP's, or this rank's own), each with
+    the cause and fix of a failed write into ``directory`` where known."""
+    if isinstance(exc, checkpoint_exception()):
+        items = sorted(exc.failures.items())
+    else:
+        items = [(rank, exc)]
+    lines = []
+    for failed_rank, failure in items:
+        error = failure[0] if isinstance(failure, tuple) else failure
+        line = f"rank {failed_rank}: {without_name(error)}"
+        cause = write_cause(directory, error)
+        if cause and cause[1] not in line:
+            line += f" ({cause[1]})"
+        lines.append(line)
+    return "; ".join(lines) or str(exc)
+
+
 def _save_error(path, exc):
     """``CheckpointError`` for the save of ``path`` that ``exc`` ended; rank 0
     removes the save's partial folder first."""
     directory, name = os.path.split(os.path.abspath(os.fspath(path)))
     rank = torch.distributed.get_rank() if _distributed() else 0
+    # the cause looked up before the partial folder frees the space
+    failed = _failed_writes(directory, exc, rank)
     if rank == 0:
         remove_partial_folders(directory, name)
-    failed = failures(exc) if isinstance(exc, checkpoint_exception()) else f"{exc}"
     before = "the state saved there before is intact" if os.path.exists(path) else "none was"
     return CheckpointError(
         f"Cannot save the training state {path}: writing it failed on {failed}. "
