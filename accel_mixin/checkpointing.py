@@ -1,7 +1,9 @@
 """``save_params``, ``load_params``, ``save_state`` and ``load_state`` on every
-process: files hold the keys of the unwrapped modules, the main process (with
-``save_on_each_node``, of every machine) writes, and every process returns once
-the files are complete, or raises if any process failed.
+process. ``save_params`` files hold the keys of the unwrapped modules, the main
+process (with ``save_on_each_node``, of every machine) writes them; a training
+state is one DCP folder that every rank writes its part of
+(``checkpoint.state_saves``). Every process returns once the files are
+complete, or raises if any process failed.
 """
 
 import warnings

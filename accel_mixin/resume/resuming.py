@@ -179,7 +179,7 @@ def _restore_training_state(net, state, source):
             f"{source} was saved inside an epoch by {len(rngs)} process(es); each of them "
             f"holds its own part of that epoch, so it resumes on {len(rngs)} processes only, "
             f"not on {accelerator.num_processes}. Resume from a training state of an epoch's "
-            "end (training-state-<epoch>.pt) instead."
+            "end (training-state-<epoch>) instead."
         )
     if len(rngs) != accelerator.num_processes and accelerator.is_main_process:
         warnings.warn(
