@@ -10,7 +10,7 @@ values, generators) travel as one DCP item per key (``plain``) and load with
 ``weights_only=False``, and its reader unpickles ``.metadata`` without
 restriction, so both are replaced here.
 
-WIP (issue 47, point 2): not yet used by ``save_state``; see
+``save_state`` writes training states with it (``state_saves``); see
 ``docs/guide/architecture.md``, "Checkpoint format".
 """
 

@@ -17,8 +17,6 @@
   ``initial_lr`` included), ``schedulers``, ``scaler``, ``history``,
   ``callbacks``, ``loop``: plain values, one DCP item each
   (``dcp_folder.plain``).
-
-WIP (issue 47, point 2): ``save_state`` does not write it yet.
 """
 
 import os
