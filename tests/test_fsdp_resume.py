@@ -87,10 +87,12 @@ def test_a_save_failing_after_the_shards_leaves_the_previous_state(trained):
         assert value["after_next_save"] == ["state.pt"]
 
 
-def test_a_sharded_state_loads_into_ddp_on_the_same_processes(trained):
+def test_a_sharded_state_loads_into_ddp_and_back_on_the_same_processes(trained):
     for value in values(trained, "a_state_for_other_process_counts"):
         assert value["ddp_difference"] == 0.0
         assert value["predicts"] == 250
+        # the DDP net's own state (a folder of full tensors) reshards into FSDP2
+        assert value["back_to_fsdp_difference"] == 0.0
 
 
 LOADS = {

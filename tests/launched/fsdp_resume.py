@@ -293,9 +293,17 @@ if PHASE == "train":
         ddp.initialize()
         ddp.load_state(str(folder / "state.pt"))
         saved = {key: torch.load(f, weights_only=True) for key, f in files.items()}
+        ddp_difference = difference(full_files(ddp, "ddp"), saved)
+        predicts = len(ddp.predict(X))
+        # and the state a DDP net saves loads into a sharded net
+        ddp.save_state(str(folder / "ddp-state"))
+        sharded = net_of()
+        sharded.initialize()
+        sharded.load_state(str(folder / "ddp-state"))
         return {
-            "ddp_difference": difference(full_files(ddp, "ddp"), saved),
-            "predicts": len(ddp.predict(X)),
+            "ddp_difference": ddp_difference,
+            "predicts": predicts,
+            "back_to_fsdp_difference": difference(full_files(sharded, "back"), saved),
         }
 
 elif PHASE == "load":
