@@ -19,8 +19,11 @@
   (``dcp_folder.plain``).
 """
 
+import functools
 import os
 from dataclasses import dataclass
+
+import torch
 
 from accel_mixin.checkpoint.dcp_folder import plain, read_full, saved_keys, unplain
 from accel_mixin.checkpoint.state_values import rng_state
@@ -89,6 +92,40 @@ def _optimizer_state(optimizer, modules):
     return _api().get_optimizer_state_dict(owner, optimizer)
 
 
+def _size(value):
+    if isinstance(value, dict):
+        return sum(_size(item) for item in value.values())
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+
+
+def _spread(entries, rank, processes):
+    """The entries of ``entries`` (a dict every rank holds alike) that rank
+    ``rank`` of ``processes`` writes: the largest first, each to the rank
+    that has the least so far, the same on every rank. Each rank then
+    copies only its share to CPU memory for an asynchronous save, where
+    DCP would stage everything on every rank and write each entry once."""
+    loads = [0] * processes
+    mine = {}
+    for key in sorted(entries, key=lambda key: (-_size(entries[key]), key)):
+        owner = loads.index(min(loads))
+        loads[owner] += _size(entries[key]) or 1
+        if owner == rank:
+            mine[key] = entries[key]
+    return mine
+
+
+def _whole(entries):
+    return entries
+
+
+def _spread_optimizer(optimizer_state, spread):
+    """An optimizer state keyed by names with its per-parameter state
+    spread over the ranks (``_spread``); its groups on every rank."""
+    if isinstance(optimizer_state, tuple) or "state" not in optimizer_state:
+        return optimizer_state
+    return dict(optimizer_state, state=spread(optimizer_state["state"]))
+
+
 def folder_state(net, train_iterator_state, stopped=False, position=None):
     """The training state of ``net`` as the keys of one DCP folder; every
     rank calls it (no collective). The arguments are ``collect_state``'s."""
@@ -105,6 +142,9 @@ def folder_state(net, train_iterator_state, stopped=False, position=None):
         for name, cb_state in callbacks.items()
         if cb_state.get(BEST_WEIGHTS) is not None
     }
+    spread = functools.partial(_spread, rank=rank, processes=accelerator.num_processes)
+    if named is not None:  # each rank holds its own shards already
+        spread = _whole
     state = {
         "meta": plain(
             {
@@ -116,12 +156,12 @@ def folder_state(net, train_iterator_state, stopped=False, position=None):
                 "modules": list(modules),
             }
         ),
-        "modules": {name: _module_state(module) for name, module in modules.items()},
+        "modules": {name: spread(_module_state(module)) for name, module in modules.items()},
         "optimizers": {
-            name: _optimizer_state(raw(net, name), modules.values())
+            name: _spread_optimizer(_optimizer_state(raw(net, name), modules.values()), spread)
             for name in net._optimizers  # pylint: disable=protected-access
         },
-        "best_weights": best,
+        "best_weights": {name: spread(weights) for name, weights in best.items()},
         # a sharded net loads optimizers into a template of the groups it has,
         # which lacks what schedulers add (initial_lr): the groups whole
         "optimizer_groups": plain(
