@@ -222,3 +222,16 @@ def _differences(a, b, where=""):
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
         return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{where}/{i}")]
     return [] if a == b else [f"{where}: {a!r} != {b!r}"]
+
+
+def test_a_state_left_aside_by_a_crash_between_the_renames_is_named(data, tmp_path):
+    net = _fitted(data)
+    path = tmp_path / "state"
+    net.save_state(path)
+    # what a crash between commit_folder's two renames leaves: no folder under the name
+    aside = tmp_path / ".state.old-0123456789ab"
+    os.rename(path, aside)
+    with pytest.raises(CheckpointError) as info:
+        net.load_state(path)
+    assert f"{path} is missing, but {aside} holds the state saved there before" in str(info.value)
+    assert f"Rename that folder to {path} to load it" in str(info.value)

@@ -41,6 +41,7 @@ __all__ = [
     "remove_partial_folders",
     "save_folder",
     "saved_keys",
+    "set_aside",
     "unplain",
 ]
 
@@ -206,6 +207,22 @@ def _remove(path):
     else:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+
+
+def set_aside(path):
+    """The committed folders that replacing ``path`` renamed aside and a
+    crash left there (``commit_folder``), newest first."""
+    directory, name = os.path.split(os.path.abspath(os.fspath(path)))
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return []
+    found = [
+        os.path.join(directory, entry)
+        for entry in entries
+        if entry.startswith(f".{name}{_ASIDE}") and is_state_folder(os.path.join(directory, entry))
+    ]
+    return sorted(found, key=os.path.getmtime, reverse=True)
 
 
 def remove_partial_folders(directory, name=None):

@@ -28,6 +28,7 @@ from accel_mixin.checkpoint.dcp_folder import (
     is_state_folder,
     read_full,
     saved_keys,
+    set_aside,
 )
 from accel_mixin.checkpoint.params import load_optimizer_state
 from accel_mixin.checkpoint.shard_damage import damaged_message
@@ -100,6 +101,14 @@ def resume(net, path):
 def _read(net, path):
     if os.path.isdir(path):
         return _read_folder(net, path)
+    if not os.path.lexists(path):
+        aside = set_aside(path)
+        if aside:
+            raise CheckpointError(
+                f"{path} is missing, but {aside[0]} holds the state saved there before: a "
+                "save that replaced it ended between its two renames. Rename that folder to "
+                f"{path} to load it."
+            )
     # unmapped: optimizers keep the loaded tensors
     state = read_state(path, torch_load_kwargs=net.torch_load_kwargs)
     if not isinstance(state, dict) or state.get("format") != FORMAT:
