@@ -31,9 +31,10 @@ from accel_mixin.checkpoint.checkpoint_files import (
     describe_position,
     position_of,
 )
+from accel_mixin.checkpoint.dcp_folder import remove_partial_folders
 from accel_mixin.checkpoint.files import remove_temporaries
 from accel_mixin.checkpoint.folder_claim import claim, release
-from accel_mixin.checkpoint.sharded_state import remove_orphan_shards, remove_training_state
+from accel_mixin.checkpoint.sharded_state import remove_training_state
 from accel_mixin.distributed.preemption import NoticeBoard, can_handle, handling_signals
 from accel_mixin.distributed.process_layout import writes_files
 from accel_mixin.errors import CheckpointError, Preempted
@@ -99,10 +100,13 @@ class TrainingCheckpoint(_RunCallback):
     ``dirname/run-<id>/`` (``run-<run_name>-<id>/``) with a ``manifest.json``
     of the identity, the epochs saved and the run's status. The folder is
     created when the first epoch begins, once every callback's
-    ``on_train_begin`` succeeded: a fit that fails before leaves none. A
-    file is named after its epoch (``training-state-000012.pt``) and renamed
-    into place when complete, so ``ResumeTraining`` never picks a
-    half-written one.
+    ``on_train_begin`` succeeded: a fit that fails before leaves none. Each
+    state is one ``torch.distributed.checkpoint`` folder that every rank
+    writes its part of (``save_state``), named after its epoch
+    (``training-state-000012``) and renamed into place when complete, so
+    ``ResumeTraining`` never picks a half-written one; the partial folders of
+    killed saves are removed at the next save. Every rank must see the run
+    folder: on several machines, a filesystem they share.
 
     One job at a time writes a run folder: while its fit runs, the main
     process holds a lock on ``.accel_mixin-writer`` in it (the kernel drops
@@ -130,20 +134,22 @@ class TrainingCheckpoint(_RunCallback):
     every_n_batches : int or None (default=None)
       Also save after every ``every_n_batches``-th training batch of an
       epoch but its last (under gradient accumulation, at the next optimizer
-      step), as ``training-state-<epoch>-batch-<batch>-ranks-<n>.pt``, which
+      step), as ``training-state-<epoch>-batch-<batch>-ranks-<n>``, which
       resumes exactly there on as many processes. Needs map-style training
       data (an ``IterableDataset`` raises a ``ValueError``). None: epoch ends
       only.
 
     keep_last : int or None (default=2)
-      How many of the run's files to keep, besides its newest state of an
+      How many of the run's states to keep, besides its newest state of an
       epoch's end; older ones are deleted once a new one is complete. None
-      keeps all. Other runs' files are never deleted.
+      keeps all. Other runs' states are never deleted.
 
     asynchronous : bool (default=False)
-      Write the state from CPU memory in a background thread while training
-      goes on, one write at a time: the next save and the end of training
-      wait for it, and a failed write raises on every rank there. A state
+      Save with ``torch.distributed.checkpoint.async_save`` (in every
+      layout, FSDP2 included): training stops only while the state is copied
+      to CPU memory and goes on while every rank writes its part, one save
+      at a time: the next save and the end of training wait for it (at most
+      ``io_timeout``), and a failed save raises on every rank there. A state
       saved on a notice is written synchronously.
 
     signals : tuple of int (default=(signal.SIGTERM,))
@@ -363,8 +369,9 @@ class TrainingCheckpoint(_RunCallback):
     def _written(self) -> None:
         """On the writing process, once a file is complete."""
         folder = self._folder
-        remove_temporaries(folder)  # of killed saves, whose names were this run's
-        remove_orphan_shards(folder)
+        # of killed saves, whose names were this run's (the folder claim: no other job's)
+        remove_temporaries(folder)
+        remove_partial_folders(folder)
         if self.keep_last is not None:
             ends = [
                 path

@@ -1,32 +1,29 @@
 """``save_params``, ``load_params``, ``save_state`` and ``load_state`` on every
-process: files hold the keys of the unwrapped modules, the main process (with
-``save_on_each_node``, of every machine) writes, and every process returns once
-the files are complete, or raises if any process failed.
+process. ``save_params`` files hold the keys of the unwrapped modules, the main
+process (with ``save_on_each_node``, of every machine) writes them; a training
+state is one DCP folder that every rank writes its part of
+(``checkpoint.state_saves``). Every process returns once the files are
+complete, or raises if any process failed.
 """
 
-import os
 import warnings
 
 import torch
 from skorch.exceptions import DeviceWarning
 
-from accel_mixin.checkpoint.background import in_flight, join_all
-from accel_mixin.checkpoint.files import write_state
 from accel_mixin.checkpoint.params import SafeParamsMixin
-from accel_mixin.checkpoint.sharded_state import (
-    agree_on_the_save,
-    remove_shards,
-    remove_stale_shards,
+from accel_mixin.checkpoint.state_saves import (
+    save_group,
+    save_state_folder,
+    saves_in_flight,
+    wait_for_all,
 )
-from accel_mixin.checkpoint.state_values import cpu_snapshot
 from accel_mixin.distributed.process_layout import quiet_unless_main, writes_files
 from accel_mixin.distributed.sharding import full_states, sharded
-from accel_mixin.errors import DistributedError, Stalled
 from accel_mixin.internals import batch_sampler_owner, check_f_arguments
 from accel_mixin.resume.resuming import resume
+from accel_mixin.resume.state_folder import folder_state
 from accel_mixin.resume.training_state import (
-    collect_state,
-    save_sharded_entries,
     train_iterator_state,
     warn_if_inside_accumulation,
 )
@@ -140,37 +137,35 @@ class CheckpointingMixin(SafeParamsMixin):
     def save_state(self, path, asynchronous=False, on_written=None, stopped=None):
         """Save the whole training state, to resume training exactly.
 
-        The file holds modules, criteria, optimizers, the LR schedulers of
+        ``path`` becomes one ``torch.distributed.checkpoint`` (DCP) folder,
+        the same under one process, DDP and FSDP2: modules, criteria and
+        optimizers (keyed by parameter names), the LR schedulers of
         ``LRScheduler`` callbacks, the gradient scaler, every rank's random
         number generators, the history, the position of training and the
-        callbacks' state, as tensors and plain values only. Every rank must
-        call it; the main process writes.
-
-        Under FSDP2 the sharded module's tensors, its optimizers' state and
-        ``EarlyStopping``'s best weights go to a folder beside the file,
-        ``<path>.shards-<token>``, in which every rank writes its own shards
-        with ``torch.distributed.checkpoint`` (nothing is gathered); the
-        file, written last, names it. Such a state loads on any number of
-        processes, sharded or not. The shards are written before
-        ``save_state`` returns, also with ``asynchronous=True``, which then
-        writes the file in the background. A save that fails raises the
-        same ``CheckpointError`` on every rank, naming every rank's
-        failure, and removes its folder; the previous state stays intact.
+        callbacks' state. Every rank must call it and writes its own part
+        (under FSDP2 its own shards: nothing is gathered); the save goes into
+        ``.<name>.partial-<token>`` beside ``path``, which the first process
+        renames to ``path`` once complete, the one commit: a folder under the
+        state's name is whole, and a state saved there before stays intact
+        until then. Such a state loads on any number of processes, sharded or
+        not. A save that fails raises the same ``CheckpointError`` on every
+        rank, naming every rank's failure, and removes its partial folder.
 
         Parameters
         ----------
         path : str or os.PathLike
-          The file to write.
+          The folder to write.
 
         asynchronous : bool (default=False)
-          If True, copy the state to CPU memory and write it in a background
-          thread while training goes on. At most one write is in flight; a
-          failed write raises on every rank at the next save or
-          ``wait_for_saves``.
+          If True, copy the state to CPU memory and write it with
+          ``torch.distributed.checkpoint.async_save`` while training goes on
+          (in every layout). At most one save is in flight; a failed save
+          raises on every rank at the next save, ``wait_for_saves`` or
+          ``load_state``, each waiting at most ``io_timeout``.
 
         on_written : callable or None (default=None)
-          Called without arguments on the writing process once the file is
-          complete (``TrainingCheckpoint`` rotates its files there).
+          Called without arguments on the first process once the folder is
+          committed (``TrainingCheckpoint`` rotates its states there).
 
         stopped : bool or None (default=None)
           Whether training ends with this state, so that a run resumed from
@@ -178,86 +173,39 @@ class CheckpointingMixin(SafeParamsMixin):
           decided to stop.
 
         """
-
-        folder = None
-
-        def write(state, caught=()):
-            """Write the file, then tidy; returns the write's error of the
-            kinds ``caught``, with this save's shards removed."""
-            try:
-                write_state(state, path)
-            except BaseException as exc:
-                if folder is not None:  # no file names it: retries on a full disk pile none up
-                    remove_shards(path, folder)
-                if isinstance(exc, caught) and not isinstance(exc, (DistributedError, Stalled)):
-                    return exc
-                raise
-            if folder is not None:
-                remove_stale_shards(path, keep=folder)
-            if on_written is not None:
-                on_written()
-            return None
-
         with (
             self._unwrapped(),
             quiet_unless_main(self.accelerator),
             self._coordinator.session("save_state"),
         ):
-            # a failure here (a rank gone, the previous write's error) is this call's
+            # a failure here (a rank gone, the previous save's error) is this call's
             self._finish_saves("save_state")
-            fit = self._process.fit
-            if fit.position is None:
-                shuffling = train_iterator_state(fit.running_train_iterator())
-            else:  # inside an epoch: its order is replayed from its start
-                batch_sampler_owner(fit.running_train_iterator())
-                shuffling = fit.epoch_start_iterator
-            if stopped is None:
-                stopped = fit.position is None and stopped_early(self.callbacks_)
-            state = collect_state(self, shuffling, stopped=stopped, position=fit.position)
-            named = sharded_module(self) if sharded(self.accelerator) else None
-            if named is not None:
-                optimizers = {name: raw(self, name) for name in self._optimizers}
-                folder = self._coordinator.run(
-                    lambda: save_sharded_entries(
-                        state, path, *named, optimizers, self.accelerator.num_processes
-                    ),
-                    what="save_state",
-                    files=f"the shards of {path}",
-                    io_timeout=self.io_timeout,
-                )
-            # after collect_state's collective: an error reaches every rank
+            state = folder_state(self, *self._where_training_is(stopped))
             warn_if_inside_accumulation(self.accelerator)
-            writes = writes_files(self.accelerator)
-            if not asynchronous and folder is not None:
-                self._write_sharded(
-                    path, lambda: write(state, caught=(OSError, RuntimeError)), folder
-                )
-            elif not asynchronous:
-                self._coordinator.run(
-                    lambda: write(state),
-                    what="save_state",
-                    files=str(path),
-                    here=writes,
-                    io_timeout=self.io_timeout,
-                )
-            elif writes:
-                # the previous write is done: its snapshot's memory is free
-                copy = self._process.snapshot = cpu_snapshot(state, reuse=self._process.snapshot)
-                self._process.background_writer().submit(lambda: write(copy))
+            group = None
+            if asynchronous:
+                group = self._process.save_group = save_group(self._process.save_group)
+            self._process.save_in_flight = self._coordinator.run(
+                lambda: save_state_folder(
+                    state, path, asynchronous=asynchronous, group=group, on_committed=on_written
+                ),
+                what="save_state",
+                files=str(path),
+                io_timeout=self.io_timeout,
+            )
 
-    def _write_sharded(self, path, write, folder):
-        """Write the file of a state whose shards are in ``folder`` (``write()``
-        returns its error); where it fails, every rank raises the same
-        ``CheckpointError``."""
-        failed = self._coordinator.run(
-            write,
-            what="save_state",
-            files=str(path),
-            here=writes_files(self.accelerator),
-            io_timeout=self.io_timeout,
-        )
-        target = os.path.join(os.path.dirname(os.path.abspath(path)), folder)
-        agree_on_the_save(path, failed, self.accelerator.num_processes, target, f"writing {path}")
+    def _where_training_is(self, stopped):
+        """``(train iterator state, stopped, position)`` of a state saved now
+        (``collect_state``'s arguments); ``stopped`` is ``save_state``'s."""
+        fit = self._process.fit
+        if fit.position is None:
+            shuffling = train_iterator_state(fit.running_train_iterator())
+        else:  # inside an epoch: its order is replayed from its start
+            batch_sampler_owner(fit.running_train_iterator())
+            shuffling = fit.epoch_start_iterator
+        if stopped is None:
+            stopped = fit.position is None and stopped_early(self.callbacks_)
+        return shuffling, stopped, fit.position
 
     def wait_for_saves(self):
         """Wait for an asynchronous ``save_state`` to finish, on every rank.
@@ -268,26 +216,33 @@ class CheckpointingMixin(SafeParamsMixin):
 
     def _finish_saves(self, what):
         """``wait_for_saves`` within the call ``what``, which its errors name."""
-        self._coordinator.run(self._process.background_writer().wait, what=what)
+        self._coordinator.run(self._wait_for_my_saves, what=what)
+
+    def _wait_for_my_saves(self):
+        """On this rank: wait for this net's asynchronous save in flight, at
+        most ``io_timeout``; raise what it raised."""
+        in_flight, self._process.save_in_flight = self._process.save_in_flight, None
+        if in_flight is not None:
+            in_flight.wait(self.io_timeout)
 
     def _wait_for_writes_in_flight(self, what):
         """Before a load, on every rank: wait for this process's asynchronous
-        writes (of any net); a failed write of this net raises."""
+        saves (of any net); a failed save of this net raises."""
 
         def finish():
-            join_all()
-            self._process.background_writer().wait()
+            wait_for_all(self.io_timeout)
+            self._wait_for_my_saves()
 
         # a failure there (a rank gone) is the load's own unless a save is in flight
-        label = f"{what}: asynchronous saves in flight" if in_flight() else what
+        waits = saves_in_flight() or self._process.save_in_flight is not None
+        label = f"{what}: asynchronous saves in flight" if waits else what
         self._coordinator.run(finish, what=label)
 
     def load_state(self, path):
         """Restore a training state that ``save_state`` wrote.
 
-        Every rank reads the file once (under FSDP2, and for a state saved
-        under FSDP2, the pieces of its own shards in the folder beside it, on
-        any number of processes) and restores weights, optimizers,
+        Every rank reads the folder (under FSDP2 the pieces of its own
+        shards, whatever number of processes saved it) and restores weights, optimizers,
         schedulers, scaler, history, loop and callbacks; the random number
         generators and the shuffling are restored when the next epoch begins,
         and the next ``fit`` or ``partial_fit`` trains only the epochs that
@@ -296,12 +251,13 @@ class CheckpointingMixin(SafeParamsMixin):
         Parameters
         ----------
         path : str or os.PathLike
-          A file that ``save_state`` wrote.
+          A folder that ``save_state`` wrote (or a file that an earlier
+          release's ``save_state`` wrote).
 
         Raises
         ------
         CheckpointError
-          If the file is not a training state, or does not fit the net; on
+          If the path is not a training state, or does not fit the net; on
           every rank.
 
         """

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from accel_mixin.checkpoint.background import finished_on_error
+from accel_mixin.checkpoint.state_saves import finished_on_error
 from accel_mixin.checkpointing import CheckpointingMixin
 from accel_mixin.distributed.epoch_scores import notify_scored
 from accel_mixin.distributed.fork_guard import guard_forks
@@ -252,7 +252,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
         with (
             self._coordinator.session("fit"),
             quiet_unless_main(self.accelerator),
-            finished_on_error(lambda: self._process.writer),
+            finished_on_error(self._process, self.io_timeout),
         ):
             # before initialize(), whose preparation runs DDP's collectives:
             # a rank in another call learns it here, naming both calls
@@ -273,7 +273,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
         with (
             self._coordinator.session("partial_fit"),
             quiet_unless_main(self.accelerator),
-            finished_on_error(lambda: self._process.writer),
+            finished_on_error(self._process, self.io_timeout),
             callbacks_during_fit(self),
         ):
             return super().partial_fit(X, y, classes=classes, **fit_params)
@@ -404,9 +404,6 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
         # it took from the wrapped module
         if self.unwrap_after_train:
             self._unwrap_accelerator()
-        # asynchronous saves reuse the CPU copy within one fit; a write in
-        # flight holds its own reference
-        self._process.snapshot = None
 
     def get_dataset(self, X: Any, y: Any = None) -> Dataset:
         dataset = super().get_dataset(X, y)

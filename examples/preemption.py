@@ -168,7 +168,7 @@ def main():
     run = launch(work / "notice", work / "notice.json")
     deadline = time.monotonic() + 300
     # TrainingCheckpoint writes into a folder of the run: notice/run-<id>/
-    while not list((work / "notice").glob("run-*/training-state-000002-batch-*.pt")):
+    while not list((work / "notice").glob("run-*/training-state-000002-batch-*")):
         if run.poll() is not None or time.monotonic() > deadline:
             sys.exit("the run ended before the middle of epoch 3")
         time.sleep(0.01)

@@ -36,26 +36,20 @@ def _exact(value):
     assert value["history"]  # every row's losses
 
 
-def _sharded_names(files):
-    # one folder of shards per file, named after it
-    states = [name for name in files if name.endswith(".pt")]
-    return sorted(name.split(".shards-")[0] for name in files if ".shards-" in name), states
-
-
 def test_a_run_resumed_at_an_epochs_end_from_asynchronous_saves_goes_on_exactly(trained):
     for value in values(trained, "epoch_end_resume_is_exact"):
         assert value["stopped"] == "Stop: epoch 2"
-        assert value["resumed_from"] == "training-state-000001.pt"  # stopped as epoch 2 began
+        assert value["resumed_from"] == "training-state-000001"  # stopped as epoch 2 began
         _exact(value)
-        assert [name.split(".shards-")[0] for name in value["folders"]] == value["files"]
+        assert value["files"] and value["folders"] == []  # committed folders, nothing partial
 
 
 def test_a_run_resumed_inside_an_epoch_goes_on_exactly(trained):
     for value in values(trained, "mid_epoch_resume_is_exact"):
         assert value["stopped"] == "Stop: batch 5 of epoch 2"
-        assert value["resumed_from"] == f"training-state-000001-batch-000004-ranks-{PROCESSES}.pt"
+        assert value["resumed_from"] == f"training-state-000001-batch-000004-ranks-{PROCESSES}"
         _exact(value)
-        assert [name.split(".shards-")[0] for name in value["folders"]] == value["files"]
+        assert value["files"] and value["folders"] == []  # committed folders, nothing partial
 
 
 def test_a_notice_saves_the_shards_and_the_rerun_goes_on_exactly(trained):
@@ -63,39 +57,42 @@ def test_a_notice_saves_the_shards_and_the_rerun_goes_on_exactly(trained):
         assert value["stopped"].startswith("Preempted: Preempted (notice: ")
         # every rank stopped at the batch after the notice, and saved there
         assert "training stopped after training batch 6 of epoch 2" in value["stopped"]
-        assert value["resumed_from"] == f"training-state-000001-batch-000006-ranks-{PROCESSES}.pt"
+        assert value["resumed_from"] == f"training-state-000001-batch-000006-ranks-{PROCESSES}"
         _exact(value)
 
 
 def test_early_stoppings_best_weights_other_than_the_current_come_back(trained):
     for value in values(trained, "early_stoppings_best_weights_come_back"):
-        assert value["resumed_from"] == f"training-state-000001-batch-000004-ranks-{PROCESSES}.pt"
+        assert value["resumed_from"] == f"training-state-000001-batch-000004-ranks-{PROCESSES}"
         assert value["best_epoch"] == [1, 1]
         # load_best put the first epoch's weights back, as in the uninterrupted run
         assert value["difference"] == 0.0
 
 
-def test_rotation_removes_each_files_folder_of_shards(trained):
+def test_rotation_removes_folders_and_leaves_nothing_partial(trained):
     for value in values(trained, "rotation_removes_folders_with_files"):
-        assert value["files"] == ["training-state-000004.pt"]
-        assert [name.split(".shards-")[0] for name in value["folders"]] == value["files"]
+        assert value["files"] == ["training-state-000004"]
+        assert value["files"] and value["folders"] == []  # committed folders, nothing partial
 
 
 def test_a_save_failing_after_the_shards_leaves_the_previous_state(trained):
     for value in values(trained, "a_failed_save_leaves_the_previous_state"):
-        assert value["failed"] == "OSError: the disk went away"
-        (good,) = value["before"]
-        # the failed save's folder is beside the good one, which it left alone
-        assert len(value["after_failure"]) == 2 and good in value["after_failure"]
-        assert value["restored"] == 0.0  # the file still loads, with the earlier weights
-        (newest,) = value["after_next_save"]  # a complete save removes the others
-        assert newest not in value["after_failure"]
+        # every rank wrote its shards; the commit failed: one error on every rank
+        # (rank 1's names rank 0's)
+        assert "CheckpointError: Cannot save the training state " in value["failed"]
+        assert "the disk went away" in value["failed"]
+        # the previous state alone is there, its partial folder removed
+        assert value["before"] == value["after_failure"] == ["state.pt"]
+        assert value["restored"] == 0.0  # the state still loads, with the earlier weights
+        assert value["after_next_save"] == ["state.pt"]
 
 
-def test_a_sharded_state_loads_into_ddp_on_the_same_processes(trained):
+def test_a_sharded_state_loads_into_ddp_and_back_on_the_same_processes(trained):
     for value in values(trained, "a_state_for_other_process_counts"):
         assert value["ddp_difference"] == 0.0
         assert value["predicts"] == 250
+        # the DDP net's own state (a folder of full tensors) reshards into FSDP2
+        assert value["back_to_fsdp_difference"] == 0.0
 
 
 LOADS = {
@@ -143,5 +140,6 @@ def test_torchrun_restarts_a_killed_worker_of_a_sharded_job_which_goes_on_exactl
         assert rank["resumed_from"].startswith("training-state-000001-batch-000006-ranks-2")
         assert rank["history"] == expected["history"]
         assert rank["params"] == expected["params"]
-        states = [f for f in rank["files"] if f.endswith(".pt")]
-        assert [f.split(".shards-")[0] for f in rank["files"] if ".shards-" in f] == states
+        # committed states, nothing partial left by the killed worker's save
+        assert any(f.startswith("training-state-") for f in rank["files"])
+        assert not [f for f in rank["files"] if f.startswith(".")]

@@ -192,10 +192,10 @@ def test_the_newest_epoch_end_is_kept_beside_states_inside_epochs(tmp_path):
     class Listing(Callback):
         def on_batch_finished(self, net, batches=0, **kwargs):
             folder = dict(net.callbacks_)["TrainingCheckpoint"].run_folder_
-            seen.append(sorted(f for f in os.listdir(folder) if f.endswith(".pt")))
+            seen.append(sorted(f for f in os.listdir(folder) if f.startswith("training-state")))
 
     fit_with(tmp_path, [Listing()])
-    assert seen[-2] == ["training-state-000001-batch-000006-ranks-1.pt", "training-state-000001.pt"]
+    assert seen[-2] == ["training-state-000001", "training-state-000001-batch-000006-ranks-1"]
 
 
 def test_a_state_inside_an_epoch_of_other_processes_is_passed_over(tmp_path):

@@ -18,6 +18,7 @@ from resume_phases import crashed, once_per_layout
 
 from accel_mixin import CheckpointError
 from accel_mixin.checkpoint.checkpoint_files import agreed_checkpoint, checkpoint_name
+from accel_mixin.resume.state_folder import read_whole
 from accel_mixin.training.process_state import process_state
 
 multiprocess = pytest.mark.multiprocess
@@ -66,7 +67,7 @@ def test_resumed_run_repeats_the_uninterrupted_one_bit_for_bit(launched, nproc, 
     _, crashed_checks, resumed_checks = launched(nproc)
     full, resumed = values(crashed_checks, "full"), values(resumed_checks, scenario)
     for rank_full, rank_resumed in zip(full, resumed, strict=True):
-        assert rank_resumed["resumed_from"] == "training-state-000003.pt"
+        assert rank_resumed["resumed_from"] == "training-state-000003"
         assert len(rank_resumed["history"]) == 6
         # losses, scores, learning rates, every batch: bitwise
         assert rank_resumed["history"] == rank_full["history"]
@@ -82,8 +83,8 @@ def test_rotation_keeps_the_last_and_numbering_continues(launched, scenario):
         # keep_last=2; epochs 4 to 6 were numbered after the resume
         assert [f for f in rank["files"] if not f.startswith(".")] == [
             "manifest.json",
-            "training-state-000005.pt",
-            "training-state-000006.pt",
+            "training-state-000005",
+            "training-state-000006",
         ]
         # the temporary file of the killed write (launched): removed by the rotation
         assert not [f for f in rank["files"] if "accel_mixin-tmp" in f]
@@ -96,7 +97,7 @@ def test_a_checkpoint_from_another_number_of_processes_resumes_with_one_warning(
     # on one process without DDP: state dicts of the module carry no prefix
     resumed = run_plain("resume_run.py", "resume", tmp_path, "sync", timeout=180)
     (rank,) = values([r["checks"] for r in resumed.check()], "sync")
-    assert rank["resumed_from"] == "training-state-000003.pt"
+    assert rank["resumed_from"] == "training-state-000003"
     assert len(rank["history"]) == 6
     assert resumed.output.count("was saved by 2 process(es) and resumes on 1") == 1
     # EarlyStopping(load_best=True) restored the best weights, those of
@@ -109,10 +110,7 @@ def test_training_states_hold_best_weights_only_where_needed_under_clean_keys(la
     dirname, _, _ = launched(2)
 
     def best(epoch):
-        state = torch.load(
-            run_folder(dirname / "crashed" / "sync") / f"training-state-{epoch:06d}.pt",
-            weights_only=True,
-        )
+        state = read_whole(run_folder(dirname / "crashed" / "sync") / f"training-state-{epoch:06d}")
         return state["callbacks"]["best"], state["modules"]["module"]
 
     # after epoch 2, the best weights are the module's: no second copy
@@ -120,7 +118,7 @@ def test_training_states_hold_best_weights_only_where_needed_under_clean_keys(la
     assert at_best["best_model_weights_"] is None and at_best["best_epoch_"] == 2
     # after epoch 3, they are epoch 2's, under the bare module's keys
     later, module = best(3)
-    assert list(later["best_model_weights_"]) == list(module)
+    assert sorted(later["best_model_weights_"]) == sorted(module)  # .metadata keeps no order
     assert not any(key.startswith("module.") for key in later["best_model_weights_"])
 
 
@@ -134,10 +132,10 @@ def state_checks(launched):
 
 @multiprocess
 def test_save_state_and_load_state(launched):
-    # the main process writes, in the background too; the other returns
+    # one folder each, in the background too: every rank's part and one .metadata
     round_trips = values(state_checks(launched), "round_trip")
-    assert [value["writes"] for value in round_trips] == [["asynchronous.pt", "state.pt"], []]
     for value in round_trips:
+        assert value["folders"] == [[".metadata", "__0_0.distcp", "__1_0.distcp"]] * 2
         assert value["same_predictions"] and value["epochs"] == 2
         assert value["keys"] == [
             "callbacks",
@@ -169,12 +167,12 @@ def test_mismatched_states_raise_clearly_on_every_rank(launched):
 def test_a_failed_asynchronous_write_raises_on_every_rank(launched):
     failures = values(state_checks(launched), "asynchronous_failure_reaches_every_rank")
     rank0, rank1 = (v["error"] for v in failures)
-    assert re.match(
-        r"FileNotFoundError: Cannot save to vanishing/run-\w{12}/training-state-000002.pt", rank0
-    )
-    assert rank1.startswith(
-        "DistributedError: asynchronous save_state failed on rank 0: FileNotFoundError"
-    )
+    # found on every rank as the save begins, before anything is written
+    # (DCP would create the directory)
+    for error in (rank0, rank1):
+        assert re.match(
+            r"FileNotFoundError: Cannot save to vanishing/run-\w{12}/training-state-000002", error
+        )
 
 
 @multiprocess
@@ -231,7 +229,7 @@ def test_training_state_holds_only_safe_values(data, tmp_path):
     net = AcceleratedNet(MLP, accelerator=Accelerator(cpu=True), max_epochs=2, verbose=0)
     net.fit(*data)
     net.save_state(tmp_path / "state.pt")
-    state = torch.load(tmp_path / "state.pt", weights_only=True)  # raises on any pickle
+    state = read_whole(tmp_path / "state.pt")  # weights_only: raises on any pickle
     assert state["epoch"] == 2 and len(state["rng"]) == 1
 
 
@@ -260,8 +258,8 @@ def test_every_n_epochs_and_invalid_arguments(data, tmp_path):
     net.fit(*data)
     assert sorted(p.name for p in run_folder(tmp_path).iterdir()) == [
         "manifest.json",
-        "training-state-000002.pt",
-        "training-state-000004.pt",
+        "training-state-000002",
+        "training-state-000004",
     ]
     with pytest.raises(ValueError, match="keep_last must be at least 1"):
         AcceleratedNet(
@@ -334,9 +332,7 @@ def test_a_run_stopped_early_is_not_continued_by_a_rerun(data, tmp_path):
     assert len(first.history) == 3
     with pytest.warns(RuntimeWarning, match="EarlyStopping stopped training, after epoch 3"):
         rerun = run()
-    assert dict(rerun.callbacks_)["ResumeTraining"].resumed_from_.endswith(
-        "training-state-000003.pt"
-    )
+    assert dict(rerun.callbacks_)["ResumeTraining"].resumed_from_.endswith("training-state-000003")
     # no epoch trained: EarlyStopping's restored misses_ == patience would
     # otherwise be passed by one and never stop again
     assert rerun.history == first.history
@@ -500,23 +496,24 @@ def test_the_gradient_scaler_resumes(data, tmp_path):
 
 def test_an_asynchronous_write_in_flight_when_training_fails_is_finished(tmp_path):
     # the job dies of an exception while the last checkpoint is still being
-    # written: the file must be complete, not cut off by the interpreter's exit
+    # written: the state must be committed, not cut off by the interpreter's exit
     script = tmp_path / "job.py"
     script.write_text(f"""
 import sys, time
 sys.path.insert(0, {str(Path(__file__).parent / "launched")!r})
+sys.path.insert(0, {str(Path(__file__).parents[1])!r})  # this checkout's accel_mixin
 import torch
 from accelerate import Accelerator
 from skorch.callbacks import Callback
-import accel_mixin.checkpointing
+import accel_mixin.checkpoint.dcp_folder as dcp_folder
 from accel_mixin.callbacks import TrainingCheckpoint
 from common import AcceleratedNet, MLP, make_data
 
-write_state = accel_mixin.checkpointing.write_state
-def slow_write(state, path):
+commit_folder = dcp_folder.commit_folder
+def slow_commit(*args):
     time.sleep(1.5)
-    write_state(state, path)
-accel_mixin.checkpointing.write_state = slow_write
+    commit_folder(*args)
+dcp_folder.commit_folder = slow_commit
 
 class Boom(Callback):
     def on_epoch_begin(self, net, **kwargs):
@@ -532,11 +529,11 @@ net.fit(*make_data(100))
         [sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False
     )
     assert out.returncode == 1 and "RuntimeError: boom" in out.stderr
-    (state,) = (tmp_path / "ckpt").glob("run-*/training-state-000001.pt")
-    assert torch.load(state, weights_only=True)["epoch"] == 1
+    (state,) = (tmp_path / "ckpt").glob("run-*/training-state-000001")
+    assert read_whole(state)["epoch"] == 1
 
 
-def test_the_asynchronous_snapshot_is_freed_when_training_ends(data, tmp_path):
+def test_the_asynchronous_save_is_let_go_when_training_ends(data, tmp_path):
     from accel_mixin.callbacks import TrainingCheckpoint
 
     net = AcceleratedNet(
@@ -547,7 +544,8 @@ def test_the_asynchronous_snapshot_is_freed_when_training_ends(data, tmp_path):
         callbacks=[TrainingCheckpoint(tmp_path, asynchronous=True)],
     )
     net.fit(*data)
-    assert net._process.snapshot is None  # pylint: disable=protected-access
+    # the save in flight holds DCP's CPU copy of the state
+    assert net._process.save_in_flight is None  # pylint: disable=protected-access
 
 
 @pytest.mark.parametrize("callback", ["TrainingCheckpoint", "ResumeTraining"])
@@ -614,7 +612,7 @@ def test_a_resume_names_the_file_and_where_it_continues(announced, nproc):
     (line,) = lines["midepoch"]
     assert line == resumed_line(dirname, checks, "midepoch", "batch 2 of epoch 2")
     assert line.endswith(
-        f"training-state-000001-batch-000002-ranks-{nproc}.pt (after batch 2 of epoch 2)"
+        f"training-state-000001-batch-000002-ranks-{nproc} (after batch 2 of epoch 2)"
     )
     # through the sink given, a logger here
     assert lines["logged-again"] == [
@@ -624,7 +622,7 @@ def test_a_resume_names_the_file_and_where_it_continues(announced, nproc):
     assert lines["reader"] == [resumed_line(dirname, checks, "reader", "epoch 4")]
     assert lines["quiet"] == []  # verbose=0
     for rank in values(checks, "quiet"):
-        assert rank["resumed_from"].endswith("training-state-000003.pt")
+        assert rank["resumed_from"].endswith("training-state-000003")
 
 
 @multiprocess

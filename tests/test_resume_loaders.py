@@ -40,8 +40,8 @@ def launched(tmp_path_factory):
 @pytest.mark.parametrize("case", CASES)
 def test_a_resumed_fit_repeats_the_uninterrupted_one(launched, nproc, case, stop):
     expected_file = {
-        "epoch": "training-state-000002.pt",
-        "inside": f"training-state-000001-batch-000004-ranks-{nproc}.pt",
+        "epoch": "training-state-000002",
+        "inside": f"training-state-000001-batch-000004-ranks-{nproc}",
     }[stop]
     for rank, results in enumerate(launched(nproc)):
         result = results[f"{case}/{stop}"]

@@ -144,7 +144,7 @@ def test_resumed_run_repeats_the_uninterrupted_one(data, tmp_path, policy, resum
     assert len(preempted.history) == 3  # epoch 3 began, and nothing of it was trained
     resumed = make_net(policy, resume_first, tmp_path / "ckpt").fit(*data)
     assert dict(resumed.callbacks_)["ResumeTraining"].resumed_from_.endswith(
-        "training-state-000002.pt"
+        "training-state-000002"
     )
 
     # the schedule does change the lr in the epochs that are resumed

@@ -173,8 +173,8 @@ def test_a_stale_run_with_higher_epochs_is_neither_resumed_nor_deleted(data, tmp
     assert sorted(os.listdir(tmp_path / stale)) == stale_files
     assert sorted(os.listdir(tmp_path / new)) == [
         "manifest.json",
-        "training-state-000002.pt",
-        "training-state-000003.pt",
+        "training-state-000002",
+        "training-state-000003",
     ]
     # one line says so, and what differs from the newest run
     (line,) = lines
@@ -202,15 +202,15 @@ def test_a_deliberate_continuation_of_another_run(data, tmp_path):
     tuned_key = dict(tuned.callbacks_)["TrainingCheckpoint"].run_.key
     assert lines == [
         f"ResumeTraining: run {tuned_key} continues run {original[4:]} from "
-        f"{tmp_path / original / 'training-state-000003.pt'} (after epoch 3)"
+        f"{tmp_path / original / 'training-state-000003'} (after epoch 3)"
     ]
     assert dict(tuned.callbacks_)["ResumeTraining"].resumed_from_.startswith(
         str(tmp_path / original)
     )
     (continued,) = set(runs_in(tmp_path)) - {original}
     assert sorted(os.listdir(tmp_path / continued))[1:] == [
-        "training-state-000004.pt",
-        "training-state-000005.pt",
+        "training-state-000004",
+        "training-state-000005",
     ]
     assert trained(first) == 3
     # a rerun after a crash resumes the continuation, not the original
@@ -674,7 +674,7 @@ def test_an_interrupted_search_resumes_to_the_same_results(interrupted, nproc):
 def test_errors_of_run_folders_are_clear_on_every_rank(interrupted):
     _, _, checks = interrupted(2)  # runs_checks.py, after the reruns
     for files in values(checks, "one_run_folder_written_once"):
-        assert files == ["manifest.json", "training-state-000001.pt", "training-state-000002.pt"]
+        assert files == ["manifest.json", "training-state-000001", "training-state-000002"]
     for name, expected in (
         ("an_edited_manifest", "is not the manifest of run"),
         ("a_run_that_does_not_exist", "ResumeTraining(run='nope')"),
@@ -745,7 +745,7 @@ def test_a_dataset_that_augments_at_random_resumes_exactly(interrupted, nproc, s
     assert all(rank["params"] == ranks[0]["params"] for rank in ranks)
     for rank in ranks:
         # resumed after epoch 2: its last 3 epochs trained
-        assert rank["resumed_from"].endswith("training-state-000002.pt")
+        assert rank["resumed_from"].endswith("training-state-000002")
         assert len(rank["runs"]) == 1 and len(rank["history"]) == 5
         assert rank["history"] == rank["reference"]["history"]
         assert rank["params"] == rank["reference"]["params"]

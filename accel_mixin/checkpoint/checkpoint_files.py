@@ -1,12 +1,14 @@
-"""Which training-state files a folder holds, and which one every rank has.
+"""Which training states a folder holds, and which one every rank has.
 
-``TrainingCheckpoint`` names its files after the position of training they
-hold: ``training-state-<epoch>.pt`` after ``epoch`` epochs, and
-``training-state-<epoch>-batch-<batch>-ranks-<n>.pt`` after ``batch``
-training batches of the next epoch on ``n`` processes (such a state resumes
-on ``n`` processes only: each holds its own part of the epoch). Positions
-``(epoch, batch)`` order the files (an epoch's end is ``(epoch, 0)``). Each
-file is renamed into place once complete, so a file with such a name is whole.
+``TrainingCheckpoint`` names its states (folders) after the position of
+training they hold: ``training-state-<epoch>`` after ``epoch`` epochs, and
+``training-state-<epoch>-batch-<batch>-ranks-<n>`` after ``batch`` training
+batches of the next epoch on ``n`` processes (such a state resumes on ``n``
+processes only: each holds its own part of the epoch). Positions ``(epoch,
+batch)`` order them (an epoch's end is ``(epoch, 0)``). Each is renamed into
+place once complete, so a state with such a name is whole. Earlier releases
+wrote single files, the same names with ``.pt``: they are found and read too;
+where a folder and a file hold the same position, the folder is the newer.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from accelerate.utils import gather_object
 
+from accel_mixin.checkpoint.dcp_folder import is_state_folder
 from accel_mixin.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -29,15 +32,17 @@ if TYPE_CHECKING:
 # a training state's place in training: (epochs done, batches of the next)
 Position = tuple[int, int]
 
-_CHECKPOINT_RE = re.compile(r"^training-state-(\d{6,})(?:-batch-(\d{6,})-ranks-(\d+))?\.pt$")
+_CHECKPOINT_RE = re.compile(
+    r"^training-state-(\d{6,})(?:-batch-(\d{6,})-ranks-(\d+))?(?P<file>\.pt)?$"
+)
 
 
 def checkpoint_name(epoch: int, batch: int = 0, processes: int = 1) -> str:
-    """The file name of the training state after ``epoch`` epochs and
-    ``batch`` training batches of the next one, on ``processes`` processes."""
+    """The name of the training state after ``epoch`` epochs and ``batch``
+    training batches of the next one, on ``processes`` processes."""
     if batch:
-        return f"training-state-{epoch:06d}-batch-{batch:06d}-ranks-{processes}.pt"
-    return f"training-state-{epoch:06d}.pt"
+        return f"training-state-{epoch:06d}-batch-{batch:06d}-ranks-{processes}"
+    return f"training-state-{epoch:06d}"
 
 
 def describe_position(position: Position) -> str:
@@ -46,8 +51,8 @@ def describe_position(position: Position) -> str:
 
 
 def position_of(path: str) -> Position | None:
-    """The ``(epoch, batch)`` of a training-state file by its name, None
-    for a name that ``checkpoint_name`` does not give."""
+    """The ``(epoch, batch)`` of a training state by its name, None for a
+    name that ``checkpoint_name`` does not give (with or without ``.pt``)."""
     match = _CHECKPOINT_RE.match(os.path.basename(path))
     return (int(match.group(1)), int(match.group(2) or 0)) if match else None
 
@@ -58,24 +63,50 @@ def _describe_positions(positions: list[Position]) -> str:
 
 
 def checkpoint_positions(dirname: Path, processes: int | None = None) -> dict[Position, str]:
-    """The complete training-state files in ``dirname``, by ``(epoch, batch)``;
-    with ``processes``, only those that resume on that many processes."""
-    try:
-        names = os.listdir(dirname)
-    except FileNotFoundError:
-        return {}
+    """The complete training states in ``dirname`` (folders, and files of
+    earlier releases), by ``(epoch, batch)``; with ``processes``, only those
+    that resume on that many processes."""
     return {
-        (int(m.group(1)), int(m.group(2) or 0)): os.path.join(dirname, n)
-        for n in names
-        for m in [_CHECKPOINT_RE.match(n)]
-        if m and (processes is None or not m.group(2) or int(m.group(3)) == processes)
+        position: paths[-1][0]
+        for position, paths in _states(dirname).items()
+        if processes is None or not position[1] or paths[-1][1] == processes
     }
 
 
-def checkpoint_files(dirname: Path) -> list[str]:
-    """The complete training-state files in ``dirname``, oldest first."""
-    found = checkpoint_positions(dirname)
-    return [found[position] for position in sorted(found)]
+# a state found: its path, the processes it resumes on (None: any), a folder?
+_Found = tuple[str, "int | None", bool]
+
+
+def _states(dirname: Path) -> dict[Position, list[_Found]]:
+    """``{(epoch, batch): [(path, processes, folder), ...]}``: files before folders."""
+    try:
+        names = sorted(os.listdir(dirname))
+    except FileNotFoundError:
+        return {}
+    found: dict[Position, list[_Found]] = {}
+    for name in names:
+        match = _CHECKPOINT_RE.match(name)
+        if match is None:
+            continue
+        path = os.path.join(dirname, name)
+        is_file = match.group("file") is not None
+        if is_file != os.path.isfile(path) or not (is_file or is_state_folder(path)):
+            continue  # a folder without .metadata, a file named as a folder
+        position = (int(match.group(1)), int(match.group(2) or 0))
+        processes = int(match.group(3)) if match.group(2) else None
+        found.setdefault(position, []).append((path, processes, not is_file))
+    return {position: sorted(paths, key=lambda e: e[2]) for position, paths in found.items()}
+
+
+def checkpoint_files(dirname: Path, every: bool = False) -> list[str]:
+    """The complete training states in ``dirname``, oldest first (with
+    ``every``, also a file that a folder of the same position shadows)."""
+    states = _states(dirname)
+    return [
+        entry[0]
+        for position in sorted(states)
+        for entry in (states[position] if every else states[position][-1:])
+    ]
 
 
 def agreed_checkpoint(dirname: Path, accelerator: Accelerator) -> str | None:

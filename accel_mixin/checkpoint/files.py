@@ -94,6 +94,24 @@ def _resolve_target(path: Path) -> tuple[str, os.stat_result | None]:
     return name, target
 
 
+def check_directory(path: str) -> None:
+    """Raise, naming ``path`` and what to do, where the directory to save
+    ``path`` in is missing or a file."""
+    directory = _directory(path)
+    parent = directory
+    while not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise NotADirectoryError(
+            f"Cannot save to {path}: {parent} is a file, not a directory; "
+            "choose another path, or move that file away"
+        )
+    if parent != directory:
+        raise FileNotFoundError(
+            f"Cannot save to {path}: the directory {directory} does not exist; create it first"
+        )
+
+
 def _create_temporary(path: str) -> tuple[int, str]:
     """Create this save's temporary file for ``path``, locked; return (fd, name)."""
     directory = _directory(path)
@@ -108,18 +126,7 @@ def _create_temporary(path: str) -> tuple[int, str]:
     try:
         fd = os.open(tmp, flags, 0o666)
     except (FileNotFoundError, NotADirectoryError):
-        parent = directory
-        while not os.path.lexists(parent):
-            parent = os.path.dirname(parent)
-        if not os.path.isdir(parent):
-            raise NotADirectoryError(
-                f"Cannot save to {path}: {parent} is a file, not a directory; "
-                "choose another path, or move that file away"
-            ) from None
-        if parent != directory:
-            raise FileNotFoundError(
-                f"Cannot save to {path}: the directory {directory} does not exist; create it first"
-            ) from None
+        check_directory(path)
         raise
     _lock(fd)  # until the fd closes, after the rename
     return fd, tmp

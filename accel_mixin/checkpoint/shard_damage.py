@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from accel_mixin.checkpoint.checkpoint_files import checkpoint_files
+from accel_mixin.checkpoint.dcp_folder import SafeReader
 from accel_mixin.checkpoint.sharded_state import SHARDED
 
 if TYPE_CHECKING:
@@ -47,10 +48,8 @@ def is_damage(exc: CheckpointException) -> bool:
 def _problems(folder: str) -> list[str]:
     """What is wrong with ``folder``'s files: its ``.metadata`` unreadable, or
     shard files it names missing or shorter than it says; [] if nothing."""
-    from torch.distributed.checkpoint import FileSystemReader  # pylint: disable=import-outside-toplevel
-
     try:
-        metadata = FileSystemReader(folder).read_metadata()
+        metadata = SafeReader(folder).read_metadata()
     except Exception as exc:  # pylint: disable=broad-except
         return [f".metadata is unreadable ({type(exc).__name__})"]
     needed: dict[str, int] = {}
@@ -84,6 +83,8 @@ def _folders(value: Any, found: set[str]) -> set[str]:
 
 def intact(path: str) -> bool:
     """Whether the training state ``path`` loads and its shards are complete."""
+    if os.path.isdir(path):  # a folder: committed, and every file it names whole
+        return os.path.isfile(os.path.join(path, ".metadata")) and not _problems(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:  # pylint: disable=broad-except
@@ -103,11 +104,13 @@ def newest_intact(source: str) -> str | None:
 
 
 def damaged_message(source: str, folder: str, detail: str) -> str:
-    """What to say of ``source``, whose folder of shards ``folder`` is
-    damaged (``detail``: what failed), and what to do."""
+    """What to say of ``source``, whose folder of shards ``folder`` (for a
+    training-state folder, itself) is damaged (``detail``: what failed), and
+    what to do."""
     found = _problems(folder) if os.path.isdir(folder) else ["it is missing"]
     if found:
         detail = f"{'; '.join(found)}; {detail}"
+    own = os.path.abspath(folder) == os.path.abspath(source)
     other = newest_intact(source)
     if other is None:
         advice = (
@@ -117,11 +120,11 @@ def damaged_message(source: str, folder: str, detail: str) -> str:
     else:
         advice = (
             f"The newest intact state beside it is {other}: load it with "
-            f"net.load_state({other!r}), or delete {source} and its folder so that "
-            "ResumeTraining resumes from it."
+            f"net.load_state({other!r}), or delete {source}"
+            f"{'' if own else ' and its folder'} so that ResumeTraining resumes from it."
         )
+    what = "its files are" if own else f"its folder of shards {folder} is"
     return (
-        f"{source} cannot be loaded: its folder of shards {folder} is damaged or unreadable "
-        f"({detail}); a shard file was deleted, truncated or overwritten since it was saved. "
-        f"{advice}"
+        f"{source} cannot be loaded: {what} damaged or unreadable ({detail}); a file was "
+        f"deleted, truncated or overwritten since it was saved. {advice}"
     )

@@ -164,8 +164,8 @@ def load_module_state(
     unexpected = [k for k in state_dict if k not in expected]
     if missing or unexpected:
         raise CheckpointError(_mismatch_message(source, name, missing, unexpected))
-    for key, value in state_dict.items():
-        shape = getattr(value, "shape", None)
+    for key in expected:  # the module's order, whatever order the state was read in
+        shape = getattr(state_dict[key], "shape", None)
         if shape is not None and tuple(shape) != tuple(expected[key].shape):
             raise CheckpointError(
                 f"{source} does not fit {name}: {key!r} has shape {tuple(shape)} in the "

@@ -13,6 +13,7 @@ at the first epoch's begin (generators; inside an epoch, its part done).
 
 import copy
 import functools
+import os
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -20,16 +21,38 @@ from typing import Optional
 
 from skorch.history import History
 
+from accel_mixin.checkpoint.dcp_folder import (
+    METADATA,
+    checkpoint_exception,
+    failures,
+    is_state_folder,
+    read_full,
+    saved_keys,
+    set_aside,
+)
 from accel_mixin.checkpoint.params import load_optimizer_state
+from accel_mixin.checkpoint.shard_damage import damaged_message
 from accel_mixin.checkpoint.sharded_state import (
     is_sharded_entry,
+    load_best_weights_from,
+    load_module_from,
+    load_optimizer_from,
     load_sharded_best_weights,
     load_sharded_module,
     load_sharded_optimizer,
+    restore_groups,
 )
 from accel_mixin.checkpoint.state_dict import load_module_state, read_state, strip_wrapper_prefixes
 from accel_mixin.checkpoint.state_values import restore_rng, rng_state
+from accel_mixin.distributed.sharding import sharded
 from accel_mixin.errors import CheckpointError
+from accel_mixin.resume.state_folder import (
+    InFolder,
+    as_single_file,
+    by_position,
+    owner_module,
+    read_whole,
+)
 from accel_mixin.resume.training_state import (
     BEST_IS_CURRENT,
     BEST_WEIGHTS,
@@ -39,7 +62,7 @@ from accel_mixin.resume.training_state import (
     train_iterator_state,
 )
 from accel_mixin.training.data_order import restore_generator_states
-from accel_mixin.training.net_objects import net_modules, raw
+from accel_mixin.training.net_objects import net_modules, raw, sharded_module
 from accel_mixin.training.process_state import process_state
 
 __all__ = ["ResumePlan", "begin_epoch", "continue_epoch", "resume"]
@@ -76,6 +99,16 @@ def resume(net, path):
 
 
 def _read(net, path):
+    if os.path.isdir(path):
+        return _read_folder(net, path)
+    if not os.path.lexists(path):
+        aside = set_aside(path)
+        if aside:
+            raise CheckpointError(
+                f"{path} is missing, but {aside[0]} holds the state saved there before: a "
+                "save that replaced it ended between its two renames. Rename that folder to "
+                f"{path} to load it."
+            )
     # unmapped: optimizers keep the loaded tensors
     state = read_state(path, torch_load_kwargs=net.torch_load_kwargs)
     if not isinstance(state, dict) or state.get("format") != FORMAT:
@@ -91,6 +124,27 @@ def _read(net, path):
     return state
 
 
+def _read_folder(net, path):
+    """A training-state folder, as ``_read`` returns a file's: read whole by
+    one process or DDP; a sharded net reads all but the modules, optimizers
+    and best weights, which it loads into what it holds (``InFolder``)."""
+    if not is_state_folder(path):
+        raise CheckpointError(
+            f"{path} is a folder without {METADATA}: not a training state saved by save_state, "
+            "or one whose save did not complete. Load a complete one (ResumeTraining finds "
+            "the newest)."
+        )
+    kwargs = net.torch_load_kwargs
+    try:
+        if not sharded(net.accelerator):
+            return read_whole(path, torch_load_kwargs=kwargs)
+        in_folder = {"modules", "optimizers", "best_weights"}
+        keys = set(saved_keys(path)) - in_folder
+        return as_single_file(read_full(path, keys, torch_load_kwargs=kwargs), folder=path)
+    except checkpoint_exception() as exc:
+        raise CheckpointError(damaged_message(path, path, failures(exc))) from None
+
+
 def _restore_weights(net, state, source):
     saved = state["modules"]
     for name, module in net_modules(net):
@@ -99,7 +153,9 @@ def _restore_weights(net, state, source):
                 f"{source} holds no state for {name}_ (it holds {sorted(saved)}): it was "
                 "saved from a net with other modules."
             )
-        if is_sharded_entry(saved[name]):
+        if isinstance(saved[name], InFolder):
+            load_module_from(module, source, saved[name].keys, source, name + "_")
+        elif is_sharded_entry(saved[name]):
             load_sharded_module(module, source, saved[name], name + "_")
         else:
             load_module_state(module, saved[name], source=source, name=name + "_")
@@ -112,7 +168,10 @@ def _restore_training_state(net, state, source):
         if name not in state["optimizers"]:
             raise CheckpointError(f"{source} holds no state for {name}_.")
         saved = state["optimizers"][name]
-        if is_sharded_entry(saved):
+        if isinstance(saved, InFolder):
+            groups = state["optimizer_groups"][name]
+            saved = state["optimizers"][name] = _load_optimizer(net, name, saved, groups, source)
+        elif is_sharded_entry(saved):
             load_sharded_optimizer(
                 _module_of(net, saved, source), raw(net, name), source, saved, name + "_"
             )
@@ -129,7 +188,7 @@ def _restore_training_state(net, state, source):
             f"{source} was saved inside an epoch by {len(rngs)} process(es); each of them "
             f"holds its own part of that epoch, so it resumes on {len(rngs)} processes only, "
             f"not on {accelerator.num_processes}. Resume from a training state of an epoch's "
-            "end (training-state-<epoch>.pt) instead."
+            "end (training-state-<epoch>) instead."
         )
     if len(rngs) != accelerator.num_processes and accelerator.is_main_process:
         warnings.warn(
@@ -157,6 +216,21 @@ def _restore_training_state(net, state, source):
     return plan
 
 
+def _load_optimizer(net, name, entry, groups, source):
+    """Load the optimizer ``name`` from a folder (``entry``; ``groups``: its
+    saved hyperparameters) into a sharded net; returns what the plan needs
+    of it (its param groups)."""
+    optimizer = raw(net, name)
+    owner = owner_module(dict(net_modules(net)).values(), optimizer)
+    if owner is None:  # saved by position (several modules' parameters)
+        saved = by_position(read_full(source, ["optimizers"])["optimizers"][name])
+        load_optimizer_state(optimizer, saved, source=source, name=name + "_")
+        return saved
+    load_optimizer_from(owner, optimizer, source, entry.keys, source, name + "_")
+    restore_groups(optimizer, groups)
+    return {"param_groups": groups}
+
+
 def _module_of(net, entry, source):
     """The raw module whose parameters a sharded optimizer entry is over."""
     name = entry["module"]
@@ -173,9 +247,16 @@ def _load_sharded_best_weights(net, callbacks, modules, source):
     in its folder of shards, read now (rotation may remove the folder before
     the fit), laid out as the module's own."""
     name = next((n for n, entry in modules.items() if is_sharded_entry(entry)), None)
+    if any(isinstance(entry, InFolder) for entry in modules.values()):
+        name = sharded_module(net)[0]  # the weights of the module FSDP2 shards
     for cb_name, cb_state in callbacks.items():
         entry = cb_state.get(BEST_WEIGHTS)
-        if is_sharded_entry(entry):
+        if isinstance(entry, InFolder):
+            module = _module_of(net, {"module": name, "name": cb_name}, source)
+            cb_state[BEST_WEIGHTS] = load_best_weights_from(
+                module, source, entry.keys, source, f"the best weights of {cb_name}"
+            )
+        elif is_sharded_entry(entry):
             module = _module_of(net, {"module": name, "name": cb_name}, source)
             cb_state[BEST_WEIGHTS] = load_sharded_best_weights(
                 module, source, entry, f"the best weights of {cb_name}"

@@ -1,16 +1,15 @@
 """What a training state holds, collected on every rank.
 
-One torch file of tensors and plain values (it loads with
-``weights_only=True``): the weights of every module and criterion, the
-optimizers, the ``LRScheduler`` callbacks' schedulers, the gradient scaler,
-every rank's random number generators, the history, the position of
-training (epochs done, accumulation step, the training data's generators)
-and the callbacks' fitted state. A state saved inside an epoch also holds
-each rank's part of that epoch (``partial_epoch``). ``resuming`` reads it.
-Under FSDP2 the sharded module's tensors, its optimizers' and
-``EarlyStopping``'s best weights are written by every rank into a folder
-beside the file (``save_sharded_entries``, ``checkpoint.sharded_state``),
-and the file names it in their place.
+Tensors and plain values (they load with ``weights_only=True``): the weights
+of every module and criterion, the optimizers, the ``LRScheduler``
+callbacks' schedulers, the gradient scaler, every rank's random number
+generators, the history, the position of training (epochs done,
+accumulation step, the training data's generators) and the callbacks'
+fitted state. A state saved inside an epoch also holds each rank's part of
+that epoch (``partial_epoch``). ``shared_state`` is what every layout
+shares; ``state_folder`` lays it out as the keys of one DCP folder, and
+``collect_state`` as the single file of earlier releases (version 1), the
+layout ``resuming`` reads either into.
 
 A callback keeps in it what it declares as accelerate's
 ``register_for_checkpointing`` expects (``state_dict()`` and
@@ -34,7 +33,6 @@ from skorch.callbacks import (
 )
 from skorch.callbacks.scoring import ScoringBase
 
-from accel_mixin.checkpoint.sharded_state import SHARDED, save_shards
 from accel_mixin.checkpoint.state_dict import clean_state_dict, strip_wrapper_prefixes
 from accel_mixin.checkpoint.state_values import (
     NOT_PLAIN,
@@ -55,8 +53,9 @@ __all__ = [
     "VERSION",
     "callback_state",
     "collect_state",
+    "partial_epoch",
     "restore_callback_state",
-    "save_sharded_entries",
+    "shared_state",
     "train_iterator_state",
     "warn_if_inside_accumulation",
 ]
@@ -186,6 +185,21 @@ def collect_state(net, train_iterator_state, stopped=False, position=None):
     if position is not None:
         mine["partial"] = partial_epoch(net, position[1])
     everyone = gather_object([mine]) if accelerator.num_processes > 1 else [mine]
+    state = shared_state(net, train_iterator_state, stopped=stopped, position=position)
+    state["modules"] = {name: clean_state_dict(module) for name, module in net_modules(net)}
+    state["optimizers"] = {name: raw(net, name).state_dict() for name in net._optimizers}  # pylint: disable=protected-access
+    state["rng"] = [item["rng"] for item in everyone]
+    state["loop"]["partial_epoch"] = (
+        [item["partial"] for item in everyone] if position is not None else None
+    )
+    return state
+
+
+def shared_state(net, train_iterator_state, stopped=False, position=None):
+    """What every rank holds alike of ``net``'s training state, as plain
+    values: all but the modules, optimizers, generators and each rank's part
+    of an unfinished epoch. The arguments are ``collect_state``'s."""
+    accelerator = net.accelerator
     rows = net.history if position is None else net.history[:-1]
     schedulers = {}
     for name, cb in net.callbacks_:
@@ -199,11 +213,8 @@ def collect_state(net, train_iterator_state, stopped=False, position=None):
         "version": VERSION,
         "num_processes": accelerator.num_processes,
         "epoch": len(rows),
-        "modules": {name: clean_state_dict(module) for name, module in net_modules(net)},
-        "optimizers": {name: raw(net, name).state_dict() for name in net._optimizers},  # pylint: disable=protected-access
         "schedulers": schedulers,
         "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None,
-        "rng": [item["rng"] for item in everyone],
         "history": history_state(rows),
         "callbacks": {name: _callback_state(net, name, cb) for name, cb in net.callbacks_},
         "loop": {
@@ -211,9 +222,6 @@ def collect_state(net, train_iterator_state, stopped=False, position=None):
             "train_iterator": train_iterator_state,
             "stopped": bool(stopped),
             "batches": position[0] if position is not None else 0,
-            "partial_epoch": (
-                [item["partial"] for item in everyone] if position is not None else None
-            ),
         },
     }
 
@@ -228,27 +236,3 @@ def _callback_state(net, name, cb):
         # under the bare module's keys, which fit any process layout
         state[BEST_WEIGHTS] = None if current else strip_wrapper_prefixes(state[BEST_WEIGHTS])
     return state
-
-
-def save_sharded_entries(state, path, module_name, module, optimizers, num_processes):
-    """Under FSDP2, on every rank: write the sharded entries of ``state``
-    (``collect_state``'s) into a new folder beside ``path``, and put markers
-    naming it in their place. ``optimizers`` are the raw ones, by name."""
-    best = {
-        name: cb_state[BEST_WEIGHTS]
-        for name, cb_state in state["callbacks"].items()
-        if cb_state.get(BEST_WEIGHTS) is not None
-    }
-    folder = save_shards(path, module, optimizers, best, num_processes)
-    state["modules"][module_name] = {SHARDED: folder}
-    for name in optimizers:
-        state["optimizers"][name] = {
-            SHARDED: folder,
-            "name": name,
-            "module": module_name,
-            # the hyperparameters, which the plan puts back after the schedulers
-            "param_groups": state["optimizers"][name]["param_groups"],
-        }
-    for name in best:
-        state["callbacks"][name][BEST_WEIGHTS] = {SHARDED: folder, "name": name}
-    return folder

@@ -2,7 +2,7 @@
 
 ``ProcessState`` lives in the net's ``accelerate_process_`` attribute (skorch's
 ``get_params`` skips names ending in "_"; ``__getstate__`` drops it) and holds
-what outlives a fit: prepared objects, coordinator, writer, a loaded state's
+what outlives a fit: prepared objects, coordinator, the save in flight, a loaded state's
 plan. ``FitContext`` holds one ``partial_fit``'s own state; ``fit`` is the
 running (or last) fit's, where skorch's call chain, which cannot carry it, finds it.
 """
@@ -11,7 +11,6 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from accel_mixin.checkpoint.background import BackgroundWriter
 from accel_mixin.distributed.control import coordinator_for
 from accel_mixin.training.stepping import Stepper
 from accel_mixin.training.wrapping import PreparedObjects
@@ -48,8 +47,8 @@ class ProcessState:
 
     prepared: PreparedObjects = field(default_factory=PreparedObjects)
     coordinator: Optional[tuple] = None  # (accelerator, its coordinator)
-    writer: Any = None
-    snapshot: Any = None  # the CPU copy that asynchronous saves reuse
+    save_in_flight: Any = None  # an asynchronous save of a DCP folder (checkpoint.state_saves)
+    save_group: Any = None  # the gloo group of asynchronous saves beside NCCL
     plan: Any = None  # what a loaded training state gives the next fit (resume/resuming.py)
     keep_loaded: bool = False  # while a fit goes on from a loaded state
     fit: FitContext = field(default_factory=FitContext)
@@ -71,11 +70,6 @@ class ProcessState:
                 return stepper
         self.idle_stepper = Stepper(accelerator)
         return self.idle_stepper
-
-    def background_writer(self):
-        if self.writer is None:
-            self.writer = BackgroundWriter()
-        return self.writer
 
 
 def process_state(net):

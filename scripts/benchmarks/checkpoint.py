@@ -86,9 +86,9 @@ def peak_extra_rss(fn, repeats=3):
     return statistics.median(peaks)
 
 
-def training_net(accelerator, width, depth):
+def training_net(accelerator, width, depth, **params):
     """An initialized net of ``Stack`` that stays wrapped, in an epoch, ready
-    for ``train_step``."""
+    for ``train_step``; ``params``: more of the net's."""
     net = OursNet(
         module=Stack,
         module__width=width,
@@ -96,6 +96,7 @@ def training_net(accelerator, width, depth):
         accelerator=accelerator,
         verbose=0,
         unwrap_after_train=False,
+        **params,
     ).initialize()
     net.history.new_epoch()
     return net

@@ -188,8 +188,9 @@ def stall_table(result):
     stall = result["stall_s"]
     return [
         f"**Checkpoint stall** ({result['processes']} processes, {result['params'] / 1e6:.1f}M "
-        f"parameters, {result['file_mb']:.0f} MB training state; training runs "
-        f"{result['train_seconds_between']:.1f} s between checkpoints; the time save_state "
+        f"parameters, {result['optimizer']}, {result['state_mb']:.0f} MB training state; "
+        f"training runs {result['train_seconds_between']:.1f} s between checkpoints; the time "
+        "save_state "
         "blocks training on rank 0)",
         "",
         "| TrainingCheckpoint | median stall (s) | runs (s) |",

@@ -1,7 +1,11 @@
 """Checkpoint stall: how long training waits per training-state checkpoint,
 synchronous against asynchronous writes.
 
-    ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2 scripts/benchmarks/stall.py --out ...
+    ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2 scripts/benchmarks/stall.py \
+        [--kind ddp|fsdp] [--optimizer adam|sgd] --out ...
+
+Under ``--kind fsdp`` the module is sharded as ``sharded.py`` shards it (on
+CPU as the tests do).
 
 Between checkpoints the net trains for a while, so that an asynchronous write
 overlaps training as it would in a real run; the stall is the time the
@@ -22,8 +26,20 @@ from accelerate.utils import gather_object
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # pylint: disable=wrong-import-position
-from checkpoint import n_params, training_net
+from checkpoint import training_net
 from common import alternate, barrier, is_main, write_result
+
+
+def _params(net, accelerator):
+    """Parameters of the whole module (a DTensor's numel is the whole one's)."""
+    return sum(p.numel() for p in accelerator.unwrap_model(net.module_).parameters())
+
+
+def _size(path):
+    """Bytes of the training state ``path``: a folder (every rank's part)."""
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(entry.stat().st_size for entry in Path(path).iterdir() if entry.is_file())
 
 
 def main():
@@ -33,10 +49,18 @@ def main():
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--train-seconds", type=float, default=2.0)
+    parser.add_argument("--kind", choices=("ddp", "fsdp"), default="ddp")
+    parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     args = parser.parse_args()
 
-    accelerator = Accelerator()
-    net = training_net(accelerator, args.width, args.depth)
+    if args.kind == "fsdp":
+        from sharded import accelerator_of  # pylint: disable=import-outside-toplevel
+
+        accelerator = accelerator_of("fsdp")
+    else:
+        accelerator = Accelerator()
+    optimizer = torch.optim.Adam if args.optimizer == "adam" else torch.optim.SGD
+    net = training_net(accelerator, args.width, args.depth, optimizer=optimizer)
     X = torch.randn(64, 100)
     y = torch.randint(0, 2, (64,))
     workdir = Path(tempfile.gettempdir()) / "accel_mixin_bench_stall"
@@ -75,8 +99,10 @@ def main():
         {
             "benchmark": "stall",
             "processes": accelerator.num_processes,
-            "params": n_params(accelerator.unwrap_model(net.module_)),
-            "file_mb": os.path.getsize(path) / 2**20 if is_main() else None,
+            "params": _params(net, accelerator),
+            "kind": args.kind,
+            "optimizer": args.optimizer,
+            "state_mb": _size(path) / 2**20 if is_main() else None,
             "train_seconds_between": args.train_seconds,
             "stall_s": {
                 name: {"median_s": medians[name], "runs_s": values}

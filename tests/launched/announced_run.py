@@ -93,9 +93,9 @@ def interrupted():
 
 def legacy():
     if accelerator.is_main_process:
-        state = min((DIRNAME / "first").glob("run-*/training-state-*.pt"))
+        state = min((DIRNAME / "first").glob("run-*/training-state-*"))
         (DIRNAME / "legacy").mkdir()
-        shutil.copy(state, DIRNAME / "legacy")
+        shutil.copytree(state, DIRNAME / "legacy" / state.name)
     accelerator.wait_for_everyone()
     return both("legacy")
 

@@ -8,6 +8,7 @@ Usage: torchrun --nnodes 2 --node_rank 0|1 --nproc_per_node 1 each_node.py
 """
 
 import os
+import shutil
 import warnings
 from pathlib import Path
 
@@ -63,12 +64,14 @@ def resume(max_epochs):
     return net, [str(w.message) for w in caught if "every rank has" in str(w.message)]
 
 
-@checks
+# not run (issue 47, open): a training state is one DCP folder that every rank
+# writes its part of, so machines without a shared filesystem hold no whole
+# state; test_files.py marks its test as failing until that is decided
 def resume_from_the_epoch_every_node_has():
     resume(3)  # every node keeps its own epochs 1 to 3
     if rank == 1:  # node 1 was killed while writing epoch 3
-        (state,) = Path("states").glob("run-*/training-state-000003.pt")
-        state.unlink()
+        (state,) = Path("states").glob("run-*/training-state-000003")
+        shutil.rmtree(state)
     net, caught = resume(4)
     return {
         "resumed_from": os.path.basename(dict(net.callbacks_)["ResumeTraining"].resumed_from_),
@@ -78,11 +81,10 @@ def resume_from_the_epoch_every_node_has():
     }
 
 
-@checks
-def no_epoch_in_common_fails_on_every_node():
+def no_epoch_in_common_fails_on_every_node():  # not run either
     if rank == 1:  # a new machine: nothing to resume from
         for path in Path("states").glob("run-*/*"):
-            path.unlink()
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
     resume(5)
 
 

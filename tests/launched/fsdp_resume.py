@@ -32,8 +32,8 @@ from common import (
 from skorch.callbacks import Callback, EarlyStopping, LRScheduler
 
 from accel_mixin.callbacks import ResumeTraining, TrainingCheckpoint
+from accel_mixin.checkpoint import dcp_folder
 from accel_mixin.distributed.preemption import NoticeBoard
-from accel_mixin.resume import training_state
 
 PHASE, SHARED = sys.argv[1], Path(sys.argv[2])
 OUT = Path(os.environ.get("ACCEL_RESULTS_DIR", "."))
@@ -150,12 +150,18 @@ def best_epoch(net):
     return dict(net.callbacks_)["stopping"].best_epoch_
 
 
-def shard_folders(folder):
-    return sorted(p.name for p in Path(folder).iterdir() if ".shards-" in p.name)
+def partial_folders(folder):
+    """What saves left beside their states: partial folders, states set aside."""
+    return sorted(p.name for p in Path(folder).iterdir() if p.name.startswith("."))
 
 
 def state_files(folder):
-    return sorted(p.name for p in Path(folder).iterdir() if p.name.endswith(".pt"))
+    """The committed training states (folders with DCP's .metadata)."""
+    return sorted(
+        p.name
+        for p in Path(folder).iterdir()
+        if p.name.startswith(("training-state", "state")) and (p / ".metadata").is_file()
+    )
 
 
 if PHASE == "train":
@@ -189,7 +195,7 @@ if PHASE == "train":
             "resumed_from": net.resumed_from_,
             "best_epoch": [best_epoch(net), best_epoch(reference)],
             "files": state_files(folder),
-            "folders": shard_folders(folder),
+            "folders": partial_folders(folder),
         }
 
     @checks
@@ -235,7 +241,7 @@ if PHASE == "train":
         net = net_of(callbacks=[("checkpoint", TrainingCheckpoint(dirname, keep_last=1))])
         net.fit(X, y)
         folder = dict(net.callbacks_)["checkpoint"].run_folder_
-        return {"files": state_files(folder), "folders": shard_folders(folder)}
+        return {"files": state_files(folder), "folders": partial_folders(folder)}
 
     @checks
     def a_failed_save_leaves_the_previous_state():
@@ -243,21 +249,22 @@ if PHASE == "train":
         path = OUT / "failing" / "state.pt"
         path.parent.mkdir(exist_ok=True)
         net.save_state(str(path))
-        before = shard_folders(path.parent)
+        before = state_files(path.parent)
         good = full_files(net, "good")
         net.partial_fit(X, y)  # other weights, which the failed save held
-        real = training_state.save_shards
+        real = dcp_folder.commit_folder
 
         def fail_after_the_shards(*args, **kwargs):
-            real(*args, **kwargs)
+            # every rank wrote its part; rank 0's commit fails
             raise OSError("the disk went away")
 
-        training_state.save_shards = fail_after_the_shards
+        dcp_folder.commit_folder = fail_after_the_shards
         try:
             failed = outcome(lambda: net.save_state(str(path)))
         finally:
-            training_state.save_shards = real
-        after_failure = shard_folders(path.parent)
+            dcp_folder.commit_folder = real
+        net.accelerator.wait_for_everyone()  # rank 0 removed the partial folder
+        after_failure = state_files(path.parent) + partial_folders(path.parent)
         loaded = net_of()
         loaded.initialize()
         loaded.load_state(str(path))
@@ -268,7 +275,7 @@ if PHASE == "train":
             "before": before,
             "after_failure": after_failure,
             "restored": restored,
-            "after_next_save": shard_folders(path.parent),
+            "after_next_save": state_files(path.parent) + partial_folders(path.parent),
         }
 
     @checks
@@ -286,9 +293,17 @@ if PHASE == "train":
         ddp.initialize()
         ddp.load_state(str(folder / "state.pt"))
         saved = {key: torch.load(f, weights_only=True) for key, f in files.items()}
+        ddp_difference = difference(full_files(ddp, "ddp"), saved)
+        predicts = len(ddp.predict(X))
+        # and the state a DDP net saves loads into a sharded net
+        ddp.save_state(str(folder / "ddp-state"))
+        sharded = net_of()
+        sharded.initialize()
+        sharded.load_state(str(folder / "ddp-state"))
         return {
-            "ddp_difference": difference(full_files(ddp, "ddp"), saved),
-            "predicts": len(ddp.predict(X)),
+            "ddp_difference": ddp_difference,
+            "predicts": predicts,
+            "back_to_fsdp_difference": difference(full_files(sharded, "back"), saved),
         }
 
 elif PHASE == "load":

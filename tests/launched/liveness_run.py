@@ -8,8 +8,9 @@ Usage: torchrun ... liveness_run.py MODE, MODE one of
                        20 s: the job finishes (process group timeout 60 s)
   kill-in-exchange     rank 1 ends (SIGKILL) inside the epoch-end exchange of
                        predictions, after its first message
-  kill-async-in-flight rank 1 ends as epoch 2 begins, while rank 0's
-                       asynchronous TrainingCheckpoint write is in flight
+  kill-async-in-flight rank 1 ends as epoch 2 begins, while rank 0's part
+                       (its commit) of an asynchronous TrainingCheckpoint
+                       save is in flight
 
 Each mode fits, then calls save_params and predict. Every rank that lives
 to the end reports ``error`` (None when the calls succeeded) and
@@ -33,8 +34,8 @@ from accelerate.utils import InitProcessGroupKwargs
 from common import MLP, AcceleratedNet, make_data, report
 from skorch.callbacks import Callback
 
-import accel_mixin.checkpointing
 from accel_mixin.callbacks import TrainingCheckpoint
+from accel_mixin.checkpoint import dcp_folder
 from accel_mixin.distributed import epoch_scores
 
 mode = sys.argv[1]
@@ -102,13 +103,13 @@ elif mode == "kill-async-in-flight":
         TrainingCheckpoint(tempfile.mkdtemp(prefix="liveness_"), asynchronous=True),
         OnRank("batch_begin", kill_self),
     ]
-    write = accel_mixin.checkpointing.write_state
+    commit = dcp_folder.commit_folder
 
-    def slow_write(state, path):
-        time.sleep(3)  # still in flight when rank 1 ends
-        write(state, path)
+    def slow_commit(*args):
+        time.sleep(3)  # rank 0's part of the save, still in flight when rank 1 ends
+        commit(*args)
 
-    accel_mixin.checkpointing.write_state = slow_write
+    dcp_folder.commit_folder = slow_commit
 
 accelerator = Accelerator(
     kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=timeout))]

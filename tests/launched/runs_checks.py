@@ -125,6 +125,6 @@ def run(checks, accelerator, dirname):
                 fits.append(dict(net.callbacks_)["TrainingCheckpoint"].run_folder_)
         return {
             "folders": [Path(path).name for path in fits],
-            "on_disk": sorted(p.name for p in folder.glob("run-*/*.pt")),
+            "on_disk": sorted(p.name for p in folder.glob("run-*/training-state-*")),
             "warnings": [str(w.message) for w in caught if "ResumeTraining" in str(w.message)],
         }

@@ -3,7 +3,7 @@
 ``python sharded_faults.py save DISK``: a save that fails on one rank (its
 files may not grow: ``RLIMIT_FSIZE``) and one that fails on a full disk
 (``DISK``, a small tmpfs the test mounted, or ``none``) raise the same
-``CheckpointError`` on every rank, and leave no folder of shards behind.
+``CheckpointError`` on every rank, and leave no partial folder behind.
 
 ``python sharded_faults.py damaged``: a state whose shard file is deleted,
 truncated or corrupted is named as damaged on every rank, with the older
@@ -61,8 +61,9 @@ def net_of(module=DropoutMLP, **kwargs):
     return AcceleratedNet(accelerator=make_fsdp_accelerator(), **params)
 
 
-def shard_folders(folder):
-    return sorted(p.name for p in Path(folder).iterdir() if ".shards-" in p.name)
+def listing(folder):
+    """What is in ``folder``: committed states, partial folders, the filler."""
+    return sorted(p.name for p in Path(folder).iterdir() if p.name != "filler")
 
 
 def weights(net):
@@ -84,7 +85,7 @@ if PHASE == "save":
         net.wait_for_everyone()
         path = folder / "state.pt"
         net.save_state(str(path))
-        before = shard_folders(folder)
+        before = listing(folder)
         limit = resource.getrlimit(resource.RLIMIT_FSIZE)
         if RANK == 1:  # its shard file may not grow: EFBIG, as a quota would say
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -93,7 +94,8 @@ if PHASE == "save":
             failed = outcome(lambda: net.save_state(str(path)))
         finally:
             resource.setrlimit(resource.RLIMIT_FSIZE, limit)
-        return {"failed": failed, "before": before, "after": shard_folders(folder)}
+        net.wait_for_everyone()  # rank 0 removed the partial folder
+        return {"failed": failed, "before": before, "after": listing(folder)}
 
     @checks
     def a_full_disk_fails_alike_everywhere_and_piles_up_no_folders():
@@ -103,32 +105,23 @@ if PHASE == "save":
         folder = Path(DISK)
         path = folder / "state.pt"
         net.save_state(str(path))
-        before = shard_folders(folder)
+        before = listing(folder)
         good = weights(net)
         net.partial_fit(X, y)  # other weights, which the failed saves held
         filler = folder / "filler"
-        (shards,) = [folder / name for name in before]
-        pages = sum(-(-f.stat().st_size // 4096) for f in shards.iterdir())
-
-        def leave(free):
-            """Fill the disk up to ``free`` pages."""
-            if RANK == 0:
-                fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
-                try:
-                    while os.write(fd, b"\0" * 4096):
-                        pass
-                except OSError:
+        if RANK == 0:  # the disk full
+            fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+            try:
+                while os.write(fd, b"\0" * 4096):
                     pass
-                finally:
-                    os.close(fd)
-                os.truncate(filler, max(os.path.getsize(filler) - free * 4096, 0))
-            net.wait_for_everyone()
-
-        leave(0)  # the shards do not fit, twice
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+        net.wait_for_everyone()
         attempts = [outcome(lambda: net.save_state(str(path))) for _ in range(2)]
-        leave(pages + 1)  # the shards fit, and the file does not
-        attempts.append(outcome(lambda: net.save_state(str(path))))
-        after = shard_folders(folder)
+        net.wait_for_everyone()  # rank 0 removed the partial folders
+        after = listing(folder)
         loaded = net_of()
         loaded.initialize()
         loaded.load_state(str(path))
@@ -154,8 +147,8 @@ elif PHASE == "damaged":
     net = net_of(max_epochs=2, callbacks=[TrainingCheckpoint(str(dirname), keep_last=None)])
     net.fit(X, y)
     run_folder = Path(dict(net.callbacks_)["TrainingCheckpoint"].run_folder_)
-    newest = run_folder / "training-state-000002.pt"
-    (shards,) = [run_folder / name for name in shard_folders(run_folder) if "000002" in name]
+    newest = run_folder / "training-state-000002"
+    shards = newest  # the state's own folder
     shard = shards / "__1_0.distcp"  # rank 1's
 
     def load(path, module=DropoutMLP):
@@ -182,7 +175,7 @@ elif PHASE == "damaged":
 
     @checks
     def with_the_older_state_damaged_too_none_is_named():
-        (older,) = [run_folder / name for name in shard_folders(run_folder) if "000001" in name]
+        older = run_folder / "training-state-000001"
         if RANK == 0:
             for folder in (older, shards):
                 shutil.copy(folder / "__1_0.distcp", OUT / f"kept-{folder.name}")

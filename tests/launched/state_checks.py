@@ -4,6 +4,7 @@ every rank, and asynchronous writes whose failure reaches every rank
 in the working directory.
 """
 
+import os
 import shutil
 from pathlib import Path
 
@@ -12,6 +13,8 @@ import torch
 from common import MLP, AcceleratedNet, make_accelerator, make_data, outcome
 
 from accel_mixin.callbacks import TrainingCheckpoint
+from accel_mixin.checkpoint.state_dict import strip_wrapper_prefixes
+from accel_mixin.resume.state_folder import read_whole
 
 
 class RemoveDirAfterFirstSave(TrainingCheckpoint):
@@ -36,34 +39,39 @@ def run(checks):
         params.update(kwargs)
         return AcceleratedNet(**params)
 
+    def loads_wait(net, saved_slowly, loaded):
+        expected = saved_slowly(net)
+        fresh = make_net(max_epochs=1)
+        fresh.load_state("slow.pt")
+        other_net = loaded(fresh, expected)
+        expected = saved_slowly(net)
+        net.load_state("slow.pt")
+        same_net = loaded(net, expected)
+        net.save_params(f_params="slow-params.pt")
+        expected = saved_slowly(net)  # a state in flight, then params of an older epoch
+        net.load_params(f_params="slow-params.pt")
+        # on return the state in flight is in its file, on every rank
+        written = read_whole("slow.pt")["modules"]["module"]
+        names = strip_wrapper_prefixes(dict(net.module_.named_parameters()))
+        params_waited = all(torch.equal(written[n], b) for n, b in zip(names, expected))
+        return {"other_net": other_net, "same_net": same_net, "params_waited": params_waited}
+
     @checks
     def round_trip():
-        import accel_mixin.checkpoint.files as files
-
         net = make_net()
         net.fit(X, y)
-        # the files this rank writes, synchronously and in the background
-        writes, atomic_write = [], files.atomic_write
-
-        def counting_atomic_write(path, write, **kwargs):
-            writes.append(str(path))
-            return atomic_write(path, write, **kwargs)
-
-        files.atomic_write = counting_atomic_write
-        try:
-            net.save_state("asynchronous.pt", asynchronous=True)
-            net.wait_for_saves()
-            net.save_state("state.pt")
-        finally:
-            files.atomic_write = atomic_write
+        net.save_state("asynchronous.pt", asynchronous=True)
+        net.wait_for_saves()
+        net.save_state("state.pt")
         fresh = make_net()
         fresh.load_state("state.pt")
         fresh.partial_fit(X, y)  # resumed: the remaining epochs, none
         return {
             "same_predictions": bool(np.array_equal(fresh.predict_proba(X), net.predict_proba(X))),
             "epochs": len(fresh.history),
-            "keys": sorted(torch.load("state.pt", weights_only=True)),
-            "writes": writes,
+            "keys": sorted(read_whole("state.pt")),
+            # one folder each, every rank's part in it
+            "folders": sorted(sorted(os.listdir(name)) for name in ("asynchronous.pt", "state.pt")),
         }
 
     @checks
@@ -95,40 +103,29 @@ def run(checks):
         loads the new state."""
         import time
 
-        import accel_mixin.checkpointing as checkpointing
+        import accel_mixin.checkpoint.dcp_folder as dcp_folder
 
         net = make_net(max_epochs=1)
         net.fit(X, y)
         net.save_state("slow.pt")
-        write_state = checkpointing.write_state
+        commit_folder = dcp_folder.commit_folder
 
-        def slow_write_state(*args, **kwargs):
+        def slow_commit_folder(*args, **kwargs):
+            # rank 0's commit, after every rank's DCP save ended
             time.sleep(1.0)
-            return write_state(*args, **kwargs)
+            return commit_folder(*args, **kwargs)
 
         def saved_slowly(net):
             net.partial_fit(X, y)
-            checkpointing.write_state = slow_write_state
-            try:
-                net.save_state("slow.pt", asynchronous=True)
-            finally:
-                checkpointing.write_state = write_state
+            net.save_state("slow.pt", asynchronous=True)
             return [p.detach().clone() for p in net.module_.parameters()]
 
         def loaded(net, expected):
             return all(torch.equal(a, b) for a, b in zip(net.module_.parameters(), expected))
 
-        expected = saved_slowly(net)
-        fresh = make_net(max_epochs=1)
-        fresh.load_state("slow.pt")
-        other_net = loaded(fresh, expected)
-        expected = saved_slowly(net)
-        net.load_state("slow.pt")
-        same_net = loaded(net, expected)
-        net.save_params(f_params="slow-params.pt")
-        expected = saved_slowly(net)  # a state in flight, then params of an older epoch
-        net.load_params(f_params="slow-params.pt")
-        # on return the state in flight is in its file, on every rank
-        written = torch.load("slow.pt", weights_only=True)["modules"]["module"]
-        params_waited = all(torch.equal(a, b) for a, b in zip(written.values(), expected))
-        return {"other_net": other_net, "same_net": same_net, "params_waited": params_waited}
+        # the save's thread looks the name up when it commits: patched throughout
+        dcp_folder.commit_folder = slow_commit_folder
+        try:
+            return loads_wait(net, saved_slowly, loaded)
+        finally:
+            dcp_folder.commit_folder = commit_folder
