@@ -42,10 +42,10 @@ from accel_mixin.training.net_objects import (
     slots,
 )
 from accel_mixin.training.notifications import (
+    Notification,
     callbacks_during_fit,
     callbacks_of_this_rank,
     main_process_pickles,
-    notify_in_section,
     progress_of_this_rank,
 )
 from accel_mixin.training.portable import PortableAccelerator, settle_unpickled
@@ -301,15 +301,11 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
                 return  # partial sums of an accumulation window (stepping.py)
             self._stepper.unscale(self._optimizers_now())
         step = self._NOTIFIED.get(method_name)
-        notify_in_section(
-            self._coordinator,
-            method_name,
-            lambda: (
+        with Notification(self._coordinator, method_name):
+            if step:
                 getattr(self, step)(**cb_kwargs)
-                if step
-                else self._notify_callbacks(method_name, **cb_kwargs)
-            ),
-        )
+            else:
+                self._notify_callbacks(method_name, **cb_kwargs)
         if method_name == "on_train_begin":
             with self._coordinator.section("on_train_begin"):
                 self._begin_training(cb_kwargs.get("X"), cb_kwargs.get("y"))
