@@ -1812,6 +1812,27 @@ BREAKS = [
         "                pass\n",
         (COORDINATION + "test_an_error_in_a_per_batch_notification_is_named_on_the_other_rank",),
     ),
+    Break(
+        "epochs-epoch-end-swallows-an-error",
+        "epochs",
+        "the epoch's end swallows an error leaving its block on one process",
+        "accel_mixin/training/epochs.py",
+        "        if not distributed:\n            raise\n",
+        "        if not distributed:\n            return\n",
+        ("tests/test_notifications.py::test_an_error_in_on_epoch_end_leaves_fit_as_itself",),
+    ),
+    Break(
+        "epochs-epoch-end-swallows-a-stop",
+        "epochs",
+        "the epoch's end swallows EarlyStopping's KeyboardInterrupt: training goes on",
+        "accel_mixin/training/epochs.py",
+        "        raise interrupt or KeyboardInterrupt\n",
+        "        return\n",
+        (
+            "tests/test_notifications.py::"
+            + "test_a_keyboard_interrupt_in_on_epoch_end_stops_after_the_epoch_finished",
+        ),
+    ),
 ]
 
 

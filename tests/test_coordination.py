@@ -351,7 +351,7 @@ def test_a_failure_learned_in_a_barrier_is_carried_by_every_later_barrier_of_its
 
 
 def end_epoch_like(coordinator, callbacks):
-    """end_epoch's protocol, in its notification's section: the callbacks, a
+    """epoch_end's protocol, in its notification's section: the callbacks, a
     failure noted, one barrier unless the failure was agreed in one; raise."""
     with coordinator.section("on_epoch_end"):
         error = None
