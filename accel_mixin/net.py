@@ -26,7 +26,7 @@ from accel_mixin.distributed.replicas import check_same_data
 from accel_mixin.distributed.sharding import sharded
 from accel_mixin.internals import cache_lomo_check
 from accel_mixin.resume.resuming import begin_epoch, continue_epoch
-from accel_mixin.training.epochs import EpochBatches, end_epoch
+from accel_mixin.training.epochs import EpochBatches, epoch_end
 from accel_mixin.training.net_objects import (
     bare_modules,
     check_device,
@@ -42,10 +42,10 @@ from accel_mixin.training.net_objects import (
     slots,
 )
 from accel_mixin.training.notifications import (
+    Notification,
     callbacks_during_fit,
     callbacks_of_this_rank,
     main_process_pickles,
-    notify_in_section,
     progress_of_this_rank,
 )
 from accel_mixin.training.portable import PortableAccelerator, settle_unpickled
@@ -301,15 +301,11 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
                 return  # partial sums of an accumulation window (stepping.py)
             self._stepper.unscale(self._optimizers_now())
         step = self._NOTIFIED.get(method_name)
-        notify_in_section(
-            self._coordinator,
-            method_name,
-            lambda: (
+        with Notification(self._coordinator, method_name):
+            if step:
                 getattr(self, step)(**cb_kwargs)
-                if step
-                else self._notify_callbacks(method_name, **cb_kwargs)
-            ),
-        )
+            else:
+                self._notify_callbacks(method_name, **cb_kwargs)
         if method_name == "on_train_begin":
             with self._coordinator.section("on_train_begin"):
                 self._begin_training(cb_kwargs.get("X"), cb_kwargs.get("y"))
@@ -387,14 +383,12 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
         return None
 
     def _end_epoch(self, **cb_kwargs: Any) -> None:
-        end_epoch(self, self._coordinator, self._notify_epoch_end, **cb_kwargs)
-
-    def _notify_epoch_end(self, scores: Any, **cb_kwargs: Any) -> None:
-        if not scores:
-            self._notify_callbacks("on_epoch_end", **cb_kwargs)
-            return
-        with callbacks_of_this_rank(self, self._coordinator):
-            notify_scored(self, scores, **cb_kwargs)
+        with epoch_end(self, self._coordinator, **cb_kwargs) as scores:
+            if not scores:
+                self._notify_callbacks("on_epoch_end", **cb_kwargs)
+            else:  # callbacks record the main process's scores (epoch_scores.py)
+                with callbacks_of_this_rank(self, self._coordinator):
+                    notify_scored(self, scores, **cb_kwargs)
 
     def _train_ends(self, **cb_kwargs: Any) -> None:
         with main_process_pickles(self.callbacks_, self.accelerator.is_main_process):

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from accel_mixin.distributed.control import Control, agreed_failure
 from accel_mixin.errors import DistributedError
+from accel_mixin.training.notifications import Notification
 
 
 def pair(timeout=30.0):
@@ -350,7 +351,7 @@ def test_a_failure_learned_in_a_barrier_is_carried_by_every_later_barrier_of_its
 
 
 def end_epoch_like(coordinator, callbacks):
-    """end_epoch's protocol, in its notification's section: the callbacks, a
+    """epoch_end's protocol, in its notification's section: the callbacks, a
     failure noted, one barrier unless the failure was agreed in one; raise."""
     with coordinator.section("on_epoch_end"):
         error = None
@@ -453,3 +454,26 @@ def test_a_failure_swallowed_on_one_rank_only_reaches_it_at_its_next_barrier(swa
     swallowed = out0 if swallowing == 0 else out1
     assert isinstance(swallowed, DistributedError), swallowed
     assert "load_params failed on rank 1: FileNotFoundError: no checkpoint" in str(swallowed)
+
+
+def test_an_error_in_a_per_batch_notification_is_named_on_the_other_rank():
+    # ranks may run different numbers of batches: no barrier per batch, the
+    # notification fails the section around it, which names it
+    rank0, rank1 = pair(timeout=30)
+
+    def failing():
+        with rank1.session("fit"), Notification(rank1, "on_batch_end"):
+            raise ValueError("boom on rank 1")
+
+    def training():
+        with rank0.session("fit"):
+            with Notification(rank0, "on_batch_end"):
+                pass
+            rank0.barrier("on_epoch_end")
+
+    start = time.monotonic()
+    (kind0, out0), (_, out1) = run_ranks(training, failing)
+    assert time.monotonic() - start < 5
+    assert isinstance(out1, ValueError), out1
+    assert kind0 == "raised", out0
+    assert "on_batch_end failed on rank 1: ValueError: boom on rank 1" in str(out0)

@@ -12,6 +12,7 @@ error, before the replica check and the ``on_epoch_finished`` hooks.
 """
 
 import inspect
+from contextlib import contextmanager
 
 import torch
 from skorch.dataset import get_len, unpack_data
@@ -32,7 +33,7 @@ from accel_mixin.training.shares import (
     warn_padding_trains,
 )
 
-__all__ = ["EpochBatches", "end_epoch"]
+__all__ = ["EpochBatches", "epoch_end"]
 
 
 class EpochBatches:
@@ -148,11 +149,15 @@ def _real_step(net, step, view, real, training, autocast):
     return dict(step, loss=loss, y_pred=y_pred)
 
 
-def end_epoch(net, coordinator, notify_epoch_end, **cb_kwargs):
-    """Sync the epoch, run the callbacks, agree on the row and on stopping.
+@contextmanager
+def epoch_end(net, coordinator, **cb_kwargs):
+    """The end of an epoch, around the net's notification of its callbacks.
 
-    ``notify_epoch_end(scores, **cb_kwargs)`` notifies the callbacks, those
-    of ``scores`` recording the main process's score (``notify_scored``).
+    Before the block the ranks sync the epoch, and the main process scores
+    for all: the block gets ``scores``, those the callbacks record at their
+    turn (``notify_scored``; empty with one process). After it the ranks
+    agree on the row and on stopping, and every error leaving the block is
+    raised again.
 
     EarlyStopping's KeyboardInterrupt on any rank stops all; a callback's error
     on any rank makes every rank raise (the failed rank still joins the final
@@ -166,12 +171,12 @@ def end_epoch(net, coordinator, notify_epoch_end, **cb_kwargs):
         on_main = share_predictions(net, **cb_kwargs)  # reads this rank's own batch records
         merge_epoch(net)
         scores = score_on_main(net, on_main, **cb_kwargs)
-    stop, error = False, None
+    stop, interrupt, error = False, None, None
     try:
         with main_process_pickles(net.callbacks_, net.accelerator.is_main_process):
-            notify_epoch_end(scores, **cb_kwargs)
-    except KeyboardInterrupt:
-        stop = True
+            yield scores
+    except KeyboardInterrupt as exc:
+        stop, interrupt = True, exc
     except Exception as exc:  # pylint: disable=broad-except
         if not distributed:
             raise
@@ -202,7 +207,8 @@ def end_epoch(net, coordinator, notify_epoch_end, **cb_kwargs):
             # hooks written as on_epoch_finished(net) still work
             finished(net, **({"stopped": stopped} if _takes(finished, "stopped") else {}))
     if stop:
-        raise KeyboardInterrupt
+        # this rank's own, or another's (agreed on the row)
+        raise interrupt or KeyboardInterrupt
 
 
 def _takes(function, name):

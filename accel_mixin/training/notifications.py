@@ -13,7 +13,7 @@ an epoch's end (``TrainingCheckpoint`` uses all three).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any
 
 from skorch.callbacks import EarlyStopping, EpochTimer, PrintLog, ProgressBar
@@ -22,6 +22,8 @@ from accel_mixin.errors import DistributedError, Preempted
 from accel_mixin.internals import batches_per_epoch_phase
 
 if TYPE_CHECKING:
+    from types import TracebackType
+
     from skorch import NeuralNet
     from skorch.callbacks import Callback
     from torch.utils.data import Dataset
@@ -32,12 +34,12 @@ if TYPE_CHECKING:
 _Callbacks = Sequence[tuple[str, "Callback"]]
 
 __all__ = [
+    "Notification",
     "callbacks_during_fit",
     "callbacks_of_this_rank",
     "hook",
     "main_process_only",
     "main_process_pickles",
-    "notify_in_section",
     "progress_of_this_rank",
     "stopped_early",
 ]
@@ -49,24 +51,49 @@ _RUN_EVERYWHERE = (EpochTimer, PrintLog, ProgressBar)
 _MAIN_ONLY: dict[type, bool] = {}
 
 
-def notify_in_section(
-    coordinator: Coordinator, method_name: str, notify: Callable[[], object]
-) -> None:
-    """Run ``notify()`` for the notification ``method_name`` as a section."""
-    if not coordinator.distributed:
-        notify()
-    elif method_name in _PER_BATCH:
-        try:
-            notify()
-        except Exception as exc:
-            if not isinstance(exc, (DistributedError, Preempted)):
-                coordinator.fail(method_name, exc)
-            raise
-    else:
-        with coordinator.section(method_name):
-            notify()
-            if method_name in _BARRIER_AFTER:
-                coordinator.barrier(method_name)
+class Notification:
+    """The context of the notification ``method_name``: the net notifies
+    inside it. Entered on every batch, so a plain class.
+
+    Per-batch notifications (ranks may run different numbers of batches)
+    fail the enclosing section on an error; the others are a section of
+    their own, with a barrier at the end of ``on_train_begin`` and
+    ``on_epoch_begin``.
+    """
+
+    __slots__ = ("_control", "_name", "_section")
+
+    def __init__(self, control: Coordinator, method_name: str) -> None:
+        self._control, self._name = control, method_name
+        self._section: AbstractContextManager[object] | None = None
+
+    def __enter__(self) -> None:
+        if self._control.distributed and self._name not in _PER_BATCH:
+            self._section = section = self._control.section(self._name)
+            section.__enter__()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> bool:
+        section = self._section
+        if section is None:
+            if (
+                isinstance(exc, Exception)
+                and self._control.distributed
+                and not isinstance(exc, (DistributedError, Preempted))
+            ):
+                self._control.fail(self._name, exc)
+            return False
+        if exc is None and self._name in _BARRIER_AFTER:
+            try:
+                self._control.barrier(self._name)
+            except BaseException as error:
+                section.__exit__(type(error), error, error.__traceback__)
+                raise
+        return bool(section.__exit__(exc_type, exc, traceback))
 
 
 def main_process_only(callback: object) -> bool:
