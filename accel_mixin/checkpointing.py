@@ -195,17 +195,18 @@ class CheckpointingMixin(SafeParamsMixin):
             )
 
     def _where_training_is(self, stopped):
-        """``(train iterator state, stopped, position)`` of a state saved now
-        (``collect_state``'s arguments); ``stopped`` is ``save_state``'s."""
+        """``(train iterator state, stopped, position, epoch_rng)`` of a state
+        saved now (``collect_state``'s arguments); ``stopped`` is ``save_state``'s."""
         fit = self._process.fit
         if fit.position is None:
-            shuffling = train_iterator_state(fit.running_train_iterator())
+            shuffling, epoch_rng = train_iterator_state(fit.train_iterator_now()), None
         else:  # inside an epoch: its order is replayed from its start
-            batch_sampler_owner(fit.running_train_iterator())
-            shuffling = fit.epoch_start_iterator
+            batch_sampler_owner(fit.train_iterator_now())
+            assert fit.epoch_start is not None, "begin_epoch keeps it before any batch"
+            shuffling, epoch_rng = fit.epoch_start.shuffling, fit.epoch_start.rng
         if stopped is None:
             stopped = fit.position is None and stopped_early(self.callbacks_)
-        return shuffling, stopped, fit.position
+        return shuffling, stopped, fit.position, epoch_rng
 
     def wait_for_saves(self):
         """Wait for an asynchronous ``save_state`` to finish, on every rank.

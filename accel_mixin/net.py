@@ -7,6 +7,7 @@ maps them).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -27,6 +28,7 @@ from accel_mixin.distributed.sharding import sharded
 from accel_mixin.internals import cache_lomo_check
 from accel_mixin.resume.resuming import begin_epoch, continue_epoch
 from accel_mixin.training.epochs import EpochBatches, epoch_end
+from accel_mixin.training.fit import Fit
 from accel_mixin.training.net_objects import (
     bare_modules,
     check_device,
@@ -50,7 +52,6 @@ from accel_mixin.training.notifications import (
 )
 from accel_mixin.training.portable import PortableAccelerator, settle_unpickled
 from accel_mixin.training.process_state import ATTRIBUTE as PROCESS_STATE
-from accel_mixin.training.process_state import FitContext
 from accel_mixin.training.rows import tensor_rows
 from accel_mixin.training.stepping import StepMixin, Stepper, check_overrides, clear_gradients
 from accel_mixin.training.wrapping import prepare_dataloader
@@ -269,12 +270,12 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
             self.initialize()
         adopt_history(self)  # a DistributedHistory assigned after initialize
         # skorch's notifications pass no fit parameters; the run identity needs them
-        self._process.fit = FitContext({k: v for k, v in fit_params.items() if k[:1] != "_"})
+        fit = self._process.fit = Fit({k: v for k, v in fit_params.items() if k[:1] != "_"})
         with (
             self._coordinator.session("partial_fit"),
             quiet_unless_main(self.accelerator),
             finished_on_error(self._process, self.io_timeout),
-            callbacks_during_fit(self),
+            callbacks_during_fit(self, fit),
         ):
             return super().partial_fit(X, y, classes=classes, **fit_params)
 
@@ -285,6 +286,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
         if plan is not None:
             plan.fitting = True
             epochs = plan.epochs_to_train(self, epochs)
+        self._process.fit.plan = plan
         return super().fit_loop(X, y, epochs=epochs, **fit_params)
 
     _NOTIFIED: ClassVar[dict[str, str]] = {
@@ -352,7 +354,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
         )
 
     def _epoch_begins(self, **cb_kwargs: Any) -> None:
-        partial = begin_epoch(self)
+        partial = begin_epoch(self._process.fit)
         shards_in_place(self)  # for callbacks that change parameters (Freezer)
         self._notify_callbacks("on_epoch_begin", **cb_kwargs)
         if partial is not None:
@@ -374,10 +376,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
         even batches trains but is not counted (``epochs``)."""
         if iterator is None:
             return super().run_single_epoch(iterator, training, prefix, step_fn, **fit_params)
-        process = self._process
-        batches = EpochBatches(
-            self, iterator, training, self._stepper.autocast, process.fit, process.plan
-        )
+        batches = EpochBatches(self, iterator, training, self._process.fit)
         super().run_single_epoch(batches, training, prefix, batches.step(step_fn), **fit_params)
         self.history.record(prefix + "_batch_count", batches.batch_count)
         return None
@@ -410,7 +409,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
             self.accelerator, super().get_iterator(dataset, training=training), training
         )
         if training:
-            self._process.fit.track(iterator)  # for save_state
+            self._process.fit.train_iterator = weakref.ref(iterator)  # for save_state
         return iterator
 
     # --- copies -------------------------------------------------------------

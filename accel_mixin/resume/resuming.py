@@ -17,7 +17,7 @@ import os
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from skorch.history import History
 
@@ -62,6 +62,7 @@ from accel_mixin.resume.training_state import (
     train_iterator_state,
 )
 from accel_mixin.training.data_order import restore_generator_states
+from accel_mixin.training.fit import EpochStart, Fit
 from accel_mixin.training.net_objects import net_modules, raw, sharded_module
 from accel_mixin.training.process_state import process_state
 
@@ -379,16 +380,14 @@ class ResumePlan:
         return point
 
 
-def begin_epoch(net):
-    """When an epoch begins, before the callbacks: apply the plan's epoch
-    part, and keep the generators this epoch begins with for states saved
-    inside it. Returns the unfinished epoch a state from inside it holds."""
-    process = process_state(net)
-    fit = process.fit
-    iterator = fit.running_train_iterator()
-    partial = process.plan.at_epoch_begin(iterator) if process.plan is not None else None
-    fit.epoch_start_iterator = train_iterator_state(iterator)
-    fit.epoch_start_rng = rng_state()
+def begin_epoch(fit: Fit) -> dict[str, Any] | None:
+    """When an epoch of ``fit`` begins, before the callbacks: apply the
+    plan's epoch part, and keep the order and generators this epoch begins
+    with for states saved inside it. Returns the unfinished epoch a state
+    from inside it holds."""
+    iterator = fit.train_iterator_now()
+    partial = fit.plan.at_epoch_begin(iterator) if fit.plan is not None else None
+    fit.epoch_start = EpochStart(train_iterator_state(iterator), rng_state())
     return partial
 
 

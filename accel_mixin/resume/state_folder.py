@@ -126,7 +126,7 @@ def _spread_optimizer(optimizer_state, spread):
     return dict(optimizer_state, state=spread(optimizer_state["state"]))
 
 
-def folder_state(net, train_iterator_state, stopped=False, position=None):
+def folder_state(net, train_iterator_state, stopped=False, position=None, epoch_rng=None):
     """The training state of ``net`` as the keys of one DCP folder; every
     rank calls it (no collective). The arguments are ``collect_state``'s."""
     accelerator = net.accelerator
@@ -179,7 +179,7 @@ def folder_state(net, train_iterator_state, stopped=False, position=None):
     for key in ("schedulers", "scaler", "history", "loop"):
         state[key] = plain(shared[key])
     if position is not None:
-        state[rank_key("partial", rank)] = plain(partial_epoch(net, position[1]))
+        state[rank_key("partial", rank)] = plain(partial_epoch(net, position[1], epoch_rng))
     return state
 
 

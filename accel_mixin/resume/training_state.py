@@ -44,7 +44,6 @@ from accel_mixin.checkpoint.state_values import (
 )
 from accel_mixin.training.data_order import generator_states
 from accel_mixin.training.net_objects import net_modules, raw, raw_scheduler
-from accel_mixin.training.process_state import process_state
 
 __all__ = [
     "BEST_IS_CURRENT",
@@ -157,13 +156,14 @@ def train_iterator_state(train_iterator):
     }
 
 
-def partial_epoch(net, batch_count):
+def partial_epoch(net, batch_count, epoch_rng):
     """This rank's part of the unfinished epoch: its row, the predictions of
-    ``EpochScoring(on_train=True)`` and the generators the epoch began with."""
+    ``EpochScoring(on_train=True)`` and the generators the epoch began with
+    (``epoch_rng``)."""
     return {
         "row": history_state([net.history[-1]])[0],
         "batch_count": batch_count,
-        "epoch_rng": process_state(net).fit.epoch_start_rng,
+        "epoch_rng": epoch_rng,
         "caches": {
             name: cpu_snapshot(as_plain([list(cb.y_preds_), list(cb.y_trues_)]))
             for name, cb in net.callbacks_
@@ -172,18 +172,19 @@ def partial_epoch(net, batch_count):
     }
 
 
-def collect_state(net, train_iterator_state, stopped=False, position=None):
+def collect_state(net, train_iterator_state, stopped=False, position=None, epoch_rng=None):
     """The training state of ``net``; every rank calls it (for the RNGs).
 
     ``train_iterator_state`` decides the next epoch's order (inside an epoch,
     that epoch's); ``stopped`` says that training ends here
     (``EarlyStopping``); ``position`` is ``(batches, batch_count)`` inside an
-    epoch: the batches done, and how many of them held real samples.
+    epoch: the batches done, and how many of them held real samples, and
+    ``epoch_rng`` this rank's generators as that epoch began.
     """
     accelerator = net.accelerator
     mine = {"rng": rng_state()}
     if position is not None:
-        mine["partial"] = partial_epoch(net, position[1])
+        mine["partial"] = partial_epoch(net, position[1], epoch_rng)
     everyone = gather_object([mine]) if accelerator.num_processes > 1 else [mine]
     state = shared_state(net, train_iterator_state, stopped=stopped, position=position)
     state["modules"] = {name: clean_state_dict(module) for name, module in net_modules(net)}
