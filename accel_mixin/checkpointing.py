@@ -6,6 +6,8 @@ state is one DCP folder that every rank writes its part of
 complete, or raises if any process failed.
 """
 
+import functools
+import os
 import warnings
 
 import torch
@@ -21,7 +23,7 @@ from accel_mixin.checkpoint.state_saves import (
 from accel_mixin.distributed.process_layout import quiet_unless_main, writes_files
 from accel_mixin.distributed.sharding import full_states, sharded
 from accel_mixin.internals import batch_sampler_owner, check_f_arguments
-from accel_mixin.resume.resuming import resume
+from accel_mixin.resume.resuming import read, restore_training, restore_weights
 from accel_mixin.resume.state_folder import folder_state
 from accel_mixin.resume.training_state import (
     train_iterator_state,
@@ -267,7 +269,32 @@ class CheckpointingMixin(SafeParamsMixin):
             self._wait_for_writes_in_flight("load_state")
             if not self.initialized_:
                 self.initialize()
-            resume(self, path)
+            self._resume(os.fspath(path))
+
+    def _resume(self, path):
+        """``load_state`` once the net is initialized: ``resuming``'s steps,
+        the net unwrapped and prepared between them."""
+        process, coordinator = self._process, self._coordinator
+        process.plan = None  # a load that fails halfway leaves no earlier load to go on from
+        state = coordinator.run(
+            lambda: read(self, path), what="load_state", files=path, io_timeout=self.io_timeout
+        )
+        # a net never prepared ends prepared, as initialize() leaves it
+        was_wrapped = process.prepared.wrapped or not len(process.prepared)
+        self._unwrap_accelerator()
+        coordinator.run(functools.partial(restore_weights, self, state, path), what="load_state")
+        # prepare what is new (a scheduler a callback before ResumeTraining
+        # built, before its state goes into the raw scheduler) and rewrap; at
+        # train begin the callbacks set up on the unwrapped objects
+        self._initialize_accelerator()
+        if not was_wrapped:
+            self._unwrap_accelerator()
+        plan = coordinator.run(
+            functools.partial(restore_training, self, state, path), what="load_state"
+        )
+        del state  # before the wait: the largest object of the load
+        process.plan = plan  # the next fit goes on from it (fit_loop)
+        coordinator.barrier("load_state")
 
     def wait_for_everyone(self, what="wait_for_everyone"):
         """Wait for every process, failing fast.

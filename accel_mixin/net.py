@@ -182,7 +182,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
         them for the accelerator; returns self."""
         if self._process.keep_loaded:
             return self  # fit after load_state: skorch's fit goes on from it
-        self._process.forget_loaded_state()  # a fresh start
+        self._process.plan = None  # a fresh start
         check_device(self)  # skorch's initialize moves the module first
         with quiet_unless_main(self.accelerator):
             super().initialize()
@@ -258,8 +258,8 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
             # before initialize(), whose preparation runs DDP's collectives:
             # a rank in another call learns it here, naming both calls
             self._coordinator.barrier("fit")
-            plan = self._process.plan
-            self._process.keep_loaded = bool(self.initialized_ and plan and not plan.fitting)
+            # a plan there never began: a fit moves it out (fit_loop)
+            self._process.keep_loaded = bool(self.initialized_ and self._process.plan)
             try:
                 return super().fit(X, y, **fit_params)
             finally:
@@ -280,13 +280,12 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
             return super().partial_fit(X, y, classes=classes, **fit_params)
 
     def fit_loop(self, X: Any, y: Any = None, epochs: int | None = None, **fit_params: Any) -> Self:
-        plan = self._process.plan
-        if plan is not None and plan.fitting:
-            plan = self._process.plan = None  # it belonged to the fit before
+        # the loaded plan is this fit's now: the next fit starts over
+        process = self._process
+        plan = process.fit.plan = process.plan
+        process.plan = None
         if plan is not None:
-            plan.fitting = True
             epochs = plan.epochs_to_train(self, epochs)
-        self._process.fit.plan = plan
         return super().fit_loop(X, y, epochs=epochs, **fit_params)
 
     _NOTIFIED: ClassVar[dict[str, str]] = {

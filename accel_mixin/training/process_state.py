@@ -34,13 +34,12 @@ class ProcessState:
     coordinator: tuple[Accelerator, Control] | None = None  # (accelerator, its coordinator)
     save_in_flight: Any = None  # an asynchronous save of a DCP folder (checkpoint.state_saves)
     save_group: Any = None  # the gloo group of asynchronous saves beside NCCL
-    plan: Any = None  # what a loaded training state gives the next fit (resume/resuming.py)
+    # what a loaded training state gives the next fit (resume/resuming.py),
+    # from load_state to that fit's fit_loop, which moves it into the Fit
+    plan: Any = None
     keep_loaded: bool = False  # while a fit goes on from a loaded state
     fit: Fit = field(default_factory=Fit)
     idle_stepper: Stepper | None = None  # for steps outside a fit
-
-    def forget_loaded_state(self) -> None:
-        self.plan = None
 
     def coordinator_for(self, accelerator: Accelerator) -> Control:
         """The coordinator of ``accelerator``, made once per accelerator."""
