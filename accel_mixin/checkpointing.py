@@ -29,7 +29,7 @@ from accel_mixin.resume.training_state import (
     train_iterator_state,
     warn_if_inside_accumulation,
 )
-from accel_mixin.training.net_objects import raw, sharded_module
+from accel_mixin.training.net_objects import NetObjects
 from accel_mixin.training.notifications import stopped_early
 from accel_mixin.training.process_state import process_state
 
@@ -48,6 +48,15 @@ class CheckpointingMixin(SafeParamsMixin):
     @property
     def _process(self):
         return process_state(self)
+
+    @property
+    def _objects(self) -> NetObjects:
+        """The objects the net built, for the modules below it (a new view
+        each time: skorch's initialize makes new registries)."""
+        # pylint: disable=protected-access
+        return NetObjects(
+            self, self._process.prepared, self._modules, self._criteria, self._optimizers
+        )
 
     @property
     def _coordinator(self):
@@ -87,14 +96,15 @@ class CheckpointingMixin(SafeParamsMixin):
         elsewhere than where files are written)."""
         if not sharded(self.accelerator):
             return {}
-        named = sharded_module(self)
+        objects = self._objects
+        named = objects.sharded_module()
         if named is None:
             return {}
         files = dict(zip(("f_params", "f_optimizer", "f_criterion", "f_history"), args))
         files.update((key, f) for key, f in kwargs.items() if key.startswith("f_"))
         attrs = list(check_f_arguments("save_params", **files)[0])
         name, module = named
-        optimizers = {f"{n}_": raw(self, n) for n in self._optimizers}
+        optimizers = {f"{n}_": optimizer for n, optimizer in objects.raw_optimizers().items()}
         # every rank arrives first: the gathering is a collective
         self._coordinator.barrier(what)
         accelerator = self.accelerator
@@ -182,7 +192,7 @@ class CheckpointingMixin(SafeParamsMixin):
         ):
             # a failure here (a rank gone, the previous save's error) is this call's
             self._finish_saves("save_state")
-            state = folder_state(self, *self._where_training_is(stopped))
+            state = folder_state(self, self._objects, *self._where_training_is(stopped))
             warn_if_inside_accumulation(self.accelerator)
             group = None
             if asynchronous:
@@ -274,7 +284,7 @@ class CheckpointingMixin(SafeParamsMixin):
     def _resume(self, path):
         """``load_state`` once the net is initialized: ``resuming``'s steps,
         the net unwrapped and prepared between them."""
-        process, coordinator = self._process, self._coordinator
+        process, coordinator, objects = self._process, self._coordinator, self._objects
         process.plan = None  # a load that fails halfway leaves no earlier load to go on from
         state = coordinator.run(
             lambda: read(self, path), what="load_state", files=path, io_timeout=self.io_timeout
@@ -282,7 +292,7 @@ class CheckpointingMixin(SafeParamsMixin):
         # a net never prepared ends prepared, as initialize() leaves it
         was_wrapped = process.prepared.wrapped or not len(process.prepared)
         self._unwrap_accelerator()
-        coordinator.run(functools.partial(restore_weights, self, state, path), what="load_state")
+        coordinator.run(functools.partial(restore_weights, objects, state, path), what="load_state")
         # prepare what is new (a scheduler a callback before ResumeTraining
         # built, before its state goes into the raw scheduler) and rewrap; at
         # train begin the callbacks set up on the unwrapped objects
@@ -290,7 +300,7 @@ class CheckpointingMixin(SafeParamsMixin):
         if not was_wrapped:
             self._unwrap_accelerator()
         plan = coordinator.run(
-            functools.partial(restore_training, self, state, path), what="load_state"
+            functools.partial(restore_training, self, objects, state, path), what="load_state"
         )
         del state  # before the wait: the largest object of the load
         process.plan = plan  # the next fit goes on from it (fit_loop)

@@ -36,12 +36,8 @@ from accel_mixin.training.net_objects import (
     check_optimizers,
     check_params,
     check_sharding,
-    net_modules,
     prepare_retrainable_modules,
-    raw,
-    sharded_module,
     shards_in_place,
-    slots,
 )
 from accel_mixin.training.notifications import (
     Notification,
@@ -210,12 +206,13 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
         prepared before is put back, not prepared again."""
         check_process_layout(self.accelerator)
         check_supported(self.accelerator)
-        check_optimizers(self)
-        check_sharding(self)
+        objects = self._objects
+        check_optimizers(objects)
+        check_sharding(objects)
         check_overrides(self, AccelerateMixin)
         guard_forks()
         cache_lomo_check()
-        self._process.prepared.prepare(self.accelerator, slots(self))
+        objects.prepared.prepare(self.accelerator, objects.slots())
         return self
 
     def _unwrap_accelerator(self) -> Self:
@@ -236,7 +233,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
     def get_all_learnable_params(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         # skorch's (or an override's) on the raw modules: no DDP prefix in the
         # names; taken whole, as the swap must not outlast the call
-        with bare_modules(self):
+        with bare_modules(self._objects):
             params = list(super().get_all_learnable_params())
         yield from params
 
@@ -311,7 +308,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
             with self._coordinator.section("on_train_begin"):
                 self._begin_training(cb_kwargs.get("X"), cb_kwargs.get("y"))
         elif method_name == "on_epoch_begin":
-            prepare_retrainable_modules(self)  # after Freezer, Unfreezer and the like
+            prepare_retrainable_modules(self._objects)  # after Freezer, Unfreezer and the like
 
     def _notify_callbacks(self, method_name: str, **cb_kwargs: Any) -> None:
         with callbacks_of_this_rank(self, self._coordinator):
@@ -321,7 +318,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
         # callbacks build on the raw objects (an LR scheduler on the raw
         # optimizer); _begin_training prepares what they built
         self._unwrap_accelerator()
-        shards_in_place(self)
+        shards_in_place(self._objects)
         self._notify_callbacks("on_train_begin", **cb_kwargs)
 
     def _begin_training(self, X: Any, y: Any) -> None:
@@ -331,30 +328,31 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
         distributed = self.accelerator.num_processes > 1
         if distributed:
             check_same_data(self.accelerator, X, y)
-        plan = self._process.plan
+        plan, objects = self._process.plan, self._objects
         if plan is not None:
-            plan.at_train_begin(self)
+            plan.at_train_begin(self, objects)
         self._initialize_accelerator()
-        prepare_retrainable_modules(self)
+        prepare_retrainable_modules(objects)
         if plan is not None:
             plan.once_prepared(self)
         if distributed and self.replica_check_every:
             # a load that worked on some ranks only (LoadInitState ignores errors)
-            check_net_replicas(self, "when training begins")
+            check_net_replicas(objects, "when training begins")
         self._process.fit.stepper = Stepper(self.accelerator)
 
     def on_train_begin(self, net: NeuralNet, X: Any = None, y: Any = None, **kwargs: Any) -> None:
         super().on_train_begin(net, X=X, y=y, **kwargs)
         # an interrupted fit may have left half-accumulated gradients
         self.accelerator.step = 0
+        objects = self._objects
         clear_gradients(
-            [module for _, module in net_modules(self)],
-            [raw(self, name) for name in self._optimizers],
+            [module for _, module in objects.named_modules()],
+            list(objects.raw_optimizers().values()),
         )
 
     def _epoch_begins(self, **cb_kwargs: Any) -> None:
         partial = begin_epoch(self._process.fit)
-        shards_in_place(self)  # for callbacks that change parameters (Freezer)
+        shards_in_place(self._objects)  # for callbacks that change parameters (Freezer)
         self._notify_callbacks("on_epoch_begin", **cb_kwargs)
         if partial is not None:
             continue_epoch(self, partial)
@@ -381,7 +379,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
         return None
 
     def _end_epoch(self, **cb_kwargs: Any) -> None:
-        with epoch_end(self, self._coordinator, **cb_kwargs) as scores:
+        with epoch_end(self, self._coordinator, self._objects, **cb_kwargs) as scores:
             if not scores:
                 self._notify_callbacks("on_epoch_end", **cb_kwargs)
             else:  # callbacks record the main process's scores (epoch_scores.py)
@@ -414,7 +412,8 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
     # --- copies -------------------------------------------------------------
 
     def __getstate__(self) -> dict[str, Any]:
-        shards = sharded_module(self) if self.initialized_ and sharded(self.accelerator) else None
+        initialized = self.initialized_ and sharded(self.accelerator)
+        shards = self._objects.sharded_module() if initialized else None
         if shards is not None:
             raise TypeError(
                 f"A net whose {shards[0]}_ is sharded by FSDP2 cannot be "
@@ -431,4 +430,4 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
     def __setstate__(self, state: dict[str, Any]) -> None:
 
         super().__setstate__(state)
-        settle_unpickled(self)
+        settle_unpickled(self, self._objects)

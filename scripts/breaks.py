@@ -435,7 +435,7 @@ BREAKS = [
         "epochs",
         "skip the replica check after an epoch",
         "accel_mixin/training/epochs.py",
-        '            check_net_replicas(net, f"after epoch {len(net.history)}")\n',
+        '            check_net_replicas(objects, f"after epoch {len(net.history)}")\n',
         "            pass\n",
         (DIV + "test_replica_check_raises_on_every_rank_naming_the_parameter_and_epoch",),
     ),

@@ -64,7 +64,7 @@ from accel_mixin.resume.training_state import (
 )
 from accel_mixin.training.data_order import restore_generator_states
 from accel_mixin.training.fit import EpochStart, Fit
-from accel_mixin.training.net_objects import net_modules, raw, sharded_module
+from accel_mixin.training.net_objects import NetObjects
 
 if TYPE_CHECKING:
     import torch
@@ -133,11 +133,11 @@ def _read_folder(net: NeuralNet, path: str) -> dict[str, Any]:
         raise CheckpointError(damaged_message(path, path, failures(exc))) from None
 
 
-def restore_weights(net: NeuralNet, state: dict[str, Any], source: str) -> None:
+def restore_weights(objects: NetObjects, state: dict[str, Any], source: str) -> None:
     """Load the modules' weights of ``state`` (read from ``source``) into
-    ``net``'s unwrapped modules."""
+    the net's unwrapped modules (``objects``)."""
     saved = state["modules"]
-    for name, module in net_modules(net):
+    for name, module in objects.named_modules():
         if name not in saved:
             raise CheckpointError(
                 f"{source} holds no state for {name}_ (it holds {sorted(saved)}): it was "
@@ -151,24 +151,29 @@ def restore_weights(net: NeuralNet, state: dict[str, Any], source: str) -> None:
             load_module_state(module, saved[name], source=source, name=name + "_")
 
 
-def restore_training(net: NeuralNet, state: dict[str, Any], source: str) -> ResumePlan:
+def restore_training(
+    net: NeuralNet, objects: NetObjects, state: dict[str, Any], source: str
+) -> ResumePlan:
     """Restore optimizers, scaler and history of ``state`` (read from
-    ``source``) into ``net``, prepared; return what the next fit applies."""
+    ``source``) into ``net``, prepared (``objects``: its objects); return
+    what the next fit applies."""
     accelerator = net.accelerator
-    for name in net._optimizers:  # pylint: disable=protected-access
+    for name, optimizer in objects.raw_optimizers().items():
         if name not in state["optimizers"]:
             raise CheckpointError(f"{source} holds no state for {name}_.")
         saved = state["optimizers"][name]
         if isinstance(saved, InFolder):
             groups = state["optimizer_groups"][name]
-            saved = state["optimizers"][name] = _load_optimizer(net, name, saved, groups, source)
+            saved = state["optimizers"][name] = _load_optimizer(
+                objects, name, saved, groups, source
+            )
         elif is_sharded_entry(saved):
             load_sharded_optimizer(
-                _module_of(net, saved, source), raw(net, name), source, saved, name + "_"
+                _module_of(objects, saved, source), optimizer, source, saved, name + "_"
             )
         else:
-            load_optimizer_state(raw(net, name), saved, source=source, name=name + "_")
-    _load_sharded_best_weights(net, state["callbacks"], state["modules"], source)
+            load_optimizer_state(optimizer, saved, source=source, name=name + "_")
+    _load_sharded_best_weights(objects, state["callbacks"], state["modules"], source)
     if state["scaler"] is not None and accelerator.scaler is not None:
         accelerator.scaler.load_state_dict(state["scaler"])
     net.history = History(state["history"])
@@ -208,7 +213,7 @@ def restore_training(net: NeuralNet, state: dict[str, Any], source: str) -> Resu
 
 
 def _load_optimizer(
-    net: NeuralNet,
+    objects: NetObjects,
     name: str,
     entry: InFolder,
     groups: list[dict[str, Any]],
@@ -217,8 +222,8 @@ def _load_optimizer(
     """Load the optimizer ``name`` from a folder (``entry``; ``groups``: its
     saved hyperparameters) into a sharded net; returns what the plan needs
     of it (its param groups)."""
-    optimizer = raw(net, name)
-    owner = owner_module(dict(net_modules(net)).values(), optimizer)
+    optimizer = objects.raw(name)
+    owner = owner_module(dict(objects.named_modules()).values(), optimizer)
     if owner is None:  # saved by position (several modules' parameters)
         saved = by_position(read_full(source, ["optimizers"])["optimizers"][name])
         load_optimizer_state(optimizer, saved, source=source, name=name + "_")
@@ -228,19 +233,20 @@ def _load_optimizer(
     return {"param_groups": groups}
 
 
-def _module_of(net: NeuralNet, entry: dict[str, Any], source: str) -> torch.nn.Module:
+def _module_of(objects: NetObjects, entry: dict[str, Any], source: str) -> torch.nn.Module:
     """The raw module whose parameters a sharded optimizer entry is over."""
     name = entry["module"]
-    if name not in net._modules:  # pylint: disable=protected-access
+    if name not in objects.modules:
         raise CheckpointError(
             f"{source} holds the state of {entry['name']}_ over the parameters of {name}_, "
             "which this net does not have: it was saved from a net with other modules."
         )
-    return raw(net, name)
+    module: torch.nn.Module = objects.raw(name)
+    return module
 
 
 def _load_sharded_best_weights(
-    net: NeuralNet,
+    objects: NetObjects,
     callbacks: dict[str, Any],
     modules: dict[str, Any],
     source: str,
@@ -249,18 +255,18 @@ def _load_sharded_best_weights(
     in its folder of shards, read now (rotation may remove the folder before
     the fit), laid out as the module's own."""
     name = next((n for n, entry in modules.items() if is_sharded_entry(entry)), None)
-    named = sharded_module(net)
+    named = objects.sharded_module()
     if named is not None and any(isinstance(entry, InFolder) for entry in modules.values()):
         name = named[0]  # the weights of the module FSDP2 shards
     for cb_name, cb_state in callbacks.items():
         entry = cb_state.get(BEST_WEIGHTS)
         if isinstance(entry, InFolder):
-            module = _module_of(net, {"module": name, "name": cb_name}, source)
+            module = _module_of(objects, {"module": name, "name": cb_name}, source)
             cb_state[BEST_WEIGHTS] = load_best_weights_from(
                 module, source, entry.keys, source, f"the best weights of {cb_name}"
             )
         elif is_sharded_entry(entry):
-            module = _module_of(net, {"module": name, "name": cb_name}, source)
+            module = _module_of(objects, {"module": name, "name": cb_name}, source)
             cb_state[BEST_WEIGHTS] = load_sharded_best_weights(
                 module, source, entry, f"the best weights of {cb_name}"
             )
@@ -310,9 +316,9 @@ class ResumePlan:
         self._stage = stage
         return True
 
-    def at_train_begin(self, net: NeuralNet) -> None:
+    def at_train_begin(self, net: NeuralNet, objects: NetObjects) -> None:
         """After the callbacks' ``on_train_begin``, which resets them and the
-        accumulation step."""
+        accumulation step (``objects``: the net's)."""
         if not self._enter(_TRAINING):
             return
         net.accelerator.step = self.accumulation_step
@@ -334,7 +340,7 @@ class ResumePlan:
         # rate (and momentum) anew from the restored history's epoch count;
         # the saved hyperparameters are the ones to go on with
         for name, groups in self.optimizer_groups.items():
-            for group, saved in zip(raw(net, name).param_groups, groups):
+            for group, saved in zip(objects.raw(name).param_groups, groups):
                 group.update({key: value for key, value in saved.items() if key != "params"})
 
     def once_prepared(self, net: NeuralNet) -> None:

@@ -35,7 +35,6 @@ from accel_mixin.resume.training_state import (
     partial_epoch,
     shared_state,
 )
-from accel_mixin.training.net_objects import net_modules, raw, sharded_module
 
 __all__ = [
     "FOLDER_VERSION",
@@ -126,16 +125,17 @@ def _spread_optimizer(optimizer_state, spread):
     return dict(optimizer_state, state=spread(optimizer_state["state"]))
 
 
-def folder_state(net, train_iterator_state, stopped=False, position=None, epoch_rng=None):
+def folder_state(net, objects, train_iterator_state, stopped=False, position=None, epoch_rng=None):
     """The training state of ``net`` as the keys of one DCP folder; every
     rank calls it (no collective). The arguments are ``collect_state``'s."""
     accelerator = net.accelerator
     rank = accelerator.process_index
-    named = sharded_module(net) if sharded(accelerator) else None
+    named = objects.sharded_module() if sharded(accelerator) else None
     if named is not None:
         reshard(named[1])  # named_parameters must be the shards the optimizers hold
-    modules = dict(net_modules(net))
-    shared = shared_state(net, train_iterator_state, stopped=stopped, position=position)
+    modules = dict(objects.named_modules())
+    optimizers = objects.raw_optimizers()
+    shared = shared_state(net, objects, train_iterator_state, stopped=stopped, position=position)
     callbacks = shared.pop("callbacks")
     best = {
         name: cb_state.pop(BEST_WEIGHTS)
@@ -158,8 +158,8 @@ def folder_state(net, train_iterator_state, stopped=False, position=None, epoch_
         ),
         "modules": {name: spread(_module_state(module)) for name, module in modules.items()},
         "optimizers": {
-            name: _spread_optimizer(_optimizer_state(raw(net, name), modules.values()), spread)
-            for name in net._optimizers  # pylint: disable=protected-access
+            name: _spread_optimizer(_optimizer_state(optimizer, modules.values()), spread)
+            for name, optimizer in optimizers.items()
         },
         "best_weights": {name: spread(weights) for name, weights in best.items()},
         # a sharded net loads optimizers into a template of the groups it has,
@@ -168,9 +168,9 @@ def folder_state(net, train_iterator_state, stopped=False, position=None, epoch_
             {
                 name: [
                     {key: value for key, value in group.items() if key != "params"}
-                    for group in raw(net, name).param_groups
+                    for group in optimizer.param_groups
                 ]
-                for name in net._optimizers  # pylint: disable=protected-access
+                for name, optimizer in optimizers.items()
             }
         ),
         "callbacks": plain(callbacks),

@@ -43,7 +43,6 @@ from accel_mixin.checkpoint.state_values import (
     rng_state,
 )
 from accel_mixin.training.data_order import generator_states
-from accel_mixin.training.net_objects import net_modules, raw, raw_scheduler
 
 __all__ = [
     "BEST_IS_CURRENT",
@@ -172,8 +171,9 @@ def partial_epoch(net, batch_count, epoch_rng):
     }
 
 
-def collect_state(net, train_iterator_state, stopped=False, position=None, epoch_rng=None):
-    """The training state of ``net``; every rank calls it (for the RNGs).
+def collect_state(net, objects, train_iterator_state, stopped=False, position=None, epoch_rng=None):
+    """The training state of ``net`` (``objects``: its objects, a
+    ``training.net_objects.NetObjects``); every rank calls it (for the RNGs).
 
     ``train_iterator_state`` decides the next epoch's order (inside an epoch,
     that epoch's); ``stopped`` says that training ends here
@@ -186,9 +186,11 @@ def collect_state(net, train_iterator_state, stopped=False, position=None, epoch
     if position is not None:
         mine["partial"] = partial_epoch(net, position[1], epoch_rng)
     everyone = gather_object([mine]) if accelerator.num_processes > 1 else [mine]
-    state = shared_state(net, train_iterator_state, stopped=stopped, position=position)
-    state["modules"] = {name: clean_state_dict(module) for name, module in net_modules(net)}
-    state["optimizers"] = {name: raw(net, name).state_dict() for name in net._optimizers}  # pylint: disable=protected-access
+    state = shared_state(net, objects, train_iterator_state, stopped=stopped, position=position)
+    state["modules"] = {name: clean_state_dict(module) for name, module in objects.named_modules()}
+    state["optimizers"] = {
+        name: optimizer.state_dict() for name, optimizer in objects.raw_optimizers().items()
+    }
     state["rng"] = [item["rng"] for item in everyone]
     state["loop"]["partial_epoch"] = (
         [item["partial"] for item in everyone] if position is not None else None
@@ -196,7 +198,7 @@ def collect_state(net, train_iterator_state, stopped=False, position=None, epoch
     return state
 
 
-def shared_state(net, train_iterator_state, stopped=False, position=None):
+def shared_state(net, objects, train_iterator_state, stopped=False, position=None):
     """What every rank holds alike of ``net``'s training state, as plain
     values: all but the modules, optimizers, generators and each rank's part
     of an unfinished epoch. The arguments are ``collect_state``'s."""
@@ -204,7 +206,7 @@ def shared_state(net, train_iterator_state, stopped=False, position=None):
     rows = net.history if position is None else net.history[:-1]
     schedulers = {}
     for name, cb in net.callbacks_:
-        scheduler = raw_scheduler(name, cb, net) if isinstance(cb, LRScheduler) else None
+        scheduler = objects.scheduler(name, cb) if isinstance(cb, LRScheduler) else None
         if scheduler is not None:
             # a plateau scheduler keeps skorch's NumPy float, which
             # weights_only loading refuses

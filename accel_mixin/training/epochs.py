@@ -29,7 +29,7 @@ from accel_mixin.distributed.replicas import check_same_steps
 from accel_mixin.errors import DistributedError
 from accel_mixin.training.data_order import skipping_batches, start_workers_without_draws
 from accel_mixin.training.fit import Fit
-from accel_mixin.training.net_objects import check_net_replicas
+from accel_mixin.training.net_objects import NetObjects, check_net_replicas
 from accel_mixin.training.notifications import hook, main_process_pickles, stopped_early
 from accel_mixin.training.shares import (
     criterion_is_mean,
@@ -173,8 +173,11 @@ def _real_step(
 
 
 @contextmanager
-def epoch_end(net: NeuralNet, coordinator: Control, **cb_kwargs: Any) -> Iterator[dict[str, Any]]:
-    """The end of an epoch, around the net's notification of its callbacks.
+def epoch_end(
+    net: NeuralNet, coordinator: Control, objects: NetObjects, **cb_kwargs: Any
+) -> Iterator[dict[str, Any]]:
+    """The end of an epoch, around the net's notification of its callbacks
+    (``objects``: the net's, whose replicas are checked).
 
     Before the block the ranks sync the epoch, and the main process scores
     for all: the block gets ``scores``, those the callbacks record at their
@@ -224,7 +227,7 @@ def epoch_end(net: NeuralNet, coordinator: Control, **cb_kwargs: Any) -> Iterato
         every = net.replica_check_every
         if every and len(net.history) % every == 0:
             # before a training state is saved: never save a divergence
-            check_net_replicas(net, f"after epoch {len(net.history)}")
+            check_net_replicas(objects, f"after epoch {len(net.history)}")
     stopped = stop and stopped_early(net.callbacks_)
     for _, cb in net.callbacks_:
         finished = hook(cb, "on_epoch_finished")
