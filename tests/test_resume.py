@@ -1,6 +1,7 @@
 """Resumable training: exact resume in one and two real processes, rotation,
 safety, asynchronous writes. Each run is a new launch, as after a crash."""
 
+import pickle
 import re
 import shutil
 import subprocess
@@ -344,6 +345,29 @@ def test_load_state_fit_and_fit_again_the_second_fit_starts_over(data, tmp_path)
     torch.manual_seed(0)  # fit initializes again, as make() would have
     assert fit_history(net, data) == uninterrupted
     assert begun == [1, 2, 3, 4]  # a fresh run: the plan belonged to the fit before
+
+
+def test_a_net_with_the_callbacks_pickles_inside_a_fit(data, tmp_path):
+    from skorch.callbacks import Checkpoint
+
+    from accel_mixin.callbacks import ResumeTraining, TrainingCheckpoint
+
+    states = tmp_path / "states"
+    net = AcceleratedNet(
+        MLP,
+        accelerator=Accelerator(cpu=True),
+        max_epochs=1,
+        verbose=0,
+        callbacks=[
+            TrainingCheckpoint(states),
+            ResumeTraining(states),
+            # pickles the net at the epoch's end, while the callbacks hold the fit
+            Checkpoint(dirname=tmp_path / "pickled", f_pickle="net.pkl", monitor=None),
+        ],
+    )
+    net.fit(*data)
+    with open(tmp_path / "pickled" / "net.pkl", "rb") as f:
+        assert len(pickle.load(f).history) == 1
 
 
 def test_a_run_stopped_early_is_not_continued_by_a_rerun(data, tmp_path):
