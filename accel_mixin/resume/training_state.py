@@ -19,8 +19,11 @@ accel_mixin supports. Any other callback keeps nothing, and the main process
 warns once where it has fitted attributes that a file could hold.
 """
 
+from __future__ import annotations
+
 import warnings
 import weakref
+from typing import TYPE_CHECKING, Any
 
 from accelerate.utils import gather_object
 from skorch.callbacks import (
@@ -44,6 +47,13 @@ from accel_mixin.checkpoint.state_values import (
 )
 from accel_mixin.training.data_order import generator_states
 
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from skorch import NeuralNet
+    from torch.utils.data import DataLoader
+
+    from accel_mixin.training.net_objects import NetObjects
+
 __all__ = [
     "BEST_IS_CURRENT",
     "BEST_WEIGHTS",
@@ -65,7 +75,7 @@ BEST_IS_CURRENT = "accel_mixin:best_model_weights_are_the_current_ones"
 
 # skorch's callbacks, by class (subclasses included): the fitted attributes
 # a resumed run needs
-SKORCH_STATE = {
+SKORCH_STATE: dict[type, tuple[str, ...]] = {
     EarlyStopping: ("misses_", "dynamic_threshold_", "best_epoch_", BEST_WEIGHTS),
     ScoringBase: ("best_score_",),
     PassthroughScoring: ("best_score_",),
@@ -75,10 +85,10 @@ SKORCH_STATE = {
 
 # a save runs under warning filters of its own, which reset Python's memory
 # of the warnings it showed
-_WARNED = weakref.WeakSet()
+_WARNED: weakref.WeakSet[Callback] = weakref.WeakSet()
 
 
-def _declared(callback):
+def _declared(callback: Callback) -> tuple[str, ...] | None:
     """The names ``SKORCH_STATE`` gives ``callback``: () for skorch's others
     (timers, loggers, progress bars), None for a callback not skorch's."""
     mro = type(callback).__mro__
@@ -90,7 +100,7 @@ def _declared(callback):
     return None
 
 
-def callback_state(callback, name="", warn=False):
+def callback_state(callback: Callback, name: str = "", warn: bool = False) -> dict[str, Any]:
     """The state of ``callback`` as tensors and plain values; ``warn`` (the
     main process) says where it declares none but has fitted attributes."""
     if callable(getattr(callback, "state_dict", None)):
@@ -121,7 +131,7 @@ def callback_state(callback, name="", warn=False):
     return {}
 
 
-def restore_callback_state(callback, state):
+def restore_callback_state(callback: Callback, state: dict[str, Any]) -> None:
     """Put back what ``callback_state`` returned for the same callback."""
     if callable(getattr(callback, "load_state_dict", None)):
         callback.load_state_dict(state)
@@ -130,7 +140,7 @@ def restore_callback_state(callback, state):
         setattr(callback, key, value)
 
 
-def warn_if_inside_accumulation(accelerator):
+def warn_if_inside_accumulation(accelerator: Accelerator) -> None:
     """Warn on the main process where a state saved now misses the gradients
     accumulated since the last optimizer step."""
     # accelerate's step counts the batches since the last sync (0 at a
@@ -147,7 +157,7 @@ def warn_if_inside_accumulation(accelerator):
         )
 
 
-def train_iterator_state(train_iterator):
+def train_iterator_state(train_iterator: DataLoader | None) -> dict[str, Any]:
     """What decides the order of ``train_iterator``'s next epoch."""
     return {
         "generators": generator_states(train_iterator),
@@ -155,7 +165,9 @@ def train_iterator_state(train_iterator):
     }
 
 
-def partial_epoch(net, batch_count, epoch_rng):
+def partial_epoch(
+    net: NeuralNet, batch_count: int, epoch_rng: dict[str, Any] | None
+) -> dict[str, Any]:
     """This rank's part of the unfinished epoch: its row, the predictions of
     ``EpochScoring(on_train=True)`` and the generators the epoch began with
     (``epoch_rng``)."""
@@ -171,7 +183,14 @@ def partial_epoch(net, batch_count, epoch_rng):
     }
 
 
-def collect_state(net, objects, train_iterator_state, stopped=False, position=None, epoch_rng=None):
+def collect_state(
+    net: NeuralNet,
+    objects: NetObjects,
+    train_iterator_state: dict[str, Any],
+    stopped: bool = False,
+    position: tuple[int, int] | None = None,
+    epoch_rng: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The training state of ``net`` (``objects``: its objects, a
     ``training.net_objects.NetObjects``); every rank calls it (for the RNGs).
 
@@ -198,7 +217,13 @@ def collect_state(net, objects, train_iterator_state, stopped=False, position=No
     return state
 
 
-def shared_state(net, objects, train_iterator_state, stopped=False, position=None):
+def shared_state(
+    net: NeuralNet,
+    objects: NetObjects,
+    train_iterator_state: dict[str, Any],
+    stopped: bool = False,
+    position: tuple[int, int] | None = None,
+) -> dict[str, Any]:
     """What every rank holds alike of ``net``'s training state, as plain
     values: all but the modules, optimizers, generators and each rank's part
     of an unfinished epoch. The arguments are ``collect_state``'s."""
@@ -229,7 +254,7 @@ def shared_state(net, objects, train_iterator_state, stopped=False, position=Non
     }
 
 
-def _callback_state(net, name, cb):
+def _callback_state(net: NeuralNet, name: str, cb: Callback) -> dict[str, Any]:
     # EarlyStopping(load_best=True)'s copy of the best weights is kept only
     # where it differs from the weights saved anyway
     state = callback_state(cb, name, warn=net.accelerator.is_main_process)
