@@ -9,6 +9,7 @@ complete, or raises if any process failed.
 import functools
 import os
 import warnings
+from typing import Any, Optional
 
 import torch
 from skorch.exceptions import DeviceWarning
@@ -206,7 +207,9 @@ class CheckpointingMixin(SafeParamsMixin):
                 io_timeout=self.io_timeout,
             )
 
-    def _where_training_is(self, stopped):
+    def _where_training_is(
+        self, stopped: Optional[bool]
+    ) -> tuple[dict[str, Any], bool, Optional[tuple[int, int]], Optional[dict[str, Any]]]:
         """``(train iterator state, stopped, position, epoch_rng)`` of a state
         saved now (``collect_state``'s arguments); ``stopped`` is ``save_state``'s."""
         fit = self._process.fit
@@ -281,7 +284,7 @@ class CheckpointingMixin(SafeParamsMixin):
                 self.initialize()
             self._resume(os.fspath(path))
 
-    def _resume(self, path):
+    def _resume(self, path: str) -> None:
         """``load_state`` once the net is initialized: ``resuming``'s steps,
         the net unwrapped and prepared between them."""
         process, coordinator, objects = self._process, self._coordinator, self._objects
