@@ -12,12 +12,7 @@ import torch
 from skorch.exceptions import DeviceWarning
 
 from accel_mixin.checkpoint.params import SafeParamsMixin
-from accel_mixin.checkpoint.state_saves import (
-    save_group,
-    save_state_folder,
-    saves_in_flight,
-    wait_for_all,
-)
+from accel_mixin.checkpoint.state_saves import save_group, save_state_folder
 from accel_mixin.distributed.process_layout import quiet_unless_main, writes_files
 from accel_mixin.distributed.sharding import full_states, sharded
 from accel_mixin.internals import batch_sampler_owner, check_f_arguments
@@ -226,17 +221,14 @@ class CheckpointingMixin(SafeParamsMixin):
             in_flight.wait(self.io_timeout)
 
     def _wait_for_writes_in_flight(self, what):
-        """Before a load, on every rank: wait for this process's asynchronous
-        saves (of any net); a failed save of this net raises."""
-
-        def finish():
-            wait_for_all(self.io_timeout)
-            self._wait_for_my_saves()
-
+        """Before a load, on every rank: wait for this net's asynchronous
+        save; a failed save raises. Another net's saves are that net's to
+        wait for (``wait_for_saves``), as DCP's ``async_save`` future is its
+        caller's."""
         # a failure there (a rank gone) is the load's own unless a save is in flight
-        waits = saves_in_flight() or self._process.save_in_flight is not None
+        waits = self._process.save_in_flight is not None
         label = f"{what}: asynchronous saves in flight" if waits else what
-        self._coordinator.run(finish, what=label)
+        self._coordinator.run(self._wait_for_my_saves, what=label)
 
     def load_state(self, path):
         """Restore a training state that ``save_state`` wrote.

@@ -7,7 +7,6 @@ import concurrent.futures
 import contextlib
 import os
 import warnings
-import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -26,8 +25,6 @@ __all__ = [
     "finished_on_error",
     "save_group",
     "save_state_folder",
-    "saves_in_flight",
-    "wait_for_all",
 ]
 
 
@@ -97,32 +94,14 @@ def save_state_folder(state, path, *, asynchronous=False, group=None, on_committ
     return None if future is None else SaveInFlight(os.fspath(path), future)
 
 
-# every save in flight of this process, so that a load (of any net) waits for them
-_IN_FLIGHT: "weakref.WeakSet[SaveInFlight]" = weakref.WeakSet()
-
-
-def wait_for_all(io_timeout):
-    """Wait, at most ``io_timeout`` each, for every asynchronous save of
-    this process to end; their errors are their nets' to raise."""
-    for in_flight in list(_IN_FLIGHT):
-        concurrent.futures.wait([in_flight.future], timeout=io_timeout)
-
-
-def saves_in_flight():
-    """Whether an asynchronous save of this process has not ended."""
-    return any(not in_flight.future.done() for in_flight in list(_IN_FLIGHT))
-
-
 @dataclass(eq=False)
 class SaveInFlight:
     """An asynchronous save: ``path``, and the future that ends once its
-    folder is committed."""
+    folder is committed. Its net holds it (``ProcessState.save_in_flight``)
+    and waits for it; nothing else does."""
 
     path: str
     future: Any
-
-    def __post_init__(self):
-        _IN_FLIGHT.add(self)
 
     def wait(self, io_timeout: Optional[float]):
         """Wait for the save, at most ``io_timeout`` seconds; raise what it raised."""
