@@ -286,7 +286,8 @@ def score_on_main(
                 outcomes[name] = (_score(net, callbacks[name], dataset_train, dataset_valid), None)
             except Exception as exc:  # pylint: disable=broad-except
                 outcomes[name] = (None, exc)
-    sent = [
+    # per name (score, its error's message or None); rank 0's on every rank, unpickled
+    sent: list[dict[str, tuple[Any, Any]]] = [
         {
             name: (score, failure_message("on_epoch_end", 0, error) if error else None)
             for name, (score, error) in outcomes.items()
