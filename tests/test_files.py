@@ -140,6 +140,7 @@ def test_a_failed_copy_raises_on_every_node(nodes):
 
 def test_sharded_copies_on_each_node_are_refused(nodes):
     for error in errors(nodes, "sharded_copies_are_refused"):
+        assert error is not None, "the sharded net saved copies per machine"
         assert re.fullmatch(
             r"CheckpointError: Cannot save the training state fsdp/run-\w{12}/"
             r"training-state-000001: ProjectConfiguration\(save_on_each_node=True\) on "
