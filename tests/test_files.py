@@ -134,8 +134,9 @@ def test_a_failed_copy_raises_on_every_node(nodes):
         assert node0["errors"][asynchronous].startswith(
             f"DistributedError: save_state failed on rank 1: {failure}"
         )
-    # node 0's own copy is whole, its asynchronous save finished: no partial folder
+    # node 0's own copy is whole, and its asynchronous save was waited for
     assert (node0["saved"], node1["saved"]) == (["state"], [])
+    assert (node0["written"], node1["written"]) == ([True], [])
 
 
 def test_sharded_copies_on_each_node_are_refused(nodes):

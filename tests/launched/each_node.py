@@ -9,6 +9,7 @@ Usage: torchrun --nnodes 2 --node_rank 0|1 --nproc_per_node 1 each_node.py
 
 import os
 import shutil
+import time
 import warnings
 from pathlib import Path
 
@@ -142,15 +143,28 @@ def copies_resume_inside_an_epoch_exactly():
 @checks
 def a_failed_copy_raises_on_every_node():
     Path("present").mkdir(exist_ok=True)
-    errors = {}
+    errors, written = {}, []
+
+    def slowly_written():  # an asynchronous save ends once it returned
+        time.sleep(1)
+        written.append(True)
+
     for asynchronous in (False, True):
         try:  # node 1's writer cannot write: no folder to save in
-            net.save_state(f"{'present' if rank == 0 else 'missing'}/state", asynchronous)
+            net.save_state(
+                f"{'present' if rank == 0 else 'missing'}/state",
+                asynchronous,
+                on_written=slowly_written if asynchronous else None,
+            )
             net.wait_for_saves()
         except Exception as exc:  # pylint: disable=broad-except
             errors[asynchronous] = f"{type(exc).__name__}: {exc}"
-    net.wait_for_saves()  # node 0's copy, written meanwhile
-    return {"errors": errors, "saved": sorted(p.name for p in Path("present").iterdir())}
+    net.wait_for_saves()  # waits for node 0's asynchronous copy all the same
+    return {
+        "errors": errors,
+        "written": written,
+        "saved": sorted(p.name for p in Path("present").iterdir()),
+    }
 
 
 @checks
