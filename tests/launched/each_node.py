@@ -146,7 +146,7 @@ def a_failed_copy_raises_on_every_node():
     errors, written = {}, []
 
     def slowly_written():  # an asynchronous save ends once it returned
-        time.sleep(1)
+        time.sleep(3)  # longer than the rest of the check takes, even under load
         written.append(True)
 
     for asynchronous in (False, True):
