@@ -241,39 +241,43 @@ def remove_partial_folders(directory, name=None):
 
 
 @contextlib.contextmanager
-def one_process_quietly():
-    """Without a process group DCP warns that it assumes one process: it is one."""
+def one_process_quietly(alone=False):
+    """Without a process group (or ``alone``: this process saves by itself)
+    DCP warns that it assumes one process: it is one."""
     with warnings.catch_warnings():
-        if not _distributed():
+        if alone or not _distributed():
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         yield
 
 
-def save_folder(state, path, *, asynchronous=False, group=None, on_committed=None):
+def save_folder(state, path, *, asynchronous=False, group=None, on_committed=None, alone=False):
     """Save ``state`` (a dict of ``Stateful`` objects and values) as the
-    DCP folder ``path``; every rank calls it.
+    DCP folder ``path``; every rank calls it, or with ``alone`` this process
+    only, which then writes the whole folder by itself, with a token of its
+    own and no collective (one machine's copy, ``save_on_each_node``).
 
     Synchronous: returns once the folder is committed (on rank 0; the others
     once DCP's save ended, which waits for rank 0's ``.metadata``).
     Asynchronous: returns a future once the state is staged in CPU memory,
     which ends once DCP's save ended and (on rank 0) the folder is
     committed. ``group`` is the process group of the save's collectives (a
-    gloo group for ``async_save``); ``on_committed`` runs on rank 0 after
-    the commit.
+    gloo group for ``async_save``, which wants one with a CPU backend even
+    ``alone``); ``on_committed`` runs on rank 0 (or ``alone``) after the
+    commit.
     """
     import torch.distributed.checkpoint as dcp  # pylint: disable=import-outside-toplevel
 
-    partial = partial_folder(path, new_token(group))
-    rank = torch.distributed.get_rank() if _distributed() else 0
+    partial = partial_folder(path, secrets.token_hex(6) if alone else new_token(group))
+    commits = alone or not _distributed() or torch.distributed.get_rank() == 0
 
     def commit():
-        if rank == 0:
+        if commits:
             commit_folder(partial, path)
             if on_committed is not None:
                 on_committed()
 
-    no_dist = not _distributed()
-    with one_process_quietly():
+    no_dist = alone or not _distributed()
+    with one_process_quietly(alone):
         if not asynchronous:
             dcp.save(state, checkpoint_id=partial, process_group=group, no_dist=no_dist)
             commit()

@@ -63,14 +63,14 @@ def _failed_writes(directory, exc, rank):
     return "; ".join(lines) or str(exc)
 
 
-def _save_error(path, exc):
+def _save_error(path, exc, alone=False):
     """``CheckpointError`` for the save of ``path`` that ``exc`` ended; rank 0
-    removes the save's partial folder first."""
+    (or a process that saved ``alone``) removes the save's partial folder first."""
     directory, name = os.path.split(os.path.abspath(os.fspath(path)))
     rank = torch.distributed.get_rank() if _distributed() else 0
     # the cause looked up before the partial folder frees the space
     failed = _failed_writes(directory, exc, rank)
-    if rank == 0:
+    if alone or rank == 0:
         remove_partial_folders(directory, name)
     before = "the state saved there before is intact" if os.path.exists(path) else "none was"
     return CheckpointError(
@@ -79,7 +79,9 @@ def _save_error(path, exc):
     )
 
 
-def save_state_folder(state, path, *, asynchronous=False, group=None, on_committed=None):
+def save_state_folder(
+    state, path, *, asynchronous=False, group=None, on_committed=None, alone=False
+):
     """``dcp_folder.save_folder`` whose failures raise ``CheckpointError``;
     asynchronous: a ``SaveInFlight``. Where the directory to save in is
     missing, every rank raises before anything is written (DCP would create
@@ -87,21 +89,27 @@ def save_state_folder(state, path, *, asynchronous=False, group=None, on_committ
     check_directory(path)
     try:
         future = save_folder(
-            state, path, asynchronous=asynchronous, group=group, on_committed=on_committed
+            state,
+            path,
+            asynchronous=asynchronous,
+            group=group,
+            on_committed=on_committed,
+            alone=alone,
         )
     except (OSError, checkpoint_exception()) as exc:
-        raise _save_error(path, exc) from None
-    return None if future is None else SaveInFlight(os.fspath(path), future)
+        raise _save_error(path, exc, alone) from None
+    return None if future is None else SaveInFlight(os.fspath(path), future, alone)
 
 
 @dataclass(eq=False)
 class SaveInFlight:
-    """An asynchronous save: ``path``, and the future that ends once its
-    folder is committed. Its net holds it (``ProcessState.save_in_flight``)
-    and waits for it; nothing else does."""
+    """An asynchronous save: ``path``, the future that ends once its folder
+    is committed, and whether this process saves it ``alone``. Its net holds
+    it (``ProcessState.save_in_flight``) and waits for it; nothing else does."""
 
     path: str
     future: Any
+    alone: bool = False
 
     def wait(self, io_timeout: Optional[float]):
         """Wait for the save, at most ``io_timeout`` seconds; raise what it raised."""
@@ -114,7 +122,7 @@ class SaveInFlight:
                 "raise io_timeout if it is slow."
             ) from None
         except (OSError, checkpoint_exception()) as exc:
-            raise _save_error(self.path, exc) from None
+            raise _save_error(self.path, exc, self.alone) from None
 
 
 @contextlib.contextmanager
