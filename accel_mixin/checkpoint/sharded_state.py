@@ -34,6 +34,7 @@ from accel_mixin.checkpoint.dcp_folder import (
     load_folder,
     partial_folder,
 )
+from accel_mixin.checkpoint.shard_damage import SHARDED, damaged_message, is_damage
 from accel_mixin.distributed.sharding import reshard
 from accel_mixin.errors import CheckpointError
 
@@ -50,7 +51,6 @@ __all__ = [
     "restore_groups",
 ]
 
-SHARDED = "accel_mixin:sharded"
 _SUFFIX = ".shards-"
 _FOLDER_RE = re.compile(r"^(?P<file>.+)\.shards-[0-9a-f]+$")
 
@@ -74,7 +74,7 @@ def _folder_of(source: str, entry: Mapping[str, Any], what: str) -> str:
         dist = torch.distributed
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         raise CheckpointError(
-            _damage().damaged_message(
+            damaged_message(
                 source,
                 folder,
                 f"rank {rank} finds no {os.path.join(folder, '.metadata')}, which keeps the "
@@ -85,13 +85,6 @@ def _folder_of(source: str, entry: Mapping[str, Any], what: str) -> str:
     return folder
 
 
-def _damage() -> ModuleType:
-    # pylint: disable-next=import-outside-toplevel,cyclic-import
-    from accel_mixin.checkpoint import shard_damage
-
-    return shard_damage
-
-
 def _load(target: dict[str, Any], folder: str, source: str, what: str) -> dict[str, Any]:
     """DCP's load of ``target`` (a nested dict of tensors, filled in place),
     plain values read ``weights_only``; its errors as ``CheckpointError``
@@ -99,10 +92,8 @@ def _load(target: dict[str, Any], folder: str, source: str, what: str) -> dict[s
     try:
         load_folder(target, folder)
     except checkpoint_exception() as exc:  # on every rank, with every rank's failure
-        if _damage().is_damage(exc):
-            raise CheckpointError(
-                _damage().damaged_message(source, folder, failures(exc))
-            ) from None
+        if is_damage(exc):
+            raise CheckpointError(damaged_message(source, folder, failures(exc))) from None
         raise CheckpointError(
             f"{source} does not fit {what}: reading its shards in {folder} failed "
             f"({failures(exc)}). The state was saved from a net with other parameters: "
