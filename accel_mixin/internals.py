@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -82,6 +82,24 @@ _LISTS = {"module": "_models", "criterion": "_models", "optimizer": "_optimizers
 _LISTS.update(scheduler="_schedulers", dataloader="_dataloaders")
 # the autocast patch of ``forward`` and the flag that makes ``prepare`` skip a module
 _MARKS = ("forward", "_original_forward", "_is_accelerate_prepared")
+_SCORES = "to score cached predictions once, on the main process"
+# the private functions used: (owner, name, what they are used for)
+_PRIVATE: dict[str, tuple[Any, str, str]] = {
+    "store": (c10d, "_get_default_store", "for the barriers of several processes"),
+    "f_arguments": (
+        skorch_utils,
+        "_check_f_arguments",
+        "to read the file arguments of save_params and load_params",
+    ),
+    "batches": (
+        ProgressBar,
+        "_get_batches_per_epoch_phase",
+        "to make each rank's progress bar count the batches it runs",
+    ),
+    "forward_iter": (skorch_scoring, "_cache_net_forward_iter", _SCORES),
+    "scoring": (EpochScoring, "_scoring", _SCORES),  # ScoringBase's, in skorch 1.4
+    "record": (EpochScoring, "_record_score", _SCORES),
+}
 
 # what ``pop_marks`` took off: each module with its attributes
 Marks = list[tuple[torch.nn.Module, dict[str, Any]]]
@@ -107,16 +125,18 @@ def _require(present: object, package: str, name: str, what: str) -> None:
         )
 
 
-def _default_store_getter() -> Callable[[], c10d.Store]:
-    getter: Any = getattr(c10d, "_get_default_store", None)
-    what = "for the barriers of several processes"
-    _require(getter, "torch", "torch.distributed.distributed_c10d._get_default_store", what)
-    return getter
+def _private(key: str) -> Any:
+    """The private function ``_PRIVATE[key]`` names; raise, naming it, where it is gone."""
+    owner, name, what = _PRIVATE[key]
+    found = getattr(owner, name, None)
+    package = (owner.__module__ if isinstance(owner, type) else owner.__name__).split(".")[0]
+    _require(callable(found), package, f"{owner.__name__}.{name}", what)
+    return found
 
 
 def default_store() -> c10d.Store:
     """The process group's key-value store."""
-    return _default_store_getter()()
+    return _private("store")()
 
 
 def check_accelerator(accelerator: Accelerator) -> None:
@@ -246,62 +266,34 @@ def copy_state_dict(state_dict: Mapping[str, Any]) -> OrderedDict[str, Any]:
 
 def check_f_arguments(caller: str, **kwargs: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """skorch's ``_check_f_arguments``, shared by ``save_params`` and ``load_params``."""
-    check: Any = getattr(skorch_utils, "_check_f_arguments", None)
-    what = "to read the file arguments of save_params and load_params"
-    _require(callable(check), "skorch", "skorch.utils._check_f_arguments", what)
-    return check(caller, **kwargs)
+    return _private("f_arguments")(caller, **kwargs)
 
 
 def batches_per_epoch_phase(
     progress_bar: ProgressBar, net: NeuralNet | None, dataset: Dataset | None, training: bool
 ) -> int:
     """skorch's count of a ProgressBar's batches of one phase of the whole data."""
-    count: Any = getattr(progress_bar, "_get_batches_per_epoch_phase", None)
-    what = "to make each rank's progress bar count the batches it runs"
-    _require(callable(count), "skorch", "ProgressBar._get_batches_per_epoch_phase", what)
-    return count(net, dataset, training)
-
-
-_SCORES = "to score cached predictions once, on the main process"
-
-
-def _forward_iter_cache() -> Callable[..., AbstractContextManager[NeuralNet]]:
-    cache: Any = getattr(skorch_scoring, "_cache_net_forward_iter", None)
-    _require(callable(cache), "skorch", "skorch.callbacks.scoring._cache_net_forward_iter", _SCORES)
-    return cache
+    _private("batches")
+    return progress_bar._get_batches_per_epoch_phase(net, dataset, training)  # pylint: disable=protected-access
 
 
 def cached_forward_iter(
     net: NeuralNet, use_caching: bool | str, y_pred: list[Any]
 ) -> AbstractContextManager[NeuralNet]:
     """skorch's context within which ``net.forward_iter`` yields ``y_pred``."""
-    return _forward_iter_cache()(net, use_caching, y_pred)
-
-
-def _epoch_scoring() -> Callable[..., Any]:
-    """``EpochScoring._scoring`` (``ScoringBase``'s, in skorch 1.4)."""
-    scoring: Any = getattr(EpochScoring, "_scoring", None)
-    _require(callable(scoring), "skorch", "EpochScoring._scoring", _SCORES)
-    return scoring
+    return _private("forward_iter")(net, use_caching, y_pred)
 
 
 def score_of(callback: EpochScoring, net: NeuralNet, X: Any, y: Any) -> Any:
     """The score an ``EpochScoring`` computes of ``X`` and ``y`` (``_scoring``)."""
-    _epoch_scoring()
+    _private("scoring")
     return callback._scoring(net, X, y)  # pylint: disable=protected-access
-
-
-def _score_recorder() -> Callable[..., None]:
-    """``EpochScoring._record_score``."""
-    record: Any = getattr(EpochScoring, "_record_score", None)
-    _require(callable(record), "skorch", "EpochScoring._record_score", _SCORES)
-    return record
 
 
 def record_score(callback: EpochScoring, history: History, score: Any) -> None:
     """Record ``score`` as ``EpochScoring.on_epoch_end`` records the score it
     computed (``_record_score``): the score, and whether it is the best."""
-    _score_recorder()
+    _private("record")
     callback._record_score(history, score)  # pylint: disable=protected-access
 
 
@@ -316,7 +308,12 @@ def missing(accelerator: Accelerator) -> list[str]:
     """The private names missing here; prepares a small module and dataloader
     on ``accelerator`` to look."""
     found = []
-    for check in (_default_store_getter, lambda: _check_prepare(accelerator), _check_skorch):
+    skorch_names = [key for key in _PRIVATE if key != "store"]
+    for check in (
+        lambda: _private("store"),
+        lambda: _check_prepare(accelerator),
+        lambda: [_private(key) for key in skorch_names],
+    ):
         try:
             check()
         except InternalsChanged as exc:
@@ -339,16 +336,6 @@ def _check_prepare(accelerator: Accelerator) -> None:
     prepared = accelerator.prepare_data_loader(data)
     drop_dataloader(accelerator, prepared)
     check_dataloader(prepared)
-
-
-def _check_skorch() -> None:
-    if not callable(getattr(skorch_utils, "_check_f_arguments", None)):
-        check_f_arguments("save_params")  # raises, naming it
-    if not callable(getattr(ProgressBar, "_get_batches_per_epoch_phase", None)):
-        batches_per_epoch_phase(ProgressBar(), None, None, True)
-    _forward_iter_cache()
-    _epoch_scoring()
-    _score_recorder()
 
 
 def cache_lomo_check() -> None:

@@ -1463,7 +1463,7 @@ BREAKS = [
         "sharded_state",
         "a deleted, truncated or corrupted shard is reported as a net of other parameters",
         "accel_mixin/checkpoint/sharded_state.py",
-        "        if _damage().is_damage(exc):\n",
+        "        if is_damage(exc):\n",
         "        if False:\n",
         (FAULTS + "test_a_damaged_shard_is_named_with_the_newest_intact_state",),
     ),

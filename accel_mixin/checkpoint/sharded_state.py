@@ -34,6 +34,7 @@ from accel_mixin.checkpoint.dcp_folder import (
     load_folder,
     partial_folder,
 )
+from accel_mixin.checkpoint.shard_damage import SHARDED, damaged_message, is_damage
 from accel_mixin.distributed.sharding import reshard
 from accel_mixin.errors import CheckpointError
 
@@ -46,12 +47,10 @@ __all__ = [
     "load_sharded_best_weights",
     "load_sharded_module",
     "load_sharded_optimizer",
-    "remove_stale_shards",
     "remove_training_state",
     "restore_groups",
 ]
 
-SHARDED = "accel_mixin:sharded"
 _SUFFIX = ".shards-"
 _FOLDER_RE = re.compile(r"^(?P<file>.+)\.shards-[0-9a-f]+$")
 
@@ -63,10 +62,6 @@ def _state_dict_api() -> ModuleType:
     return state_dict
 
 
-def _distributed() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
 def is_sharded_entry(value: object) -> bool:
     """Whether ``value`` (an entry of a training state) is a marker that
     names a folder of shards."""
@@ -76,9 +71,10 @@ def is_sharded_entry(value: object) -> bool:
 def _folder_of(source: str, entry: Mapping[str, Any], what: str) -> str:
     folder = os.path.join(os.path.dirname(os.path.abspath(source)), entry[SHARDED])
     if not os.path.isfile(os.path.join(folder, ".metadata")):
-        rank = torch.distributed.get_rank() if _distributed() else 0
+        dist = torch.distributed
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         raise CheckpointError(
-            _damage().damaged_message(
+            damaged_message(
                 source,
                 folder,
                 f"rank {rank} finds no {os.path.join(folder, '.metadata')}, which keeps the "
@@ -89,13 +85,6 @@ def _folder_of(source: str, entry: Mapping[str, Any], what: str) -> str:
     return folder
 
 
-def _damage() -> ModuleType:
-    # pylint: disable-next=import-outside-toplevel,cyclic-import
-    from accel_mixin.checkpoint import shard_damage
-
-    return shard_damage
-
-
 def _load(target: dict[str, Any], folder: str, source: str, what: str) -> dict[str, Any]:
     """DCP's load of ``target`` (a nested dict of tensors, filled in place),
     plain values read ``weights_only``; its errors as ``CheckpointError``
@@ -103,10 +92,8 @@ def _load(target: dict[str, Any], folder: str, source: str, what: str) -> dict[s
     try:
         load_folder(target, folder)
     except checkpoint_exception() as exc:  # on every rank, with every rank's failure
-        if _damage().is_damage(exc):
-            raise CheckpointError(
-                _damage().damaged_message(source, folder, failures(exc))
-            ) from None
+        if is_damage(exc):
+            raise CheckpointError(damaged_message(source, folder, failures(exc))) from None
         raise CheckpointError(
             f"{source} does not fit {what}: reading its shards in {folder} failed "
             f"({failures(exc)}). The state was saved from a net with other parameters: "
@@ -212,21 +199,6 @@ def load_sharded_best_weights(
     return load_best_weights_from(module, folder, ("best", entry["name"]), source, name)
 
 
-def _remove_folder(folder: str) -> None:
-    shutil.rmtree(folder, ignore_errors=True)
-
-
-def remove_stale_shards(path: str | os.PathLike[str], keep: str | None = None) -> None:
-    """Remove the folders of shards of an earlier release's file ``path``
-    but ``keep``."""
-    directory = os.path.dirname(os.path.abspath(path))
-    prefix = os.path.basename(os.fspath(path)) + _SUFFIX
-    with contextlib.suppress(OSError):
-        for entry in os.listdir(directory):
-            if entry.startswith(prefix) and entry != keep and _FOLDER_RE.match(entry):
-                _remove_folder(os.path.join(directory, entry))
-
-
 def remove_training_state(path: str | os.PathLike[str]) -> None:
     """Remove the training state ``path``: a folder, or an earlier release's
     file and its folders of shards."""
@@ -236,8 +208,13 @@ def remove_training_state(path: str | os.PathLike[str]) -> None:
         aside = partial_folder(path, secrets.token_hex(6))
         with contextlib.suppress(OSError):
             os.rename(path, aside)
-            _remove_folder(aside)
+            shutil.rmtree(aside, ignore_errors=True)
         return
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    remove_stale_shards(path, keep=None)
+    directory = os.path.dirname(os.path.abspath(path))
+    prefix = os.path.basename(os.fspath(path)) + _SUFFIX
+    with contextlib.suppress(OSError):
+        for entry in os.listdir(directory):
+            if entry.startswith(prefix) and _FOLDER_RE.match(entry):
+                shutil.rmtree(os.path.join(directory, entry), ignore_errors=True)

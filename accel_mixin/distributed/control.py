@@ -257,15 +257,16 @@ class Control:
             self._gather_peers()
         return self._group
 
+    def _all_texts(self, text: str, size: int = _MESSAGE_BYTES) -> list[str]:
+        """Every rank's ``text`` (at most ``size`` bytes), by rank."""
+        gathered = [torch.zeros(size, dtype=torch.uint8) for _ in range(self.num_processes)]
+        self.group().allgather([gathered], [_encode(text, size)]).wait()
+        return [_decode(row) for row in gathered]
+
     def _gather_peers(self) -> None:
         mine = ";".join(f"{address},{port}" for address, port in own_sockets())
-        gathered = [
-            torch.zeros(_MESSAGE_BYTES * 4, dtype=torch.uint8) for _ in range(self.num_processes)
-        ]
-        tensor = _encode(mine, _MESSAGE_BYTES * 4)
-        self.group().allgather([gathered], [tensor]).wait()
-        for rank, row in enumerate(gathered):
-            for entry in filter(None, _decode(row).split(";")):
+        for rank, row in enumerate(self._all_texts(mine, _MESSAGE_BYTES * 4)):
+            for entry in filter(None, row.split(";")):
                 address, _, port = entry.rpartition(",")
                 if rank != self.process_index:
                     self._peers[(address, int(port))] = rank
@@ -404,10 +405,8 @@ class Control:
         return torch.stack([mine, *received.values()]).amax(0)
 
     def _mismatch(self, what: str) -> DistributedError:
-        calls = [torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8) for _ in range(self.num_processes)]
-        self.group().allgather([calls], [_encode(self._open[0][0])]).wait()
         mine = self._open[0][0]
-        other = next((c for c in map(_decode, calls) if c != mine), mine)
+        other = next((c for c in self._all_texts(mine) if c != mine), mine)
         return _agreed(
             f"{mine} on rank {self.process_index} met {other} on another rank: every "
             f"rank must make the same collective calls, in the same order ({COLLECTIVE}); "

@@ -20,7 +20,6 @@ treated so, since it may read the predictions its own way.
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -142,18 +141,17 @@ def _runs(slots: Sequence[_Slot]) -> list[list[Any]]:
 
 
 def _send(items: Any, device: torch.device, dsts: Sequence[int]) -> None:
-    """Stream ``items`` to the ranks ``dsts``: the layout's size, the layout,
-    then the tensors' bytes, staged ``_CHUNK`` bytes at a time, so that the
-    rank never holds a second copy of its predictions."""
+    """Stream ``items`` to the ranks ``dsts``: the layout, then the tensors'
+    bytes, staged ``_CHUNK`` bytes at a time, so that the rank never holds a
+    second copy of its predictions."""
     layout, pairs, end = _layout(items)
-    pickled = pickle.dumps(layout, protocol=pickle.HIGHEST_PROTOCOL)
+    for dst in dsts:
+        dist.send_object_list([layout, end], dst=dst, device=device)
 
     def send(message: torch.Tensor) -> None:
         for dst in dsts:
             dist.send(message, dst=dst)
 
-    send(torch.tensor([len(pickled), end], dtype=torch.int64, device=device))
-    send(torch.frombuffer(bytearray(pickled), dtype=torch.uint8).to(device))
     staging: torch.Tensor | None = None
     for first, stop, indices in _runs([placed for _, placed in pairs]):
         if len(indices) == 1:
@@ -169,12 +167,10 @@ def _send(items: Any, device: torch.device, dsts: Sequence[int]) -> None:
 
 def _receive(rank: int, device: torch.device) -> Any:
     """What ``_send`` streamed from ``rank``, viewing one buffer of its bytes."""
-    sizes = torch.empty(2, dtype=torch.int64, device=device)
-    dist.recv(sizes, src=rank)
-    pickled = torch.empty(int(sizes[0]), dtype=torch.uint8, device=device)
-    dist.recv(pickled, src=rank)
-    layout = pickle.loads(pickled.cpu().numpy().tobytes())
-    data = torch.empty(int(sizes[1]), dtype=torch.uint8, device=device)
+    received: list[Any] = [None, None]
+    dist.recv_object_list(received, src=rank, device=device)
+    layout, end = received
+    data = torch.empty(end, dtype=torch.uint8, device=device)
     for first, stop, _ in _runs(_slots(layout)):
         dist.recv(data[first:stop], src=rank)
     return _filled(layout, data)
