@@ -92,7 +92,7 @@ def _resolve_target(path: Path) -> tuple[str, os.stat_result | None]:
     return name, target
 
 
-def check_directory(path: str) -> None:
+def check_directory(path: Path) -> None:
     """Raise, naming ``path`` and what to do, where the directory to save
     ``path`` in is missing or a file."""
     directory = _directory(path)

@@ -3,12 +3,15 @@ asynchronous saves, the save in flight, and one ``CheckpointError`` for a
 save that failed on any rank.
 """
 
+from __future__ import annotations
+
 import concurrent.futures
 import contextlib
 import os
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -20,6 +23,10 @@ from accel_mixin.checkpoint.dcp_folder import (
 from accel_mixin.checkpoint.files import check_directory, without_name, write_cause
 from accel_mixin.errors import CheckpointError, Stalled
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.checkpoint.api import WRAPPED_EXCEPTION
+
 __all__ = [
     "SaveInFlight",
     "finished_on_error",
@@ -28,11 +35,11 @@ __all__ = [
 ]
 
 
-def _distributed():
+def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def save_group(held):
+def save_group(held: ProcessGroup | None) -> ProcessGroup | None:
     """The process group of asynchronous saves: ``held``, or a new gloo group
     (a collective: every rank calls it); None without a process group.
 
@@ -45,9 +52,11 @@ def save_group(held):
     return held if held is not None else torch.distributed.new_group(backend="gloo")
 
 
-def _failed_writes(directory, exc, rank):
+def _failed_writes(directory: str, exc: BaseException, rank: int) -> str:
     """Every rank's failure in ``exc`` (DCP's, or this rank's own), each with
     the cause and fix of a failed write into ``directory`` where known."""
+    # DCP's failures are (exception, traceback) pairs
+    items: list[tuple[int, BaseException | WRAPPED_EXCEPTION]]
     if isinstance(exc, checkpoint_exception()):
         items = sorted(exc.failures.items())
     else:
@@ -63,7 +72,9 @@ def _failed_writes(directory, exc, rank):
     return "; ".join(lines) or str(exc)
 
 
-def _save_error(path, exc, alone=False):
+def _save_error(
+    path: str | os.PathLike[str], exc: BaseException, alone: bool = False
+) -> CheckpointError:
     """``CheckpointError`` for the save of ``path`` that ``exc`` ended; rank 0
     (or a process that saved ``alone``) removes the save's partial folder first."""
     directory, name = os.path.split(os.path.abspath(os.fspath(path)))
@@ -80,8 +91,14 @@ def _save_error(path, exc, alone=False):
 
 
 def save_state_folder(
-    state, path, *, asynchronous=False, group=None, on_committed=None, alone=False
-):
+    state: dict[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    asynchronous: bool = False,
+    group: ProcessGroup | None = None,
+    on_committed: Callable[[], object] | None = None,
+    alone: bool = False,
+) -> SaveInFlight | None:
     """``dcp_folder.save_folder`` whose failures raise ``CheckpointError``;
     asynchronous: a ``SaveInFlight``. Where the directory to save in is
     missing, every rank raises before anything is written (DCP would create
@@ -108,10 +125,10 @@ class SaveInFlight:
     it (``ProcessState.save_in_flight``) and waits for it; nothing else does."""
 
     path: str
-    future: Any
+    future: concurrent.futures.Future[None]
     alone: bool = False
 
-    def wait(self, io_timeout: Optional[float]):
+    def wait(self, io_timeout: float | None) -> None:
         """Wait for the save, at most ``io_timeout`` seconds; raise what it raised."""
         try:
             self.future.result(timeout=io_timeout)
@@ -125,8 +142,14 @@ class SaveInFlight:
             raise _save_error(self.path, exc, self.alone) from None
 
 
+class _HoldsSave(Protocol):
+    """What holds a net's asynchronous save (``ProcessState``, a layer above)."""
+
+    save_in_flight: SaveInFlight | None
+
+
 @contextlib.contextmanager
-def finished_on_error(process, io_timeout):
+def finished_on_error(process: _HoldsSave, io_timeout: float | None) -> Iterator[None]:
     """Where the block raises, finish ``process``'s save in flight (its
     ``save_in_flight``), at most ``io_timeout``, and warn if it failed too,
     without hiding the block's error."""
