@@ -2,7 +2,9 @@
 process. ``save_params`` files hold the keys of the unwrapped modules, the main
 process (with ``save_on_each_node``, of every machine) writes them; a training
 state is one DCP folder that every rank writes its part of
-(``checkpoint.state_saves``). Every process returns once the files are
+(``checkpoint.state_saves``), or, with ``save_on_each_node`` on several
+machines, that each machine's main process writes whole
+(``checkpoint.machine_copies``). Every process returns once the files are
 complete, or raises if any process failed.
 """
 
@@ -14,18 +16,14 @@ from typing import Any, Optional
 import torch
 from skorch.exceptions import DeviceWarning
 
+from accel_mixin.checkpoint.machine_copies import machine_copies
 from accel_mixin.checkpoint.params import SafeParamsMixin
-from accel_mixin.checkpoint.state_saves import (
-    save_group,
-    save_state_folder,
-    saves_in_flight,
-    wait_for_all,
-)
+from accel_mixin.checkpoint.state_saves import save_group, save_state_folder
 from accel_mixin.distributed.process_layout import quiet_unless_main, writes_files
 from accel_mixin.distributed.sharding import full_states, sharded
 from accel_mixin.internals import batch_sampler_owner, check_f_arguments
 from accel_mixin.resume.resuming import read, restore_training, restore_weights
-from accel_mixin.resume.state_folder import folder_state
+from accel_mixin.resume.state_folder import folder_state, rank_entries
 from accel_mixin.resume.training_state import (
     train_iterator_state,
     warn_if_inside_accumulation,
@@ -164,6 +162,15 @@ class CheckpointingMixin(SafeParamsMixin):
         not. A save that fails raises the same ``CheckpointError`` on every
         rank, naming every rank's failure, and removes its partial folder.
 
+        With ``ProjectConfiguration(save_on_each_node=True)`` on several
+        machines (which share no filesystem), the main process of each machine
+        writes a whole copy of the state, every rank's generators included,
+        into ``path`` on its machine by itself, and commits it; the other ranks
+        wait for it, and a failure on one machine raises on every rank (a
+        ``DistributedError`` naming it elsewhere). Each rank loads its own
+        machine's copy. A module that FSDP2 shards has no whole state on any
+        machine: such a save raises ``CheckpointError``.
+
         Parameters
         ----------
         path : str or os.PathLike
@@ -177,8 +184,9 @@ class CheckpointingMixin(SafeParamsMixin):
           ``load_state``, each waiting at most ``io_timeout``.
 
         on_written : callable or None (default=None)
-          Called without arguments on the first process once the folder is
-          committed (``TrainingCheckpoint`` rotates its states there).
+          Called without arguments on the first process (with
+          ``save_on_each_node`` on several machines, on each machine's) once
+          the folder is committed (``TrainingCheckpoint`` rotates its states there).
 
         stopped : bool or None (default=None)
           Whether training ends with this state, so that a run resumed from
@@ -193,17 +201,38 @@ class CheckpointingMixin(SafeParamsMixin):
         ):
             # a failure here (a rank gone, the previous save's error) is this call's
             self._finish_saves("save_state")
-            state = folder_state(self, self._objects, *self._where_training_is(stopped))
+            # every rank arrived in _finish_saves: machine_copies' gather is safe here
+            shuffling, stopped, position, epoch_rng = self._where_training_is(stopped)
+            ranks = machine_copies(
+                self.accelerator, lambda: rank_entries(self, position, epoch_rng), path
+            )
+            state = folder_state(
+                self, self._objects, shuffling, stopped, position, epoch_rng, ranks=ranks
+            )
             warn_if_inside_accumulation(self.accelerator)
             group = None
             if asynchronous:
                 group = self._process.save_group = save_group(self._process.save_group)
+            alone = ranks is not None  # each machine's main process writes its copy
+
+            def save():
+                in_flight = save_state_folder(
+                    state,
+                    path,
+                    asynchronous=asynchronous,
+                    group=group,
+                    on_committed=on_written,
+                    alone=alone,
+                )
+                if alone:  # where another machine's copy fails, this one's is still waited for
+                    self._process.save_in_flight = in_flight
+                return in_flight
+
             self._process.save_in_flight = self._coordinator.run(
-                lambda: save_state_folder(
-                    state, path, asynchronous=asynchronous, group=group, on_committed=on_written
-                ),
+                save,
                 what="save_state",
                 files=str(path),
+                here=not alone or writes_files(self.accelerator),
                 io_timeout=self.io_timeout,
             )
 
@@ -242,17 +271,14 @@ class CheckpointingMixin(SafeParamsMixin):
             in_flight.wait(self.io_timeout)
 
     def _wait_for_writes_in_flight(self, what):
-        """Before a load, on every rank: wait for this process's asynchronous
-        saves (of any net); a failed save of this net raises."""
-
-        def finish():
-            wait_for_all(self.io_timeout)
-            self._wait_for_my_saves()
-
+        """Before a load, on every rank: wait for this net's asynchronous
+        save; a failed save raises. Another net's saves are that net's to
+        wait for (``wait_for_saves``), as DCP's ``async_save`` future is its
+        caller's."""
         # a failure there (a rank gone) is the load's own unless a save is in flight
-        waits = saves_in_flight() or self._process.save_in_flight is not None
+        waits = self._process.save_in_flight is not None
         label = f"{what}: asynchronous saves in flight" if waits else what
-        self._coordinator.run(finish, what=label)
+        self._coordinator.run(self._wait_for_my_saves, what=label)
 
     def load_state(self, path):
         """Restore a training state that ``save_state`` wrote.

@@ -7,6 +7,10 @@ class DistributedError(RuntimeError):
     """Raised on every rank when a collective section failed on another rank,
     or another rank is gone."""
 
+    # set where every rank learned it in one barrier: no collective follows
+    # (accel_mixin.distributed.control)
+    agreed: bool = False
+
 
 class Preempted(Exception):
     """Training stopped on a preemption notice, after a state was saved.

@@ -29,8 +29,13 @@ skorch's own ``NeuralNet`` methods that the mixin overrides and calls through
 ``_modules``, ``_criteria``, ``_optimizers`` registries.
 """
 
+from __future__ import annotations
+
 import functools
 from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Protocol
 
 import accelerate
 import accelerate.optimizer
@@ -40,9 +45,14 @@ import torch.distributed.distributed_c10d as c10d
 from skorch import utils as skorch_utils
 from skorch.callbacks import EpochScoring, ProgressBar
 from skorch.callbacks import scoring as skorch_scoring
-from torch.utils.data import IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from accel_mixin.errors import InternalsChanged
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from skorch import NeuralNet
+    from skorch.history import DistributedHistory, History
 
 __all__ = [
     "InternalsChanged",
@@ -72,9 +82,38 @@ _LISTS = {"module": "_models", "criterion": "_models", "optimizer": "_optimizers
 _LISTS.update(scheduler="_schedulers", dataloader="_dataloaders")
 # the autocast patch of ``forward`` and the flag that makes ``prepare`` skip a module
 _MARKS = ("forward", "_original_forward", "_is_accelerate_prepared")
+_SCORES = "to score cached predictions once, on the main process"
+# the private functions used: (owner, name, what they are used for)
+_PRIVATE: dict[str, tuple[Any, str, str]] = {
+    "store": (c10d, "_get_default_store", "for the barriers of several processes"),
+    "f_arguments": (
+        skorch_utils,
+        "_check_f_arguments",
+        "to read the file arguments of save_params and load_params",
+    ),
+    "batches": (
+        ProgressBar,
+        "_get_batches_per_epoch_phase",
+        "to make each rank's progress bar count the batches it runs",
+    ),
+    "forward_iter": (skorch_scoring, "_cache_net_forward_iter", _SCORES),
+    "scoring": (EpochScoring, "_scoring", _SCORES),  # ScoringBase's, in skorch 1.4
+    "record": (EpochScoring, "_record_score", _SCORES),
+}
+
+# what ``pop_marks`` took off: each module with its attributes
+Marks = list[tuple[torch.nn.Module, dict[str, Any]]]
 
 
-def _require(present, package, name, what):
+class BatchSamplerOwner(Protocol):
+    """The torch DataLoader that ``batch_sampler_owner`` returns: one whose
+    batch sampler is there."""
+
+    @property
+    def batch_sampler(self) -> Iterable[list[int]]: ...
+
+
+def _require(present: object, package: str, name: str, what: str) -> None:
     """Raise, naming ``name``, unless ``present``."""
     if not present:
         raise InternalsChanged(
@@ -86,19 +125,21 @@ def _require(present, package, name, what):
         )
 
 
-def _default_store_getter():
-    getter = getattr(c10d, "_get_default_store", None)
-    what = "for the barriers of several processes"
-    _require(getter, "torch", "torch.distributed.distributed_c10d._get_default_store", what)
-    return getter
+def _private(key: str) -> Any:
+    """The private function ``_PRIVATE[key]`` names; raise, naming it, where it is gone."""
+    owner, name, what = _PRIVATE[key]
+    found = getattr(owner, name, None)
+    package = (owner.__module__ if isinstance(owner, type) else owner.__name__).split(".")[0]
+    _require(callable(found), package, f"{owner.__name__}.{name}", what)
+    return found
 
 
-def default_store():
+def default_store() -> c10d.Store:
     """The process group's key-value store."""
-    return _default_store_getter()()
+    return _private("store")()
 
 
-def check_accelerator(accelerator):
+def check_accelerator(accelerator: Accelerator) -> None:
     """Raise unless the accelerator keeps the lists that wrapping maintains."""
     for name in sorted(set(_LISTS.values())):
         present = isinstance(getattr(accelerator, name, None), list)
@@ -106,21 +147,23 @@ def check_accelerator(accelerator):
         _require(present, "accelerate", f"Accelerator.{name}", what)
 
 
-def accelerator_list(accelerator, kind):
+def accelerator_list(accelerator: Accelerator, kind: str) -> list[Any]:
     """The accelerator's list of prepared objects of ``kind`` ('module', ...)."""
     return getattr(accelerator, _LISTS[kind])
 
 
-def drop_dataloader(accelerator, dataloader):
+def drop_dataloader(accelerator: Accelerator, dataloader: DataLoader) -> None:
     """Take ``dataloader`` off the accelerator's list of prepared dataloaders."""
     dataloaders = accelerator_list(accelerator, "dataloader")
     dataloaders[:] = [dl for dl in dataloaders if dl is not dataloader]
 
 
-def pop_marks(obj):
+def pop_marks(obj: torch.nn.Module) -> Marks:
     """Remove accelerate's marks from a raw module (a compiled one keeps part
     on its ``_orig_mod``); return them for ``put_marks``."""
-    targets = [obj] + [t for t in (vars(obj).get("_modules", {}).get("_orig_mod"),) if t]
+    targets: list[torch.nn.Module] = [obj] + [
+        t for t in (vars(obj).get("_modules", {}).get("_orig_mod"),) if t
+    ]
     patched = any("_original_forward" in vars(t) for t in targets)
     # only the forward that accelerate patched is ours to remove
     keys = _MARKS if patched else ("_is_accelerate_prepared",)
@@ -131,12 +174,14 @@ def pop_marks(obj):
     return marks
 
 
-def put_marks(marks):
+def put_marks(marks: Marks) -> None:
     for target, attrs in marks:
         vars(target).update(attrs)
 
 
-def check_prepared_module(prepared, module, accelerator, wrapped):
+def check_prepared_module(
+    prepared: torch.nn.Module, module: torch.nn.Module, accelerator: Accelerator, wrapped: bool
+) -> None:
     """Raise unless accelerate prepared ``module`` into ``prepared`` with the
     marks unwrapping relies on, and into a wrapper where ``wrapped`` (DDP)."""
     _require(
@@ -155,7 +200,7 @@ def check_prepared_module(prepared, module, accelerator, wrapped):
     )
 
 
-def check_dataloader(dataloader):
+def check_dataloader(dataloader: DataLoader) -> None:
     """Raise unless a prepared training dataloader exposes its shuffling state
     (iterable data has none)."""
     if isinstance(getattr(dataloader, "dataset", None), IterableDataset):
@@ -167,7 +212,7 @@ def check_dataloader(dataloader):
         )
 
 
-def start_persistent_iterator(loader):
+def start_persistent_iterator(loader: DataLoader) -> bool:
     """Start the iterator of ``loader``, whose workers persist, unless it has
     one; return whether it started one."""
     _require(
@@ -183,10 +228,10 @@ def start_persistent_iterator(loader):
     return True
 
 
-def batch_sampler_owner(dataloader):
+def batch_sampler_owner(dataloader: DataLoader) -> BatchSamplerOwner:
     """The torch DataLoader whose ``batch_sampler`` a prepared dataloader
     iterates; ValueError for data without one (an ``IterableDataset``)."""
-    owner = getattr(dataloader, "base_dataloader", dataloader)
+    owner: Any = getattr(dataloader, "base_dataloader", dataloader)
     _require(
         hasattr(owner, "batch_sampler"),
         "accelerate",
@@ -203,90 +248,72 @@ def batch_sampler_owner(dataloader):
     return owner
 
 
-def compiled_inner(module):
+def compiled_inner(module: torch.nn.Module) -> torch.nn.Module | None:
     """The module that torch.compile wrapped in ``module``, or None."""
     inner = getattr(module, "_orig_mod", None)
     return inner if isinstance(inner, torch.nn.Module) else None
 
 
-def copy_state_dict(state_dict):
+def copy_state_dict(state_dict: Mapping[str, Any]) -> OrderedDict[str, Any]:
     """A shallow copy of ``state_dict`` that keeps torch's ``_metadata``."""
     metadata = getattr(state_dict, "_metadata", None)
     copy = OrderedDict(state_dict)
     if metadata is not None:
-        copy._metadata = OrderedDict(metadata)  # pylint: disable=protected-access
+        # an attribute torch sets on its state dicts and leaves out of their type
+        copy._metadata = OrderedDict(metadata)  # type: ignore[attr-defined]  # pylint: disable=protected-access
     return copy
 
 
-def check_f_arguments(caller, **kwargs):
+def check_f_arguments(caller: str, **kwargs: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """skorch's ``_check_f_arguments``, shared by ``save_params`` and ``load_params``."""
-    check = getattr(skorch_utils, "_check_f_arguments", None)
-    what = "to read the file arguments of save_params and load_params"
-    _require(callable(check), "skorch", "skorch.utils._check_f_arguments", what)
-    return check(caller, **kwargs)
+    return _private("f_arguments")(caller, **kwargs)
 
 
-def batches_per_epoch_phase(progress_bar, net, dataset, training):
+def batches_per_epoch_phase(
+    progress_bar: ProgressBar, net: NeuralNet | None, dataset: Dataset | None, training: bool
+) -> int:
     """skorch's count of a ProgressBar's batches of one phase of the whole data."""
-    count = getattr(progress_bar, "_get_batches_per_epoch_phase", None)
-    what = "to make each rank's progress bar count the batches it runs"
-    _require(callable(count), "skorch", "ProgressBar._get_batches_per_epoch_phase", what)
-    return count(net, dataset, training)
+    _private("batches")
+    return progress_bar._get_batches_per_epoch_phase(net, dataset, training)  # pylint: disable=protected-access
 
 
-_SCORES = "to score cached predictions once, on the main process"
-
-
-def _forward_iter_cache():
-    cache = getattr(skorch_scoring, "_cache_net_forward_iter", None)
-    _require(callable(cache), "skorch", "skorch.callbacks.scoring._cache_net_forward_iter", _SCORES)
-    return cache
-
-
-def cached_forward_iter(net, use_caching, y_pred):
+def cached_forward_iter(
+    net: NeuralNet, use_caching: bool | str, y_pred: list[Any]
+) -> AbstractContextManager[NeuralNet]:
     """skorch's context within which ``net.forward_iter`` yields ``y_pred``."""
-    return _forward_iter_cache()(net, use_caching, y_pred)
+    return _private("forward_iter")(net, use_caching, y_pred)
 
 
-def _epoch_scoring():
-    """``EpochScoring._scoring`` (``ScoringBase``'s, in skorch 1.4)."""
-    scoring = getattr(EpochScoring, "_scoring", None)
-    _require(callable(scoring), "skorch", "EpochScoring._scoring", _SCORES)
-    return scoring
-
-
-def score_of(callback, net, X, y):
+def score_of(callback: EpochScoring, net: NeuralNet, X: Any, y: Any) -> Any:
     """The score an ``EpochScoring`` computes of ``X`` and ``y`` (``_scoring``)."""
-    _epoch_scoring()
+    _private("scoring")
     return callback._scoring(net, X, y)  # pylint: disable=protected-access
 
 
-def _score_recorder():
-    """``EpochScoring._record_score``."""
-    record = getattr(EpochScoring, "_record_score", None)
-    _require(callable(record), "skorch", "EpochScoring._record_score", _SCORES)
-    return record
-
-
-def record_score(callback, history, score):
+def record_score(callback: EpochScoring, history: History, score: Any) -> None:
     """Record ``score`` as ``EpochScoring.on_epoch_end`` records the score it
     computed (``_record_score``): the score, and whether it is the best."""
-    _score_recorder()
+    _private("record")
     callback._record_score(history, score)  # pylint: disable=protected-access
 
 
-def wrapped_history(history):
+def wrapped_history(history: DistributedHistory) -> History:
     """The plain ``History`` inside skorch's ``DistributedHistory``."""
     what = "to record into its plain History"
     _require(hasattr(history, "_history"), "skorch", "DistributedHistory._history", what)
     return history._history  # pylint: disable=protected-access
 
 
-def missing(accelerator):
+def missing(accelerator: Accelerator) -> list[str]:
     """The private names missing here; prepares a small module and dataloader
     on ``accelerator`` to look."""
     found = []
-    for check in (_default_store_getter, lambda: _check_prepare(accelerator), _check_skorch):
+    skorch_names = [key for key in _PRIVATE if key != "store"]
+    for check in (
+        lambda: _private("store"),
+        lambda: _check_prepare(accelerator),
+        lambda: [_private(key) for key in skorch_names],
+    ):
         try:
             check()
         except InternalsChanged as exc:
@@ -294,7 +321,7 @@ def missing(accelerator):
     return found
 
 
-def _check_prepare(accelerator):
+def _check_prepare(accelerator: Accelerator) -> None:
     check_accelerator(accelerator)
     module = torch.nn.Linear(2, 2)
     prepared = accelerator.prepare_model(module, evaluation_mode=True)
@@ -311,17 +338,7 @@ def _check_prepare(accelerator):
     check_dataloader(prepared)
 
 
-def _check_skorch():
-    if not callable(getattr(skorch_utils, "_check_f_arguments", None)):
-        check_f_arguments("save_params")  # raises, naming it
-    if not callable(getattr(ProgressBar, "_get_batches_per_epoch_phase", None)):
-        batches_per_epoch_phase(ProgressBar(), None, None, True)
-    _forward_iter_cache()
-    _epoch_scoring()
-    _score_recorder()
-
-
-def cache_lomo_check():
+def cache_lomo_check() -> None:
     """Answer accelerate's per-step question, whether ``lomo_optim`` is
     installed, once per process.
 

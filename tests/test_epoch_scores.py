@@ -203,3 +203,5 @@ def test_a_scorer_s_error_on_the_main_process_reaches_every_rank_at_once(ranks):
         )
     # the process group gives up after 30 s
     assert max(r["seconds"] for r in results) < 20
+    # every rank raises at the scorer's turn, none runs the callbacks after it
+    assert [r["went_on"] for r in results] == [False] * len(results)

@@ -80,6 +80,11 @@ def test_compiled_net_under_ddp_saves_clean_keys(ranks):
         assert value["keys"] == ["hidden.weight", "hidden.bias", "out.weight", "out.bias"]
 
 
+def test_save_on_each_node_on_one_machine_saves_one_state_together(ranks):
+    for value in values(ranks, "one_machine_saves_one_state_together"):
+        assert value == ["__0_0.distcp", "__1_0.distcp"]
+
+
 def test_two_machines_without_a_shared_filesystem(nodes):
     for node, value in enumerate(values(nodes, "layout")):
         assert value == {"cwd": f"node{node}", "rank": node, "local_main": True, "num_processes": 2}
@@ -91,12 +96,6 @@ def test_two_machines_without_a_shared_filesystem(nodes):
         }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 47 (open): a training state is one DCP folder that every rank writes its "
-    "part of, so machines without a shared filesystem hold no whole state; "
-    "save_on_each_node keeps per-machine copies for save_params only",
-)
 def test_resume_training_takes_the_newest_epoch_every_node_has(nodes):
     node0, node1 = (v for v in values(nodes, "resume_from_the_epoch_every_node_has"))
     assert node0["resumed_from"] == node1["resumed_from"] == "training-state-000002"
@@ -115,6 +114,41 @@ def test_resume_training_takes_the_newest_epoch_every_node_has(nodes):
             r"rank \(rank 0: epochs \[1, 2, 3, 4\], rank 1: epochs \[\]\)",
             error,
         )
+
+
+def test_copies_of_each_node_resume_inside_an_epoch_exactly(nodes):
+    for value in values(nodes, "copies_resume_inside_an_epoch_exactly"):
+        assert value == {
+            "keys": ["partial.rank-0", "partial.rank-1", "rng.rank-0", "rng.rank-1"],
+            "files": ["__0_0.distcp"],  # its main process wrote it alone
+            "resumed_from": "training-state-000001-batch-000004-ranks-2",
+            "same_losses": True,
+        }
+
+
+def test_a_failed_copy_raises_on_every_node(nodes):
+    node0, node1 = values(nodes, "a_failed_copy_raises_on_every_node")
+    failure = "FileNotFoundError: Cannot save to missing/state: the directory "
+    for asynchronous in ("false", "true"):  # JSON's keys
+        assert node1["errors"][asynchronous].startswith(failure)
+        assert node0["errors"][asynchronous].startswith(
+            f"DistributedError: save_state failed on rank 1: {failure}"
+        )
+    # node 0's own copy is whole, and its asynchronous save was waited for
+    assert (node0["saved"], node1["saved"]) == (["state"], [])
+    assert (node0["written"], node1["written"]) == ([True], [])
+
+
+def test_sharded_copies_on_each_node_are_refused(nodes):
+    for error in errors(nodes, "sharded_copies_are_refused"):
+        assert error is not None, "the sharded net saved copies per machine"
+        assert re.fullmatch(
+            r"CheckpointError: Cannot save the training state fsdp/run-\w{12}/"
+            r"training-state-000001: ProjectConfiguration\(save_on_each_node=True\) on "
+            r"several machines .* FSDP2 shards across machines has on none\. Save to a "
+            r"filesystem every machine sees, with save_on_each_node=False .*",
+            error,
+        ), error
 
 
 def test_without_save_on_each_node_the_other_machine_fails_clearly(nodes):

@@ -1,12 +1,13 @@
 """The mixin's own callback hooks, found only where a class defines them, and
 what an epoch's end raises on one process."""
 
+import pickle
 from unittest.mock import Mock
 
 import pytest
 from accelerate import Accelerator
 from common import MLP, AcceleratedNet, make_data
-from skorch.callbacks import Callback
+from skorch.callbacks import Callback, Checkpoint
 
 from accel_mixin.training.notifications import hook
 
@@ -74,3 +75,25 @@ def test_a_keyboard_interrupt_in_on_epoch_end_stops_after_the_epoch_finished():
     net.fit(*make_data(120))  # skorch's partial_fit ends the fit there
     assert len(net.history) == 1
     assert finishing.calls[-1] == ("epoch", 1, False)
+
+
+class Logging(Callback):
+    main_process_only = True
+
+    def on_epoch_end(self, net, **kwargs):
+        self.epochs = len(net.history)
+
+
+def test_a_net_pickled_mid_fit_holds_the_user_s_main_process_only_callback(tmp_path):
+    checkpoint = Checkpoint(
+        monitor=None, dirname=tmp_path, f_pickle="net.pkl", f_params=None, f_optimizer=None,
+        f_criterion=None, f_history=None,
+    )  # fmt: skip
+    one_process_net(("log", Logging()), ("cp", checkpoint)).fit(*make_data(120))
+    with open(tmp_path / "net.pkl", "rb") as f:
+        net = pickle.load(f)  # written while the logger ran alone
+    logging = dict(net.callbacks_)["log"]
+    assert type(logging) is Logging and logging.epochs == 2
+    assert logging is dict(net.callbacks)["log"]  # one object, as skorch keeps it
+    net.partial_fit(*make_data(120))
+    assert logging.epochs == 4

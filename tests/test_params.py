@@ -369,9 +369,9 @@ import sys, torch
 path = sys.argv[1]
 torch.save({'weight': torch.full((4,), 1.0)}, path)
 print('first save done', flush=True)
-from accel_mixin.checkpoint.files import write_state
+from accel_mixin.checkpoint.files import atomic_write
 big = {f'w{i}': torch.randn(1000, 1000) for i in range(100)}  # 400 MB
-write_state(big, path)
+atomic_write(path, lambda tmp: torch.save(big, tmp), by_name=True)
 print('second save done', flush=True)
 """
 
@@ -659,7 +659,7 @@ def test_a_symlinked_target_keeps_its_link_and_updates_the_file(tmp_path):
 
 
 def write_as_another_user(path, umask):
-    """write_state in a forked child that runs as nobody with ``umask``;
+    """An atomic torch.save in a forked child that runs as nobody with ``umask``;
     returns the child's exit status and the file's mode."""
     pid = os.fork()
     if pid == 0:  # the child: no pytest from here on
@@ -668,9 +668,9 @@ def write_as_another_user(path, umask):
             os.setgid(65534)
             os.setuid(65534)
             os.umask(umask)
-            from accel_mixin.checkpoint.files import write_state
+            from accel_mixin.checkpoint.files import atomic_write
 
-            write_state({"w": torch.ones(2)}, path)
+            atomic_write(path, lambda tmp: torch.save({"w": torch.ones(2)}, tmp), by_name=True)
             status = 0
         finally:
             os._exit(status)  # pylint: disable=protected-access

@@ -20,7 +20,6 @@ from accel_mixin.checkpoint.sharded_state import (
     load_sharded_best_weights,
     load_sharded_module,
     load_sharded_optimizer,
-    remove_stale_shards,
     remove_training_state,
 )
 from accel_mixin.errors import CheckpointError
@@ -132,11 +131,11 @@ def _make(directory, *names):
             (directory / name).write_bytes(b"")
 
 
-def test_a_complete_save_removes_its_files_other_folders_only(tmp_path):
+def test_removing_a_file_removes_its_folders_only(tmp_path):
     _make(tmp_path, "a.pt", "a.pt.shards-01", "a.pt.shards-02", "ab.pt.shards-03", "b.pt.shards-04")
-    remove_stale_shards(tmp_path / "a.pt", keep="a.pt.shards-02")
+    remove_training_state(tmp_path / "a.pt")
     # another file's folders stay, even one whose name begins alike
-    assert _folders(tmp_path) == ["a.pt.shards-02", "ab.pt.shards-03", "b.pt.shards-04"]
+    assert _folders(tmp_path) == ["ab.pt.shards-03", "b.pt.shards-04"]
 
 
 def test_rotation_removes_a_file_with_its_folders_and_a_state_folder(tmp_path):

@@ -4,6 +4,8 @@ single-file state holds, its tensors under parameter names."""
 
 import concurrent.futures
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -151,6 +153,24 @@ def test_a_stalled_asynchronous_save_ends_within_io_timeout():
     never = concurrent.futures.Future()
     with pytest.raises(Stalled, match=r"state-7 did not end within io_timeout=0.1 s"):
         SaveInFlight("state-7", never).wait(0.1)
+
+
+def test_a_load_waits_for_its_own_net_s_save_not_for_another_s(data, tmp_path):
+    writing, loading = _fitted(data), _fitted(data)
+    loading.save_state(tmp_path / "loaded")
+    loading.io_timeout = 30.0  # what a load waited for another net's stalled save
+    committed = threading.Event()
+    writing.save_state(tmp_path / "stuck", asynchronous=True, on_written=committed.wait)
+    in_flight = writing._process.save_in_flight  # pylint: disable=protected-access
+    try:
+        began = time.monotonic()
+        loading.load_state(tmp_path / "loaded")  # while the other net's storage stalls
+        assert time.monotonic() - began < 10.0
+        assert not in_flight.future.done()
+    finally:
+        threading.Timer(1.0, committed.set).start()
+    writing.load_state(tmp_path / "stuck")  # its own: waited for
+    assert in_flight.future.done()
 
 
 def test_load_state_resumes_from_a_folder_as_from_the_single_file(data, tmp_path):

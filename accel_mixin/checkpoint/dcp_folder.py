@@ -14,6 +14,8 @@ restriction, so both are replaced here.
 ``docs/guide/architecture.md``, "Checkpoint format".
 """
 
+from __future__ import annotations
+
 import concurrent.futures
 import contextlib
 import os
@@ -21,11 +23,21 @@ import pickle
 import secrets
 import shutil
 import warnings
+from collections.abc import Callable, Collection, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._nested_dict import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+if TYPE_CHECKING:
+    import io
+
+    from torch.distributed import ProcessGroup
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.planner import ReadItem
 
 __all__ = [
     "PARTIAL",
@@ -49,14 +61,18 @@ PARTIAL = ".partial-"
 _ASIDE = ".old-"
 METADATA = ".metadata"
 
+_T = TypeVar("_T")
+# a state to load into, filled in place and returned
+_State = TypeVar("_State", bound="dict[str, Any]")
 
-def plain(value):
+
+def plain(value: _T) -> tuple[_T]:
     """``value`` (tensors and plain values) as one DCP item: DCP walks into
     dicts and lists, one item per leaf, and keeps a tuple whole."""
     return (value,)
 
 
-def unplain(loaded):
+def unplain(loaded: object) -> Any:
     """The value that ``plain`` wrapped, as loaded."""
     return loaded[0] if isinstance(loaded, tuple) and len(loaded) == 1 else loaded
 
@@ -66,13 +82,13 @@ class WeightsOnlyPlanner(DefaultLoadPlanner):
     ``torch_load_kwargs`` (``weights_only=True`` unless they say otherwise)
     loads them; missing keys are allowed where ``allow_partial_load``."""
 
-    def __init__(self, torch_load_kwargs=None, **kwargs):
+    def __init__(self, torch_load_kwargs: Mapping[str, Any] | None = None, **kwargs: bool) -> None:
         super().__init__(**kwargs)
-        self.torch_load_kwargs = (
+        self.torch_load_kwargs: dict[str, Any] = (
             {"weights_only": True} if torch_load_kwargs is None else dict(torch_load_kwargs)
         )
 
-    def load_bytes(self, read_item, value):
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         loaded = torch.load(value, **{"map_location": "cpu", **self.torch_load_kwargs})
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
@@ -99,7 +115,7 @@ _METADATA_GLOBALS = {
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module, name):
+    def find_class(self, module: str, name: str) -> Any:
         found = super().find_class(module, name)
         if (
             module in _METADATA_MODULES
@@ -117,7 +133,7 @@ class SafeReader(FileSystemReader):
     """DCP's reader of a folder, whose ``.metadata`` unpickles DCP's own
     classes only."""
 
-    def read_metadata(self, *args, **kwargs):
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = os.path.join(os.fspath(self.path), METADATA)
         with open(path, "rb") as file:
             metadata = _MetadataUnpickler(file).load()
@@ -126,18 +142,18 @@ class SafeReader(FileSystemReader):
         return metadata
 
 
-def is_state_folder(path):
+def is_state_folder(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` is a committed DCP folder (``.metadata`` inside)."""
     return os.path.isfile(os.path.join(os.fspath(path), METADATA))
 
 
-def partial_folder(path, token):
+def partial_folder(path: str | os.PathLike[str], token: str) -> str:
     """Where the save of ``path`` with ``token`` writes before its commit."""
     directory, name = os.path.split(os.path.abspath(os.fspath(path)))
     return os.path.join(directory, f".{name}{PARTIAL}{token}")
 
 
-def new_token(group=None):
+def new_token(group: ProcessGroup | None = None) -> str:
     """A token for one save, the same on every rank (a collective where a
     process group exists)."""
     token = [secrets.token_hex(6)]
@@ -146,11 +162,11 @@ def new_token(group=None):
     return token[0]
 
 
-def _distributed():
+def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def checkpoint_exception():
+def checkpoint_exception() -> type[CheckpointException]:
     """DCP's ``CheckpointException``: a ``BaseException``, which ``except
     Exception`` lets through."""
     from torch.distributed.checkpoint.api import (  # pylint: disable=import-outside-toplevel
@@ -160,7 +176,7 @@ def checkpoint_exception():
     return CheckpointException
 
 
-def failures(exc):
+def failures(exc: CheckpointException) -> str:
     """Every rank's failure in DCP's ``CheckpointException``, one line each."""
     lines = []
     for rank, failure in sorted(exc.failures.items()):
@@ -169,7 +185,7 @@ def failures(exc):
     return "; ".join(lines) or str(exc)
 
 
-def _fsync_dir(path):
+def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -177,7 +193,7 @@ def _fsync_dir(path):
         os.close(fd)
 
 
-def commit_folder(partial, path):
+def commit_folder(partial: str, path: str | os.PathLike[str]) -> None:
     """On rank 0, once DCP's save into ``partial`` completed: put it in
     place as ``path``. An existing ``path`` is renamed aside first and
     removed after; a crash between the renames leaves it whole under
@@ -201,7 +217,7 @@ def commit_folder(partial, path):
         _remove(aside)
 
 
-def _remove(path):
+def _remove(path: str) -> None:
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path, ignore_errors=True)
     else:
@@ -209,7 +225,7 @@ def _remove(path):
             os.unlink(path)
 
 
-def set_aside(path):
+def set_aside(path: str | os.PathLike[str]) -> list[str]:
     """The committed folders that replacing ``path`` renamed aside and a
     crash left there (``commit_folder``), newest first."""
     directory, name = os.path.split(os.path.abspath(os.fspath(path)))
@@ -225,7 +241,7 @@ def set_aside(path):
     return sorted(found, key=os.path.getmtime, reverse=True)
 
 
-def remove_partial_folders(directory, name=None):
+def remove_partial_folders(directory: str | os.PathLike[str], name: str | None = None) -> None:
     """Remove the partial and aside folders in ``directory`` (of ``name``
     only, if given): what killed saves left. Only where no save into
     ``directory`` is in flight."""
@@ -241,49 +257,65 @@ def remove_partial_folders(directory, name=None):
 
 
 @contextlib.contextmanager
-def one_process_quietly():
-    """Without a process group DCP warns that it assumes one process: it is one."""
+def one_process_quietly(alone: bool = False) -> Iterator[None]:
+    """Without a process group (or ``alone``: this process saves by itself)
+    DCP warns that it assumes one process: it is one."""
     with warnings.catch_warnings():
-        if not _distributed():
+        if alone or not _distributed():
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         yield
 
 
-def save_folder(state, path, *, asynchronous=False, group=None, on_committed=None):
+def save_folder(
+    state: dict[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    asynchronous: bool = False,
+    group: ProcessGroup | None = None,
+    on_committed: Callable[[], object] | None = None,
+    alone: bool = False,
+) -> concurrent.futures.Future[None] | None:
     """Save ``state`` (a dict of ``Stateful`` objects and values) as the
-    DCP folder ``path``; every rank calls it.
+    DCP folder ``path``; every rank calls it, or with ``alone`` this process
+    only, which then writes the whole folder by itself, with a token of its
+    own and no collective (one machine's copy, ``save_on_each_node``).
 
     Synchronous: returns once the folder is committed (on rank 0; the others
     once DCP's save ended, which waits for rank 0's ``.metadata``).
     Asynchronous: returns a future once the state is staged in CPU memory,
     which ends once DCP's save ended and (on rank 0) the folder is
     committed. ``group`` is the process group of the save's collectives (a
-    gloo group for ``async_save``); ``on_committed`` runs on rank 0 after
-    the commit.
+    gloo group for ``async_save``, which wants one with a CPU backend even
+    ``alone``); ``on_committed`` runs on rank 0 (or ``alone``) after the
+    commit.
     """
     import torch.distributed.checkpoint as dcp  # pylint: disable=import-outside-toplevel
 
-    partial = partial_folder(path, new_token(group))
-    rank = torch.distributed.get_rank() if _distributed() else 0
+    partial = partial_folder(path, secrets.token_hex(6) if alone else new_token(group))
+    commits = alone or not _distributed() or torch.distributed.get_rank() == 0
 
-    def commit():
-        if rank == 0:
+    def commit() -> None:
+        if commits:
             commit_folder(partial, path)
             if on_committed is not None:
                 on_committed()
 
-    no_dist = not _distributed()
-    with one_process_quietly():
+    no_dist = alone or not _distributed()
+    with one_process_quietly(alone):
         if not asynchronous:
             dcp.save(state, checkpoint_id=partial, process_group=group, no_dist=no_dist)
             commit()
             return None
-        future = dcp.async_save(state, checkpoint_id=partial, process_group=group, no_dist=no_dist)
+        # a Future: DCP returns an AsyncSaveResponse only for an async_stager given it
+        future = cast(
+            "concurrent.futures.Future[Metadata]",
+            dcp.async_save(state, checkpoint_id=partial, process_group=group, no_dist=no_dist),
+        )
 
     # the caller's future ends once committed: DCP's ends before its callbacks ran
-    committed = concurrent.futures.Future()
+    committed: concurrent.futures.Future[None] = concurrent.futures.Future()
 
-    def done(finished):
+    def done(finished: concurrent.futures.Future[Metadata]) -> None:
         try:
             finished.result()
             commit()
@@ -296,17 +328,24 @@ def save_folder(state, path, *, asynchronous=False, group=None, on_committed=Non
     return committed
 
 
-def saved_keys(path):
+def saved_keys(path: str | os.PathLike[str]) -> dict[str, list[str]]:
     """The top-level keys of the DCP folder ``path`` and, for each, the
     flattened keys under it (``.metadata`` read safely)."""
     metadata = SafeReader(os.fspath(path)).read_metadata()
-    keys = {}
+    keys: dict[str, list[str]] = {}
     for fqn in metadata.state_dict_metadata:
         keys.setdefault(fqn.split(".", 1)[0], []).append(fqn)
     return keys
 
 
-def load_folder(state, path, *, torch_load_kwargs=None, group=None, partial=False):
+def load_folder(
+    state: _State,
+    path: str | os.PathLike[str],
+    *,
+    torch_load_kwargs: Mapping[str, Any] | None = None,
+    group: ProcessGroup | None = None,
+    partial: bool = False,
+) -> _State:
     """Fill ``state`` (a dict of ``Stateful`` objects and values laid out as
     saved) from the DCP folder ``path``, resharding; every rank calls it.
     ``partial``: keys of ``state`` that the folder lacks stay as they are."""
@@ -323,7 +362,12 @@ def load_folder(state, path, *, torch_load_kwargs=None, group=None, partial=Fals
     return state
 
 
-def read_full(path, keys=None, *, torch_load_kwargs=None):
+def read_full(
+    path: str | os.PathLike[str],
+    keys: Collection[str] | None = None,
+    *,
+    torch_load_kwargs: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """The entries of the DCP folder ``path`` (those under the top-level
     ``keys``, or all), whole: full tensors whatever layout saved them, plain
     values as saved, nested as they were saved (mapping keys as strings).
@@ -336,7 +380,7 @@ def read_full(path, keys=None, *, torch_load_kwargs=None):
     reader = SafeReader(os.fspath(path))
     metadata = reader.read_metadata()
     paths = metadata.planner_data or {}
-    flat = {}
+    flat: dict[str, Any] = {}
     for fqn, item in metadata.state_dict_metadata.items():
         if keys is not None and fqn.split(".", 1)[0] not in keys:
             continue
@@ -354,7 +398,7 @@ def read_full(path, keys=None, *, torch_load_kwargs=None):
     # DCP loads into a shallow copy: tensors are filled in place, plain values
     # are in the planner's dict only
     flat.update((fqn, value) for fqn, value in planner.state_dict.items() if flat[fqn] is None)
-    nested = {}
+    nested: dict[str, Any] = {}
     for fqn, value in flat.items():
         set_element(nested, paths.get(fqn, (fqn,)), value)
     return nested

@@ -23,8 +23,6 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from types import ModuleType
 from typing import Any, Union
 
-import torch
-
 from accel_mixin.errors import CheckpointError
 
 fcntl: ModuleType | None
@@ -94,7 +92,7 @@ def _resolve_target(path: Path) -> tuple[str, os.stat_result | None]:
     return name, target
 
 
-def check_directory(path: str) -> None:
+def check_directory(path: Path) -> None:
     """Raise, naming ``path`` and what to do, where the directory to save
     ``path`` in is missing or a file."""
     directory = _directory(path)
@@ -215,11 +213,6 @@ def atomic_write(path: Path, write: Callable[[Any], object], *, by_name: bool = 
         else:
             with open(tmp, "wb") as f:
                 write(f)
-
-
-def write_state(state: Any, path: Path) -> None:
-    """``torch.save`` to ``path``, atomically (its C++ writer is faster by name)."""
-    atomic_write(path, lambda tmp: torch.save(state, tmp), by_name=True)
 
 
 _WRITE_CAUSES = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import zipfile
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -169,24 +169,22 @@ class SafeParamsMixin(_Net):
             finally:
                 self.torch_load_kwargs = user_kwargs
 
-    @contextmanager
-    def _saving_gathered(self, states: dict[str, dict[str, Any]]) -> Iterator[None]:
+    def _saving_gathered(self, states: dict[str, dict[str, Any]]) -> AbstractContextManager[None]:
         """Within the block ``save_params`` writes ``states[attr]`` (full
         states gathered from a sharded module) in place of ``attr``'s own."""
-        self.__dict__[_GATHERED] = states
-        try:
-            yield
-        finally:
-            self.__dict__.pop(_GATHERED, None)
+        return self._holding(_GATHERED, states)
+
+    def _accessing(self, adapter: _Adapter) -> AbstractContextManager[None]:
+        """Within the block ``_get_module`` returns ``adapter(attr, obj)``."""
+        return self._holding(_ADAPTER, adapter)
 
     @contextmanager
-    def _accessing(self, adapter: _Adapter) -> Iterator[None]:
-        """Within the block ``_get_module`` returns ``adapter(attr, obj)``."""
-        self.__dict__[_ADAPTER] = adapter
+    def _holding(self, key: str, value: object) -> Iterator[None]:
+        self.__dict__[key] = value
         try:
             yield
         finally:
-            self.__dict__.pop(_ADAPTER, None)
+            self.__dict__.pop(key, None)
 
     def _get_module(self, name: str, msg: str) -> Any:
         module = super()._get_module(name, msg)

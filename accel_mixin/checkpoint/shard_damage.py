@@ -21,13 +21,15 @@ import torch
 
 from accel_mixin.checkpoint.checkpoint_files import checkpoint_files
 from accel_mixin.checkpoint.dcp_folder import SafeReader
-from accel_mixin.checkpoint.sharded_state import SHARDED
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint import CheckpointException
 
 
-__all__ = ["damaged_message", "is_damage"]
+__all__ = ["SHARDED", "damaged_message", "is_damage"]
+
+# the marker of an earlier release's sharded entry: {SHARDED: its folder}
+SHARDED = "accel_mixin:sharded"
 
 
 def is_damage(exc: CheckpointException) -> bool:

@@ -14,12 +14,17 @@ that fails tells a damaged folder from a net of other parameters
 filesystem they share.
 """
 
+from __future__ import annotations
+
 import contextlib
 import copy
 import os
 import re
 import secrets
 import shutil
+from collections.abc import Iterable, Mapping, Sequence
+from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -29,6 +34,7 @@ from accel_mixin.checkpoint.dcp_folder import (
     load_folder,
     partial_folder,
 )
+from accel_mixin.checkpoint.shard_damage import SHARDED, damaged_message, is_damage
 from accel_mixin.distributed.sharding import reshard
 from accel_mixin.errors import CheckpointError
 
@@ -41,39 +47,34 @@ __all__ = [
     "load_sharded_best_weights",
     "load_sharded_module",
     "load_sharded_optimizer",
-    "remove_stale_shards",
     "remove_training_state",
     "restore_groups",
 ]
 
-SHARDED = "accel_mixin:sharded"
 _SUFFIX = ".shards-"
 _FOLDER_RE = re.compile(r"^(?P<file>.+)\.shards-[0-9a-f]+$")
 
 
-def _state_dict_api():
+def _state_dict_api() -> ModuleType:
     # pylint: disable=import-outside-toplevel
     from torch.distributed.checkpoint import state_dict
 
     return state_dict
 
 
-def _distributed():
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
-def is_sharded_entry(value):
+def is_sharded_entry(value: object) -> bool:
     """Whether ``value`` (an entry of a training state) is a marker that
     names a folder of shards."""
     return isinstance(value, dict) and SHARDED in value
 
 
-def _folder_of(source, entry, what):
+def _folder_of(source: str, entry: Mapping[str, Any], what: str) -> str:
     folder = os.path.join(os.path.dirname(os.path.abspath(source)), entry[SHARDED])
     if not os.path.isfile(os.path.join(folder, ".metadata")):
-        rank = torch.distributed.get_rank() if _distributed() else 0
+        dist = torch.distributed
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         raise CheckpointError(
-            _damage().damaged_message(
+            damaged_message(
                 source,
                 folder,
                 f"rank {rank} finds no {os.path.join(folder, '.metadata')}, which keeps the "
@@ -84,24 +85,15 @@ def _folder_of(source, entry, what):
     return folder
 
 
-def _damage():
-    # pylint: disable-next=import-outside-toplevel,cyclic-import
-    from accel_mixin.checkpoint import shard_damage
-
-    return shard_damage
-
-
-def _load(target, folder, source, what):
+def _load(target: dict[str, Any], folder: str, source: str, what: str) -> dict[str, Any]:
     """DCP's load of ``target`` (a nested dict of tensors, filled in place),
     plain values read ``weights_only``; its errors as ``CheckpointError``
     naming the file."""
     try:
         load_folder(target, folder)
     except checkpoint_exception() as exc:  # on every rank, with every rank's failure
-        if _damage().is_damage(exc):
-            raise CheckpointError(
-                _damage().damaged_message(source, folder, failures(exc))
-            ) from None
+        if is_damage(exc):
+            raise CheckpointError(damaged_message(source, folder, failures(exc))) from None
         raise CheckpointError(
             f"{source} does not fit {what}: reading its shards in {folder} failed "
             f"({failures(exc)}). The state was saved from a net with other parameters: "
@@ -110,19 +102,21 @@ def _load(target, folder, source, what):
     return target
 
 
-def _nested(keys, value):
+def _nested(keys: Sequence[str], value: Any) -> Any:
     for key in reversed(keys):
         value = {key: value}
     return value
 
 
-def _inside(state, keys):
+def _inside(state: Any, keys: Iterable[str]) -> Any:
     for key in keys:
         state = state[key]
     return state
 
 
-def load_module_from(module, folder, keys, source, name):
+def load_module_from(
+    module: torch.nn.Module, folder: str, keys: Sequence[str], source: str, name: str
+) -> None:
     """Load the module state under ``keys`` of the DCP folder ``folder``
     into ``module``, sharded or not (DCP reshards); every rank calls it."""
     api = _state_dict_api()
@@ -134,7 +128,14 @@ def load_module_from(module, folder, keys, source, name):
     api.set_model_state_dict(module, _inside(state, keys))
 
 
-def load_optimizer_from(module, optimizer, folder, keys, source, name):
+def load_optimizer_from(
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    folder: str,
+    keys: Sequence[str],
+    source: str,
+    name: str,
+) -> list[dict[str, Any]]:
     """Load the optimizer state under ``keys`` of ``folder`` (keyed by
     ``module``'s parameter names) into ``optimizer``; returns its param
     groups as saved."""
@@ -148,7 +149,9 @@ def load_optimizer_from(module, optimizer, folder, keys, source, name):
     return loaded["param_groups"]
 
 
-def load_best_weights_from(module, folder, keys, source, name):
+def load_best_weights_from(
+    module: torch.nn.Module, folder: str, keys: Sequence[str], source: str, name: str
+) -> dict[str, Any]:
     """``EarlyStopping``'s best weights under ``keys`` of ``folder``, as a
     state dict laid out as ``module``'s own (sharded or not), under its bare
     keys."""
@@ -157,12 +160,20 @@ def load_best_weights_from(module, folder, keys, source, name):
     return _inside(_load(_nested(keys, like), folder, source, name), keys)
 
 
-def load_sharded_module(module, source, entry, name):
+def load_sharded_module(
+    module: torch.nn.Module, source: str, entry: Mapping[str, Any], name: str
+) -> None:
     """Load the shards that ``entry`` names into ``module``, sharded or not."""
     load_module_from(module, _folder_of(source, entry, name), ("module",), source, name)
 
 
-def load_sharded_optimizer(module, optimizer, source, entry, name):
+def load_sharded_optimizer(
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    source: str,
+    entry: Mapping[str, Any],
+    name: str,
+) -> None:
     """Load the optimizer state that ``entry`` names into ``optimizer`` over
     ``module``'s parameters, sharded or not."""
     folder = _folder_of(source, entry, name)
@@ -172,36 +183,23 @@ def load_sharded_optimizer(module, optimizer, source, entry, name):
     restore_groups(optimizer, entry["param_groups"])
 
 
-def restore_groups(optimizer, groups):
+def restore_groups(optimizer: torch.optim.Optimizer, groups: Iterable[Mapping[str, Any]]) -> None:
     """The hyperparameters of ``groups`` (saved param groups) back into
     ``optimizer``'s, which torch's loader drops (a scheduler's ``initial_lr``)."""
     for group, saved in zip(optimizer.param_groups, groups):
         group.update((key, value) for key, value in saved.items() if key != "params")
 
 
-def load_sharded_best_weights(module, source, entry, name):
+def load_sharded_best_weights(
+    module: torch.nn.Module, source: str, entry: Mapping[str, Any], name: str
+) -> dict[str, Any]:
     """``EarlyStopping``'s best weights that ``entry`` names, as a state dict
     laid out as ``module``'s own (sharded or not), under its bare keys."""
     folder = _folder_of(source, entry, name)
     return load_best_weights_from(module, folder, ("best", entry["name"]), source, name)
 
 
-def _remove_folder(folder):
-    shutil.rmtree(folder, ignore_errors=True)
-
-
-def remove_stale_shards(path, keep=None):
-    """Remove the folders of shards of an earlier release's file ``path``
-    but ``keep``."""
-    directory = os.path.dirname(os.path.abspath(path))
-    prefix = os.path.basename(os.fspath(path)) + _SUFFIX
-    with contextlib.suppress(OSError):
-        for entry in os.listdir(directory):
-            if entry.startswith(prefix) and entry != keep and _FOLDER_RE.match(entry):
-                _remove_folder(os.path.join(directory, entry))
-
-
-def remove_training_state(path):
+def remove_training_state(path: str | os.PathLike[str]) -> None:
     """Remove the training state ``path``: a folder, or an earlier release's
     file and its folders of shards."""
     if os.path.isdir(path) and not os.path.islink(path):
@@ -210,8 +208,13 @@ def remove_training_state(path):
         aside = partial_folder(path, secrets.token_hex(6))
         with contextlib.suppress(OSError):
             os.rename(path, aside)
-            _remove_folder(aside)
+            shutil.rmtree(aside, ignore_errors=True)
         return
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    remove_stale_shards(path, keep=None)
+    directory = os.path.dirname(os.path.abspath(path))
+    prefix = os.path.basename(os.fspath(path)) + _SUFFIX
+    with contextlib.suppress(OSError):
+        for entry in os.listdir(directory):
+            if entry.startswith(prefix) and _FOLDER_RE.match(entry):
+                shutil.rmtree(os.path.join(directory, entry), ignore_errors=True)

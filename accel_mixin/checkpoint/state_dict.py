@@ -83,8 +83,8 @@ def unwrap_module(module: torch.nn.Module) -> torch.nn.Module:
     while True:
         if isinstance(module, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
             module = module.module
-        elif compiled_inner(module) is not None:
-            module = compiled_inner(module)
+        elif (inner := compiled_inner(module)) is not None:
+            module = inner
         else:
             return module
 

@@ -3,13 +3,15 @@ asynchronous saves, the save in flight, and one ``CheckpointError`` for a
 save that failed on any rank.
 """
 
+from __future__ import annotations
+
 import concurrent.futures
 import contextlib
 import os
 import warnings
-import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -21,21 +23,23 @@ from accel_mixin.checkpoint.dcp_folder import (
 from accel_mixin.checkpoint.files import check_directory, without_name, write_cause
 from accel_mixin.errors import CheckpointError, Stalled
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.checkpoint.api import WRAPPED_EXCEPTION
+
 __all__ = [
     "SaveInFlight",
     "finished_on_error",
     "save_group",
     "save_state_folder",
-    "saves_in_flight",
-    "wait_for_all",
 ]
 
 
-def _distributed():
+def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def save_group(held):
+def save_group(held: ProcessGroup | None) -> ProcessGroup | None:
     """The process group of asynchronous saves: ``held``, or a new gloo group
     (a collective: every rank calls it); None without a process group.
 
@@ -48,9 +52,11 @@ def save_group(held):
     return held if held is not None else torch.distributed.new_group(backend="gloo")
 
 
-def _failed_writes(directory, exc, rank):
+def _failed_writes(directory: str, exc: BaseException, rank: int) -> str:
     """Every rank's failure in ``exc`` (DCP's, or this rank's own), each with
     the cause and fix of a failed write into ``directory`` where known."""
+    # DCP's failures are (exception, traceback) pairs
+    items: list[tuple[int, BaseException | WRAPPED_EXCEPTION]]
     if isinstance(exc, checkpoint_exception()):
         items = sorted(exc.failures.items())
     else:
@@ -66,14 +72,16 @@ def _failed_writes(directory, exc, rank):
     return "; ".join(lines) or str(exc)
 
 
-def _save_error(path, exc):
+def _save_error(
+    path: str | os.PathLike[str], exc: BaseException, alone: bool = False
+) -> CheckpointError:
     """``CheckpointError`` for the save of ``path`` that ``exc`` ended; rank 0
-    removes the save's partial folder first."""
+    (or a process that saved ``alone``) removes the save's partial folder first."""
     directory, name = os.path.split(os.path.abspath(os.fspath(path)))
     rank = torch.distributed.get_rank() if _distributed() else 0
     # the cause looked up before the partial folder frees the space
     failed = _failed_writes(directory, exc, rank)
-    if rank == 0:
+    if alone or rank == 0:
         remove_partial_folders(directory, name)
     before = "the state saved there before is intact" if os.path.exists(path) else "none was"
     return CheckpointError(
@@ -82,7 +90,15 @@ def _save_error(path, exc):
     )
 
 
-def save_state_folder(state, path, *, asynchronous=False, group=None, on_committed=None):
+def save_state_folder(
+    state: dict[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    asynchronous: bool = False,
+    group: ProcessGroup | None = None,
+    on_committed: Callable[[], object] | None = None,
+    alone: bool = False,
+) -> SaveInFlight | None:
     """``dcp_folder.save_folder`` whose failures raise ``CheckpointError``;
     asynchronous: a ``SaveInFlight``. Where the directory to save in is
     missing, every rank raises before anything is written (DCP would create
@@ -90,41 +106,29 @@ def save_state_folder(state, path, *, asynchronous=False, group=None, on_committ
     check_directory(path)
     try:
         future = save_folder(
-            state, path, asynchronous=asynchronous, group=group, on_committed=on_committed
+            state,
+            path,
+            asynchronous=asynchronous,
+            group=group,
+            on_committed=on_committed,
+            alone=alone,
         )
     except (OSError, checkpoint_exception()) as exc:
-        raise _save_error(path, exc) from None
-    return None if future is None else SaveInFlight(os.fspath(path), future)
-
-
-# every save in flight of this process, so that a load (of any net) waits for them
-_IN_FLIGHT: "weakref.WeakSet[SaveInFlight]" = weakref.WeakSet()
-
-
-def wait_for_all(io_timeout):
-    """Wait, at most ``io_timeout`` each, for every asynchronous save of
-    this process to end; their errors are their nets' to raise."""
-    for in_flight in list(_IN_FLIGHT):
-        concurrent.futures.wait([in_flight.future], timeout=io_timeout)
-
-
-def saves_in_flight():
-    """Whether an asynchronous save of this process has not ended."""
-    return any(not in_flight.future.done() for in_flight in list(_IN_FLIGHT))
+        raise _save_error(path, exc, alone) from None
+    return None if future is None else SaveInFlight(os.fspath(path), future, alone)
 
 
 @dataclass(eq=False)
 class SaveInFlight:
-    """An asynchronous save: ``path``, and the future that ends once its
-    folder is committed."""
+    """An asynchronous save: ``path``, the future that ends once its folder
+    is committed, and whether this process saves it ``alone``. Its net holds
+    it (``ProcessState.save_in_flight``) and waits for it; nothing else does."""
 
     path: str
-    future: Any
+    future: concurrent.futures.Future[None]
+    alone: bool = False
 
-    def __post_init__(self):
-        _IN_FLIGHT.add(self)
-
-    def wait(self, io_timeout: Optional[float]):
+    def wait(self, io_timeout: float | None) -> None:
         """Wait for the save, at most ``io_timeout`` seconds; raise what it raised."""
         try:
             self.future.result(timeout=io_timeout)
@@ -135,11 +139,17 @@ class SaveInFlight:
                 "raise io_timeout if it is slow."
             ) from None
         except (OSError, checkpoint_exception()) as exc:
-            raise _save_error(self.path, exc) from None
+            raise _save_error(self.path, exc, self.alone) from None
+
+
+class _HoldsSave(Protocol):
+    """What holds a net's asynchronous save (``ProcessState``, a layer above)."""
+
+    save_in_flight: SaveInFlight | None
 
 
 @contextlib.contextmanager
-def finished_on_error(process, io_timeout):
+def finished_on_error(process: _HoldsSave, io_timeout: float | None) -> Iterator[None]:
     """Where the block raises, finish ``process``'s save in flight (its
     ``save_in_flight``), at most ``io_timeout``, and warn if it failed too,
     without hiding the block's error."""

@@ -27,6 +27,8 @@ not answer (paused, or holding the GIL) keeps its sockets: it is waited for.
 A waiting rank sleeps in gloo's transport; nothing polls.
 """
 
+from __future__ import annotations
+
 import atexit
 import contextlib
 import functools
@@ -36,7 +38,10 @@ import re
 import struct
 import time
 import zlib
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -45,7 +50,29 @@ from accel_mixin.distributed.io_watchdog import supervised
 from accel_mixin.errors import DistributedError, Preempted
 from accel_mixin.internals import default_store
 
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    class _Gloo(Protocol):
+        """The collectives of torch's ``ProcessGroupGloo`` used here, which
+        torch's type stubs leave out (its ``Backend``'s, in C++)."""
+
+        def allgather(
+            self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor]
+        ) -> dist.Work: ...
+
+        def broadcast(
+            self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions
+        ) -> dist.Work: ...
+
+        def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int) -> dist.Work: ...
+
+        def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int) -> dist.Work: ...
+
+
 __all__ = ["Control", "agreed_failure", "coordinator_for", "failure_message", "own_sockets"]
+
+T = TypeVar("T")
 
 COLLECTIVE = (
     "fit, partial_fit, predict, predict_proba, forward, score, save_params, "
@@ -67,29 +94,29 @@ _CARRY = 10.0
 _OWN, _ECHO = 2, 1
 
 
-def failure_message(what, rank, exc):
+def failure_message(what: str, rank: int, exc: BaseException) -> str:
     """How the other ranks learn of ``exc``: the operation, the rank, the error."""
     return f"{what} failed on rank {rank}: {type(exc).__name__}: {exc}"
 
 
-def namespace():
+def namespace() -> str:
     """This attempt's prefix: launchers may keep one store across restarts."""
     run = os.environ.get("TORCHELASTIC_RUN_ID", "")
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return f"accel_mixin/{run}/{attempt}" if run else f"accel_mixin/{attempt}"
 
 
-def own_sockets():
+def own_sockets() -> list[tuple[str, int]]:
     """This process's TCP sockets as ``(address, port)``, read from ``/proc``
     (Linux); empty elsewhere, where a dead peer goes unnamed."""
-    inodes = set()
+    inodes: set[str] = set()
     with contextlib.suppress(OSError):
         for fd in os.listdir("/proc/self/fd"):
             with contextlib.suppress(OSError):
                 link = os.readlink(f"/proc/self/fd/{fd}")
                 if link.startswith("socket:["):
                     inodes.add(link[8:-1])
-    found = []
+    found: list[tuple[str, int]] = []
     for name, width in (("/proc/self/net/tcp", 4), ("/proc/self/net/tcp6", 16)):
         with contextlib.suppress(OSError):
             with open(name, encoding="ascii") as f:
@@ -102,7 +129,7 @@ def own_sockets():
     return found
 
 
-def _address(hexed, width):
+def _address(hexed: str, width: int) -> str:
     """``/proc/net/tcp``'s address: 32-bit words in the host's byte order."""
     raw = bytes.fromhex(hexed)
     words = b"".join(
@@ -115,12 +142,12 @@ def _address(hexed, width):
     return text[7:] if text.startswith("::ffff:") else text
 
 
-def _ports(port):
+def _ports(port: int) -> set[int]:
     """gloo prints a peer's port in network byte order: both readings."""
     return {port, struct.unpack("<H", struct.pack(">H", port))[0]}
 
 
-def _encode(text, size=_MESSAGE_BYTES):
+def _encode(text: str, size: int = _MESSAGE_BYTES) -> torch.Tensor:
     data = text.encode()[:size]
     tensor = torch.zeros(size, dtype=torch.uint8)
     if data:
@@ -128,18 +155,18 @@ def _encode(text, size=_MESSAGE_BYTES):
     return tensor
 
 
-def _decode(tensor):
+def _decode(tensor: torch.Tensor) -> str:
     return bytes(tensor.tolist()).rstrip(b"\0").decode(errors="replace")
 
 
-def _agreed(message):
+def _agreed(message: str) -> DistributedError:
     """A failure every rank learned in the same barrier: no more collectives."""
     exc = DistributedError(message)
     exc.agreed = True
     return exc
 
 
-def agreed_failure(exc):
+def agreed_failure(exc: BaseException) -> bool:
     """Whether every rank learned ``exc`` in one barrier: no collective follows."""
     return getattr(exc, "agreed", False)
 
@@ -151,29 +178,38 @@ class Control:
     ``store`` (one process) barriers return at once and failures just raise.
     """
 
-    def __init__(self, num_processes, process_index, timeout=1800.0, store=None):
+    def __init__(
+        self,
+        num_processes: int,
+        process_index: int,
+        timeout: float = 1800.0,
+        store: dist.Store | None = None,
+    ) -> None:
         self.num_processes = num_processes
         self.process_index = process_index
         self.timeout = timeout
         self.store = store
-        self.alone = None
+        self.alone: str | None = None
         # the sections this rank is in: [what, (own failure, its exception)
         # noted by fail(), failure agreed in it]
-        self._open = []
-        self._group = None
-        self._peers = {}  # (address, port) -> rank, of every rank's sockets
-        self._broken = None  # what -> the error of a group left unusable
+        self._open: list[list[Any]] = []
+        self._group: _Gloo | None = None
+        # (address, port) -> rank, of every rank's sockets
+        self._peers: dict[tuple[str, int], int] = {}
+        # what -> the error of a group left unusable
+        self._broken: Callable[[str], DistributedError] | None = None
         self._sessions = 0
-        self._met = None  # (session, call) of the last barrier every rank was in
+        # (session, call) of the last barrier every rank was in
+        self._met: tuple[int, str] | None = None
         # this rank's failure that a barrier carried, and its message: (exc, message)
-        self._carried = (None, None)
+        self._carried: tuple[BaseException | None, str] = (None, "")
 
     @property
-    def distributed(self):
+    def distributed(self) -> bool:
         return self.store is not None
 
     @contextlib.contextmanager
-    def running_alone(self, who):
+    def running_alone(self, who: str) -> Iterator[None]:
         """Within the block only this rank runs ``who``: a collective call
         there would wait for ranks that never come, so it raises at once."""
         previous, self.alone = self.alone, who
@@ -182,7 +218,7 @@ class Control:
         finally:
             self.alone = previous
 
-    def _refuse_alone(self, what):
+    def _refuse_alone(self, what: str) -> None:
         if self.alone is not None:
             raise DistributedError(
                 f"{what} is a collective call, which every rank must make, but "
@@ -190,16 +226,16 @@ class Control:
                 "main_process_only=False to run it on every rank"
             )
 
-    def session(self, what):
+    def session(self, what: str) -> _Section:
         """A top-level section (or a section, when nested)."""
         self._refuse_alone(what)
         return _Section(self, what)
 
-    def section(self, what):
+    def section(self, what: str) -> _Section:
         """Run a block on every rank; an error leaving it reaches every rank."""
         return _Section(self, what)
 
-    def fail(self, what, exc):
+    def fail(self, what: str, exc: BaseException) -> None:
         """Fail the current section for an error this rank caught and acts on
         later: every rank raises at the next barrier."""
         if self._open and self._open[-1][1] is None:
@@ -207,30 +243,35 @@ class Control:
 
     # -- the group ----------------------------------------------------------
 
-    def group(self):
+    def group(self) -> _Gloo:
         """The control group, made (and its peers' sockets gathered) once."""
         if self._group is None:
-            store = dist.PrefixStore(f"{namespace()}/control", self.store)
-            self._group = dist.ProcessGroupGloo(
-                store, self.process_index, self.num_processes, timedelta(seconds=self.timeout)
+            # made only where distributed: with a store
+            store = dist.PrefixStore(f"{namespace()}/control", cast(dist.Store, self.store))
+            self._group = cast(
+                "_Gloo",
+                dist.ProcessGroupGloo(
+                    store, self.process_index, self.num_processes, timedelta(seconds=self.timeout)
+                ),
             )
             self._gather_peers()
         return self._group
 
-    def _gather_peers(self):
+    def _all_texts(self, text: str, size: int = _MESSAGE_BYTES) -> list[str]:
+        """Every rank's ``text`` (at most ``size`` bytes), by rank."""
+        gathered = [torch.zeros(size, dtype=torch.uint8) for _ in range(self.num_processes)]
+        self.group().allgather([gathered], [_encode(text, size)]).wait()
+        return [_decode(row) for row in gathered]
+
+    def _gather_peers(self) -> None:
         mine = ";".join(f"{address},{port}" for address, port in own_sockets())
-        gathered = [
-            torch.zeros(_MESSAGE_BYTES * 4, dtype=torch.uint8) for _ in range(self.num_processes)
-        ]
-        tensor = _encode(mine, _MESSAGE_BYTES * 4)
-        self._group.allgather([gathered], [tensor]).wait()
-        for rank, row in enumerate(gathered):
-            for entry in filter(None, _decode(row).split(";")):
+        for rank, row in enumerate(self._all_texts(mine, _MESSAGE_BYTES * 4)):
+            for entry in filter(None, row.split(";")):
                 address, _, port = entry.rpartition(",")
                 if rank != self.process_index:
                     self._peers[(address, int(port))] = rank
 
-    def gone(self, exc):
+    def gone(self, exc: BaseException) -> int | None:
         """The rank whose closed connection ``exc`` (gloo's error) names, or None."""
         text = str(exc)
         if not _CLOSED.search(text):
@@ -242,16 +283,16 @@ class Control:
                     return rank
         return -1  # a peer's connection closed, whose rank the table lacks
 
-    def _break(self, make, what):
+    def _break(self, make: Callable[[str], DistributedError], what: str) -> DistributedError:
         """Keep ``make(what)``, the error of every later call, and return it."""
         self._broken = make
         return make(what)
 
-    def _lost(self, what, exc):
+    def _lost(self, what: str, exc: BaseException) -> DistributedError | None:
         rank = self.gone(exc)
         return None if rank is None else self._break(functools.partial(self._gone, rank=rank), what)
 
-    def _gone(self, what, rank):
+    def _gone(self, what: str, rank: int) -> DistributedError:
         who = f"rank {rank}" if rank >= 0 else "a rank"
         return _agreed(
             f"{what}: {who} is gone (its process ended), last seen "
@@ -259,7 +300,7 @@ class Control:
             "output says why it ended."
         )
 
-    def _where(self):
+    def _where(self) -> str:
         if self._met is None:
             return "before any collective call"
         session, call = self._met
@@ -267,7 +308,9 @@ class Control:
 
     # -- barriers -----------------------------------------------------------
 
-    def barrier(self, what, patience=None, failure=None):
+    def barrier(
+        self, what: str, patience: float | None = None, failure: tuple[int, str] | None = None
+    ) -> None:
         """Wait for every rank, or raise ``DistributedError`` if a rank failed
         in a section this rank is in, or did not arrive within ``patience``
         seconds (default: the timeout)."""
@@ -301,7 +344,9 @@ class Control:
         if outcome is not None and failure is None:
             raise outcome
 
-    def _agree(self, what, wait, failure):
+    def _agree(
+        self, what: str, wait: timedelta, failure: tuple[int, str] | None
+    ) -> DistributedError | None:
         group = self.group()
         call = zlib.crc32(self._open[0][0].encode()) & 0x7FFFFFFF
         priority, message = failure or (0, "")
@@ -331,7 +376,7 @@ class Control:
             entry[2] = message
         return _agreed(message)
 
-    def _arrive(self, what, wait, mine):
+    def _arrive(self, what: str, wait: timedelta, mine: torch.Tensor) -> torch.Tensor:
         """Send ``mine`` (this rank's outcome) to every peer and receive
         theirs, as ``monitored_barrier`` sends its token with rank 0 alone:
         every rank, not only rank 0, names a peer whose connection closed (at
@@ -345,7 +390,7 @@ class Control:
         # kept until received: gloo drops the send of a Work nobody holds
         sends = [group.send([mine], rank, _ARRIVAL) for rank in peers]
         deadline = time.monotonic() + wait.total_seconds()
-        missing = []
+        missing: list[int] = []
         for rank, work in works.items():
             try:
                 work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
@@ -359,18 +404,18 @@ class Control:
             work.wait()
         return torch.stack([mine, *received.values()]).amax(0)
 
-    def _mismatch(self, what):
-        calls = [torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8) for _ in range(self.num_processes)]
-        self.group().allgather([calls], [_encode(self._open[0][0])]).wait()
+    def _mismatch(self, what: str) -> DistributedError:
         mine = self._open[0][0]
-        other = next((c for c in map(_decode, calls) if c != mine), mine)
+        other = next((c for c in self._all_texts(mine) if c != mine), mine)
         return _agreed(
             f"{mine} on rank {self.process_index} met {other} on another rank: every "
             f"rank must make the same collective calls, in the same order ({COLLECTIVE}); "
             'a call under "if accelerator.is_main_process:" leaves the other ranks behind'
         )
 
-    def _timed_out(self, what, wait, missing=()):
+    def _timed_out(
+        self, what: str, wait: timedelta, missing: Sequence[int] = ()
+    ) -> DistributedError:
         ranks = ", ".join(map(str, missing))
         named = (
             f" Rank {ranks} did not arrive: its process lives (a dead one would have "
@@ -386,7 +431,15 @@ class Control:
             "group's timeout (InitProcessGroupKwargs) sets how long a rank is waited for"
         )
 
-    def run(self, fn, *, what, here=True, io_timeout=None, files=None):
+    def run(
+        self,
+        fn: Callable[[], T],
+        *,
+        what: str,
+        here: bool = True,
+        io_timeout: float | None = None,
+        files: str | None = None,
+    ) -> T | None:
         """Run ``fn`` on the ranks where ``here`` is true, and agree on the outcome.
 
         Every rank starts once all arrived and returns once ``fn`` finished
@@ -400,7 +453,7 @@ class Control:
             self.barrier(what)
             if here and self.distributed:
                 name = what if files is None else f"{what} of {files}"
-                result = supervised(fn, io_timeout=io_timeout, what=name)
+                result: T | None = supervised(fn, io_timeout=io_timeout, what=name)
             else:
                 result = fn() if here else None
             self.barrier(what, _WRITER_CAP.total_seconds())
@@ -412,18 +465,23 @@ class _Section:
 
     __slots__ = ("control", "what")
 
-    def __init__(self, control, what):
+    def __init__(self, control: Control, what: str) -> None:
         self.control, self.what = control, what
 
     # pylint: disable=protected-access
-    def __enter__(self):
+    def __enter__(self) -> _Section:
         control = self.control
         if not control._open:
             control._sessions += 1
         control._open.append([self.what, None, None])
         return self
 
-    def __exit__(self, exc_type, exc, traceback):
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> Literal[False]:
         control = self.control
         try:
             agreed = control._open[-1][2]
@@ -455,7 +513,10 @@ class _Section:
             else:
                 priority = _OWN
                 message = (
-                    noted[0] if noted else failure_message(self.what, control.process_index, exc)
+                    noted[0]
+                    if noted
+                    # exc_type is not None: neither is exc
+                    else failure_message(self.what, control.process_index, cast(BaseException, exc))
                 )
             control._carried = (exc, message)
             with contextlib.suppress(DistributedError):
@@ -467,7 +528,7 @@ class _Section:
             control._open.pop()
 
 
-def _collect_at_exit():
+def _collect_at_exit() -> None:
     """DDP wrappers die in reference cycles holding the last references to
     the process group, whose teardown during finalization's collection
     aborted processes at exit (1 in 13 launches under load): collect them
@@ -479,7 +540,7 @@ def _collect_at_exit():
 _COORDINATORS: dict[tuple[int, int, int], Control] = {}
 
 
-def coordinator_for(accelerator):
+def coordinator_for(accelerator: Accelerator) -> Control:
     """The process's coordinator for the accelerator's process group, shared by
     every net; its control group is made now, on every rank alike."""
     # without the store, barriers could not wait: fail loudly instead

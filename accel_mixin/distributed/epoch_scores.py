@@ -18,7 +18,10 @@ copy (and pays its memory) and scores itself, at the callback's turn. An
 treated so, since it may read the predictions its own way.
 """
 
-import pickle
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -31,20 +34,29 @@ from accel_mixin.distributed.history_sync import interleave
 from accel_mixin.errors import DistributedError
 from accel_mixin.internals import cached_forward_iter, record_score, score_of
 
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from skorch import NeuralNet
+    from skorch.callbacks import Callback
+    from torch.utils.data import Dataset
+
+    # per scorer's name: (score, None) or (None, error)
+    Outcomes = dict[str, tuple[Any, BaseException | None]]
+
 __all__ = ["everywhere", "notify_scored", "score_on_main", "share_predictions"]
 
 _ALIGN = 16  # every tensor starts at an offset that any dtype can view
 _CHUNK = 1 << 20  # bytes a rank stages at a time to send
 
 
-def _caching(net, cb):
+def _caching(net: NeuralNet, cb: Callback) -> bool:
     """Whether ``cb`` is an ``EpochScoring`` that scores cached predictions."""
     if not isinstance(cb, EpochScoring):
         return False
     return cb.use_caching if net.use_caching == "auto" else bool(net.use_caching)
 
 
-def everywhere(cb):
+def everywhere(cb: Callback) -> bool:
     """Whether ``cb`` gets the whole predictions on every rank and scores there."""
     explicit = getattr(cb, "predictions_on_every_rank", None)
     if explicit is not None:
@@ -59,27 +71,28 @@ class _Slot:
 
     __slots__ = ("dtype", "shape", "start")
 
-    def __init__(self, dtype, shape, start):
+    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...], start: int) -> None:
         self.dtype, self.shape, self.start = dtype, shape, start
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[_Slot], tuple[torch.dtype, tuple[int, ...], int]]:
         return _Slot, (self.dtype, self.shape, self.start)
 
     @property
-    def nbytes(self):
+    def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
 
-def _aligned(n):
+def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def _layout(items):
+def _layout(items: Any) -> tuple[Any, list[tuple[torch.Tensor, _Slot]], int]:
     """``items`` with their tensors replaced by slots, the ``(tensor, slot)``
     pairs in order, and the bytes the tensors take together."""
+    pairs: list[tuple[torch.Tensor, _Slot]]
     pairs, end = [], 0
 
-    def slot(tensor):
+    def slot(tensor: torch.Tensor) -> _Slot:
         nonlocal end
         placed = _Slot(tensor.dtype, tuple(tensor.shape), end)
         pairs.append((tensor.detach(), placed))
@@ -89,35 +102,35 @@ def _layout(items):
     return recursively_apply(slot, items), pairs, end
 
 
-def _bytes(tensor):
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
-def _is_slot(x):
+def _is_slot(x: object) -> bool:
     return isinstance(x, _Slot)
 
 
-def _filled(layout, data):
+def _filled(layout: Any, data: torch.Tensor) -> Any:
     """The items of ``layout``, their tensors viewing the bytes of ``data``."""
 
-    def view(placed):
+    def view(placed: _Slot) -> torch.Tensor:
         data_of = data[placed.start : placed.start + placed.nbytes]
         return data_of.view(placed.dtype).view(placed.shape)
 
     return recursively_apply(view, layout, test_type=_is_slot)
 
 
-def _slots(layout):
+def _slots(layout: Any) -> list[_Slot]:
     """The slots of ``layout``, in order."""
-    slots = []
+    slots: list[_Slot] = []
     recursively_apply(slots.append, layout, test_type=_is_slot)
     return slots
 
 
-def _runs(slots):
+def _runs(slots: Sequence[_Slot]) -> list[list[Any]]:
     """What travels as one message: neighbouring slots up to ``_CHUNK``
     bytes together, a larger one alone; ``(first byte, stop, indices)``."""
-    runs = []
+    runs: list[list[Any]] = []  # [first byte, stop, indices]
     for index, placed in enumerate(slots):
         stop = placed.start + placed.nbytes
         if runs and stop - runs[-1][0] <= _CHUNK:
@@ -127,20 +140,19 @@ def _runs(slots):
     return runs
 
 
-def _send(items, device, dsts):
-    """Stream ``items`` to the ranks ``dsts``: the layout's size, the layout,
-    then the tensors' bytes, staged ``_CHUNK`` bytes at a time, so that the
-    rank never holds a second copy of its predictions."""
+def _send(items: Any, device: torch.device, dsts: Sequence[int]) -> None:
+    """Stream ``items`` to the ranks ``dsts``: the layout, then the tensors'
+    bytes, staged ``_CHUNK`` bytes at a time, so that the rank never holds a
+    second copy of its predictions."""
     layout, pairs, end = _layout(items)
-    pickled = pickle.dumps(layout, protocol=pickle.HIGHEST_PROTOCOL)
+    for dst in dsts:
+        dist.send_object_list([layout, end], dst=dst, device=device)
 
-    def send(message):
+    def send(message: torch.Tensor) -> None:
         for dst in dsts:
             dist.send(message, dst=dst)
 
-    send(torch.tensor([len(pickled), end], dtype=torch.int64, device=device))
-    send(torch.frombuffer(bytearray(pickled), dtype=torch.uint8).to(device))
-    staging = None
+    staging: torch.Tensor | None = None
     for first, stop, indices in _runs([placed for _, placed in pairs]):
         if len(indices) == 1:
             send(_bytes(pairs[indices[0]][0]).to(device))
@@ -153,25 +165,23 @@ def _send(items, device, dsts):
         send(staging[: stop - first])
 
 
-def _receive(rank, device):
+def _receive(rank: int, device: torch.device) -> Any:
     """What ``_send`` streamed from ``rank``, viewing one buffer of its bytes."""
-    sizes = torch.empty(2, dtype=torch.int64, device=device)
-    dist.recv(sizes, src=rank)
-    pickled = torch.empty(int(sizes[0]), dtype=torch.uint8, device=device)
-    dist.recv(pickled, src=rank)
-    layout = pickle.loads(pickled.cpu().numpy().tobytes())
-    data = torch.empty(int(sizes[1]), dtype=torch.uint8, device=device)
+    received: list[Any] = [None, None]
+    dist.recv_object_list(received, src=rank, device=device)
+    layout, end = received
+    data = torch.empty(end, dtype=torch.uint8, device=device)
     for first, stop, _ in _runs(_slots(layout)):
         dist.recv(data[first:stop], src=rank)
     return _filled(layout, data)
 
 
-def _wire(accelerator):
+def _wire(accelerator: Accelerator) -> torch.device:
     """Where messages travel from: the GPU under NCCL, else the CPU."""
     return accelerator.device if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def _to_main(items, accelerator):
+def _to_main(items: Any, accelerator: Accelerator) -> list[Any] | None:
     """Every rank's ``items``, in rank order, on the main process (its own as
     they are); None on the others."""
     device = _wire(accelerator)
@@ -181,11 +191,11 @@ def _to_main(items, accelerator):
     return [items] + [_receive(rank, device) for rank in range(1, accelerator.num_processes)]
 
 
-def _to_all(items, accelerator):
+def _to_all(items: Any, accelerator: Accelerator) -> list[Any]:
     """Every rank's ``items``, in rank order, on every rank (its own as they
     are): each rank in turn streams its own to all the others."""
     device, me, world = _wire(accelerator), accelerator.process_index, accelerator.num_processes
-    everyone = []
+    everyone: list[Any] = []
     for rank in range(world):
         if rank == me:
             _send(items, device, [other for other in range(world) if other != me])
@@ -195,7 +205,7 @@ def _to_all(items, accelerator):
     return everyone
 
 
-def _kept(cb, batches):
+def _kept(cb: Callback, batches: Sequence[Mapping[str, Any]]) -> tuple[list[Any], ...]:
     """The cached predictions and targets of ``cb``, without those of the
     batches that held padding only (the last of a rank)."""
     key = ("train" if cb.on_train else "valid") + "_batch_size"
@@ -205,7 +215,12 @@ def _kept(cb, batches):
     )
 
 
-def share_predictions(net, dataset_train=None, dataset_valid=None, **_):
+def share_predictions(
+    net: NeuralNet,
+    dataset_train: Dataset | None = None,
+    dataset_valid: Dataset | None = None,
+    **_: Any,
+) -> list[str]:
     """Send the caching scorers' predictions where they are scored; return
     the names of those the main process scores for every rank.
 
@@ -234,7 +249,9 @@ def share_predictions(net, dataset_train=None, dataset_valid=None, **_):
     return [name for name, _ in on_main]
 
 
-def _score(net, cb, dataset_train, dataset_valid):
+def _score(
+    net: NeuralNet, cb: Callback, dataset_train: Dataset | None, dataset_valid: Dataset | None
+) -> Any:
     """What ``EpochScoring.on_epoch_end`` computes before recording it."""
     use_caching = _caching(net, cb)
     X_test, y_test, y_pred = cb.get_test_data(dataset_train, dataset_valid, use_caching=use_caching)
@@ -244,12 +261,18 @@ def _score(net, cb, dataset_train, dataset_valid):
         return score_of(cb, cached_net, X_test, y_test)
 
 
-def score_on_main(net, names, dataset_train=None, dataset_valid=None, **_):
+def score_on_main(
+    net: NeuralNet,
+    names: Sequence[str],
+    dataset_train: Dataset | None = None,
+    dataset_valid: Dataset | None = None,
+    **_: Any,
+) -> Outcomes:
     """The scores of the callbacks ``names``, computed on the main process and
     sent to all: per name, ``(score, None)`` or ``(None, error)``; the error is
     the exception on the main process and its message on the others."""
     accelerator = net.accelerator
-    outcomes = {}
+    outcomes: Outcomes = {}
     if not names:
         return outcomes
     if accelerator.is_main_process:
@@ -259,7 +282,8 @@ def score_on_main(net, names, dataset_train=None, dataset_valid=None, **_):
                 outcomes[name] = (_score(net, callbacks[name], dataset_train, dataset_valid), None)
             except Exception as exc:  # pylint: disable=broad-except
                 outcomes[name] = (None, exc)
-    sent = [
+    # per name (score, its error's message or None); rank 0's on every rank, unpickled
+    sent: list[dict[str, tuple[Any, Any]]] = [
         {
             name: (score, failure_message("on_epoch_end", 0, error) if error else None)
             for name, (score, error) in outcomes.items()
@@ -273,7 +297,7 @@ def score_on_main(net, names, dataset_train=None, dataset_valid=None, **_):
     }
 
 
-def notify_scored(net, outcomes, **cb_kwargs):
+def notify_scored(net: NeuralNet, outcomes: Outcomes, **cb_kwargs: Any) -> None:
     """Notify the net and its callbacks of the epoch's end, as skorch's
     ``notify("on_epoch_end")`` does, except that each callback named in
     ``outcomes`` records the main process's score at its turn (or raises its

@@ -10,8 +10,11 @@ rank's. A skorch ``DistributedHistory`` is not needed:
 the net records into the plain ``History`` inside it.
 """
 
+from __future__ import annotations
+
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -21,6 +24,9 @@ from skorch.history import DistributedHistory
 from accel_mixin.distributed.control import failure_message
 from accel_mixin.errors import DistributedError
 from accel_mixin.internals import wrapped_history
+
+if TYPE_CHECKING:
+    from skorch import NeuralNet
 
 __all__ = [
     "NOTICE",
@@ -32,6 +38,8 @@ __all__ = [
     "pad_to_largest",
 ]
 
+T = TypeVar("T")
+
 NOTICE = (
     "accel_mixin shares the history across processes itself: the net records into "
     "the plain History inside its DistributedHistory, whose store is not needed "
@@ -39,7 +47,7 @@ NOTICE = (
 )
 
 
-def adopt_history(net):
+def adopt_history(net: NeuralNet) -> None:
     """Record into the plain ``History`` inside a ``DistributedHistory``: its
     store would record every batch twice; the main process says so once."""
     history = net.history_
@@ -50,13 +58,13 @@ def adopt_history(net):
         warnings.warn(NOTICE, UserWarning, stacklevel=2)
 
 
-def leading_samples(data, n):
+def leading_samples(data: Any, n: int) -> Any:
     """The first ``n`` samples of a batch or a model output (nested tensors);
     a 0-d tensor (a scalar a module returns besides) stays as it is."""
     return recursively_apply(lambda tensor: tensor[:n] if tensor.dim() else tensor, data)
 
 
-def _padded_ones(data, in_mapping=False):
+def _padded_ones(data: Any, in_mapping: bool = False) -> list[torch.Tensor]:
     """The tensors of ``data`` that ``pad_to_largest`` pads, in order."""
     if isinstance(data, torch.Tensor):
         return [data] if in_mapping or data.dim() >= 3 else []
@@ -67,7 +75,7 @@ def _padded_ones(data, in_mapping=False):
     return []
 
 
-def pad_to_largest(data):
+def pad_to_largest(data: Any) -> Any:
     """Pad the tensors of a model output past their first dimension to the
     largest size any rank has there, with zeros at the end, so that the rows
     of all ranks can be gathered: ranks that cut their batches to their own
@@ -78,13 +86,14 @@ def pad_to_largest(data):
     padded = _padded_ones(data)
     if not padded:
         return data
-    largest = torch.tensor([size for t in padded for size in t.shape[1:]], device=padded[0].device)
-    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-    largest, wanted = iter(largest.tolist()), {}
+    sizes = torch.tensor([size for t in padded for size in t.shape[1:]], device=padded[0].device)
+    dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
+    largest: Iterator[int] = iter(sizes.tolist())
+    wanted: dict[int, list[int]] = {}
     for tensor in padded:
         wanted[id(tensor)] = [next(largest) for _ in tensor.shape[1:]]
 
-    def pad(tensor):
+    def pad(tensor: torch.Tensor) -> torch.Tensor:
         if id(tensor) not in wanted:
             return tensor
         padding = []  # torch's order: from the last dimension on
@@ -95,21 +104,21 @@ def pad_to_largest(data):
     return recursively_apply(pad, data)
 
 
-def interleave(per_rank):
+def interleave(per_rank: Sequence[Sequence[T]]) -> list[T]:
     """Merge per-rank lists step by step (rank ``r`` takes batches ``r, r + N,
     ...``), restoring dataset order; lists may be one item short."""
     longest = max((len(items) for items in per_rank), default=0)
     return [items[i] for i in range(longest) for items in per_rank if i < len(items)]
 
 
-def _padding_only(batch):
+def _padding_only(batch: dict[str, Any]) -> bool:
     # the scan for a 0 runs in C: an epoch may have hundreds of thousands of batches
     return 0 in batch.values() and any(
         key.endswith("_batch_size") and size == 0 for key, size in batch.items()
     )
 
 
-def merge_epoch(net):
+def merge_epoch(net: NeuralNet) -> None:
     """Give every rank the batch records of all ranks, in dataset order, in
     one collective; batches of padding only are dropped."""
     row = net.history[-1]
@@ -128,7 +137,9 @@ def merge_epoch(net):
         row[key] = sum(p["counts"][key] for p in payloads)
 
 
-def agree_on_row(net, stop, error=None):
+def agree_on_row(
+    net: NeuralNet, stop: bool, error: BaseException | None = None
+) -> tuple[bool, str | None]:
     """Take rank 0's epoch row everywhere (``dur`` differs); return whether any
     rank stopped, and the first rank's failure, named, or None.
 

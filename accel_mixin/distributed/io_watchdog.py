@@ -9,12 +9,18 @@ behind. Without ``/proc``, a live worker counts as progress. No engine
 bounds a write this way: a collective's timeout bounds waiting ranks only.
 """
 
+from __future__ import annotations
+
 import threading
 import time
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 from accel_mixin.errors import Stalled
 
 __all__ = ["supervised"]
+
+T = TypeVar("T")
 
 # how often the calling thread looks at the worker: soon for small saves, then less often
 _LOOK_FIRST, _LOOK_MAX = 0.001, 0.25
@@ -24,18 +30,18 @@ class _Sampler:
     """Samples the process's reads and writes and the worker's CPU time; its
     own reads of ``/proc`` are no progress, so they are taken off."""
 
-    def __init__(self, native_id):
+    def __init__(self, native_id: int | None) -> None:
         self.stat = f"/proc/self/task/{native_id}/stat"
         self.own = 0  # bytes this sampler read since the last sample
-        self.last = None
+        self.last: tuple[int, int] | None = None
 
-    def _read(self, path):
+    def _read(self, path: str) -> bytes:
         with open(path, "rb") as f:
             data = f.read()
         self.own += len(data)
         return data
 
-    def advanced(self):
+    def advanced(self) -> bool:
         """Whether the work advanced since the last call (True if unknown)."""
         # this sample's own reads show in the next one
         own_before, self.own = self.own, 0
@@ -50,12 +56,12 @@ class _Sampler:
         return last is None or now[0] - last[0] > own_before or now[1] != last[1]
 
 
-def supervised(fn, *, io_timeout, what):
+def supervised(fn: Callable[[], T], *, io_timeout: float, what: str) -> T:
     """Return or raise what ``fn()`` does in a worker thread; ``Stalled``
     naming ``what`` after ``io_timeout`` seconds without progress."""
-    outcome = {}
+    outcome: dict[str, Any] = {}
 
-    def work():
+    def work() -> None:
         try:
             outcome["value"] = fn()
         except BaseException as exc:  # pylint: disable=broad-except
@@ -82,4 +88,5 @@ def supervised(fn, *, io_timeout, what):
             )
     if "error" in outcome:
         raise outcome["error"]
-    return outcome.get("value")
+    # set whenever fn returned
+    return cast(T, outcome.get("value"))

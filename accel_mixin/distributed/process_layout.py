@@ -3,27 +3,34 @@ wrong models or hang; say which processes write files, and let the main one
 speak for all (what torch's C++ code writes to the stderr descriptor is left
 alone: the guide's "One voice" silences it)."""
 
+from __future__ import annotations
+
 import contextlib
 import functools
 import os
 import warnings
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TextIO
 
 from accelerate.utils import DistributedType, parse_flag_from_env
 
 from accel_mixin.distributed.sharding import sharded
 
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
 __all__ = ["check_not_a_child_of_a_rank", "check_process_layout", "check_supported"]
 __all__ += ["quiet_unless_main", "silent", "sink_for", "writes_files"]
 
 
-def _env_int(name, default=1):
+def _env_int(name: str, default: int = 1) -> int:
     try:
         return int(os.environ.get(name, default))
     except ValueError:
         return default
 
 
-def check_process_layout(accelerator):
+def check_process_layout(accelerator: Accelerator) -> None:
     """Raise ``RuntimeError`` if ``WORLD_SIZE`` says several processes were
     launched together while the accelerator sees one: ``torchrun`` without a
     GPU, unless accelerate is told to use the CPU, trains independent models."""
@@ -56,7 +63,7 @@ _UNSUPPORTED = {
 _RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
 
 
-def _started_with(pid):
+def _started_with(pid: int) -> dict[str, str] | None:
     """The environment process ``pid`` was started with (Linux's
     ``/proc/PID/environ``, which later changes to its ``os.environ`` leave
     alone); None where it cannot be read: no ``/proc``, another user's."""
@@ -69,7 +76,7 @@ def _started_with(pid):
     return {os.fsdecode(name): os.fsdecode(value) for name, _, value in pairs}
 
 
-def check_not_a_child_of_a_rank():
+def check_not_a_child_of_a_rank() -> None:
     """Raise ``RuntimeError`` in a process (``GridSearchCV(n_jobs=2)``'s
     workers) started by a rank of a job of several processes.
 
@@ -99,7 +106,7 @@ def check_not_a_child_of_a_rank():
     )
 
 
-def check_fsdp_selected(accelerator):
+def check_fsdp_selected(accelerator: Accelerator) -> None:
     """Raise ``ValueError`` where FSDP was asked for and accelerate did not
     select it: it would train unsharded, without a word.
 
@@ -122,7 +129,7 @@ def check_fsdp_selected(accelerator):
     )
 
 
-def check_supported(accelerator):
+def check_supported(accelerator: Accelerator) -> None:
     """Raise ``ValueError``, naming the backend, for the backends this mixin
     cannot train with, and where FSDP was asked for but not selected."""
     check_fsdp_selected(accelerator)
@@ -149,7 +156,7 @@ def check_supported(accelerator):
         )
 
 
-def writes_files(accelerator):
+def writes_files(accelerator: Accelerator) -> bool:
     """Whether this process writes checkpoint files: the main process; with
     ``ProjectConfiguration(save_on_each_node=True)``, every machine's."""
     config = getattr(accelerator, "project_configuration", None)
@@ -158,18 +165,18 @@ def writes_files(accelerator):
     return accelerator.is_main_process
 
 
-def silent(*args, **kwargs):  # pylint: disable=unused-argument
+def silent(*args: Any, **kwargs: Any) -> None:  # pylint: disable=unused-argument
     """A sink that prints nothing: the sink of processes other than the main."""
 
 
-def sink_for(accelerator):
+def sink_for(accelerator: Accelerator) -> Callable[..., None]:
     """``print`` on the main process only: the builtin itself, for skorch's
     rule that ``verbose=0`` silences a ``print`` sink."""
     return print if accelerator.is_main_process else silent
 
 
 @contextlib.contextmanager
-def quiet_unless_main(accelerator):
+def quiet_unless_main(accelerator: Accelerator) -> Iterator[None]:
     """On processes other than the main one, silence stdout, stderr and warnings."""
     if accelerator.is_main_process:
         yield
@@ -184,6 +191,6 @@ def quiet_unless_main(accelerator):
 
 
 @functools.cache
-def _devnull():
+def _devnull() -> TextIO:
     # one file, never closed: a progress bar made while quiet keeps it
     return open(os.devnull, "w", encoding="utf-8")

@@ -35,6 +35,7 @@ __all__ = [
     "generators_in",
     "is_generator",
     "repeatable_digest",
+    "slot_names",
 ]
 
 _SEED = 0  # the seed of every generator while rows are read
@@ -107,12 +108,18 @@ def _children(value: Any) -> list[object]:
         return cells
     attributes = getattr(value, "__dict__", None)
     children = list(attributes.values()) if isinstance(attributes, dict) else []
-    for klass in type(value).__mro__:
+    return children + [
+        getattr(value, name) for name in slot_names(type(value)) if hasattr(value, name)
+    ]
+
+
+def slot_names(cls: type) -> list[str]:
+    """The names in the ``__slots__`` of ``cls`` and its bases."""
+    names: list[str] = []
+    for klass in cls.__mro__:
         slots = klass.__dict__.get("__slots__", ())
-        for name in [slots] if isinstance(slots, str) else slots:
-            if name not in ("__dict__", "__weakref__") and hasattr(value, name):
-                children.append(getattr(value, name))
-    return children
+        names.extend([slots] if isinstance(slots, str) else slots)
+    return [name for name in names if name not in ("__dict__", "__weakref__")]
 
 
 def generators_in(data: object) -> list[Generator]:

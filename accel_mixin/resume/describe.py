@@ -35,7 +35,12 @@ import torch
 from skorch.dataset import get_len
 from torch.utils.data import Dataset, IterableDataset
 
-from accel_mixin.distributed.sample_rows import generator_state, is_generator, repeatable_digest
+from accel_mixin.distributed.sample_rows import (
+    generator_state,
+    is_generator,
+    repeatable_digest,
+    slot_names,
+)
 
 __all__ = [
     "MAX_DEPTH",
@@ -313,20 +318,12 @@ class Describer:
 def _attributes(value: object) -> dict[str, Any] | None:
     """``vars()`` of an object, or its ``__slots__``; None where it has none."""
     attributes = getattr(value, "__dict__", None)
-    if isinstance(attributes, dict) and (attributes or not _slots(type(value))):
+    if isinstance(attributes, dict) and (attributes or not slot_names(type(value))):
         return dict(attributes)
-    slots = _slots(type(value))
+    slots = slot_names(type(value))
     if not slots:
         return {} if isinstance(attributes, dict) else None
     return {name: getattr(value, name, None) for name in slots}
-
-
-def _slots(cls: type) -> list[str]:
-    names: list[str] = []
-    for klass in cls.__mro__:
-        slots = klass.__dict__.get("__slots__", ())
-        names.extend([slots] if isinstance(slots, str) else slots)
-    return [name for name in names if name not in ("__dict__", "__weakref__")]
 
 
 def fingerprint(data: Any, describer: Describer | None = None, path: str = "X") -> Json:

@@ -12,7 +12,9 @@
 - ``best_weights``: ``{callback name: state dict}``, ``EarlyStopping``'s
   best weights as tensors (sharded where the module is);
 - ``rng.rank-<r>`` and, inside an epoch, ``partial.rank-<r>``: each rank
-  saves its own, so no rank gathers another's;
+  saves its own, so no rank gathers another's (except where each machine
+  writes a whole copy alone, ``save_on_each_node``: its writer saves every
+  rank's, gathered);
 - ``meta``, ``optimizer_groups`` (every optimizer's hyperparameters,
   ``initial_lr`` included), ``schedulers``, ``scaler``, ``history``,
   ``callbacks``, ``loop``: plain values, one DCP item each
@@ -44,6 +46,7 @@ __all__ = [
     "folder_state",
     "in_folder_entries",
     "owner_module",
+    "rank_entries",
     "rank_key",
     "read_whole",
 ]
@@ -125,9 +128,25 @@ def _spread_optimizer(optimizer_state, spread):
     return dict(optimizer_state, state=spread(optimizer_state["state"]))
 
 
-def folder_state(net, objects, train_iterator_state, stopped=False, position=None, epoch_rng=None):
+def rank_entries(net, position=None, epoch_rng=None):
+    """This rank's own entries of a state: its generators and, inside an
+    epoch (``position`` and ``epoch_rng``, ``collect_state``'s), its part of
+    that epoch."""
+    rank = net.accelerator.process_index
+    entries = {rank_key("rng", rank): plain(rng_state())}
+    if position is not None:
+        entries[rank_key("partial", rank)] = plain(partial_epoch(net, position[1], epoch_rng))
+    return entries
+
+
+def folder_state(
+    net, objects, train_iterator_state, stopped=False, position=None, epoch_rng=None, ranks=None
+):
     """The training state of ``net`` as the keys of one DCP folder; every
-    rank calls it (no collective). The arguments are ``collect_state``'s."""
+    rank calls it (no collective). The arguments are ``collect_state``'s;
+    ``ranks``: every rank's ``rank_entries``, where this process writes the
+    whole folder alone (each rank's entries and every tensor); without it,
+    this rank's own entries and its share of the tensors."""
     accelerator = net.accelerator
     rank = accelerator.process_index
     named = objects.sharded_module() if sharded(accelerator) else None
@@ -143,7 +162,7 @@ def folder_state(net, objects, train_iterator_state, stopped=False, position=Non
         if cb_state.get(BEST_WEIGHTS) is not None
     }
     spread = functools.partial(_spread, rank=rank, processes=accelerator.num_processes)
-    if named is not None:  # each rank holds its own shards already
+    if named is not None or ranks is not None:  # its own shards already, or alone
         spread = _whole
     state = {
         "meta": plain(
@@ -174,12 +193,10 @@ def folder_state(net, objects, train_iterator_state, stopped=False, position=Non
             }
         ),
         "callbacks": plain(callbacks),
-        rank_key("rng", rank): plain(rng_state()),
     }
     for key in ("schedulers", "scaler", "history", "loop"):
         state[key] = plain(shared[key])
-    if position is not None:
-        state[rank_key("partial", rank)] = plain(partial_epoch(net, position[1], epoch_rng))
+    state.update(rank_entries(net, position, epoch_rng) if ranks is None else ranks)
     return state
 
 

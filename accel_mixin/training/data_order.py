@@ -82,7 +82,7 @@ def start_workers_without_draws(dataloader: DataLoader) -> None:
         restore_generator_states(dataloader, states)
 
 
-def resumable_inside_epochs(train_iterator: DataLoader | None, explain: bool = False) -> bool:
+def resumable_inside_epochs(train_iterator: DataLoader, explain: bool = False) -> bool:
     """Whether the training data of ``train_iterator`` (a running fit's) has
     batch indices to skip (map-style data); ``explain`` raises the
     ``ValueError`` that says why not."""

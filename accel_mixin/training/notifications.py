@@ -143,6 +143,12 @@ class _RunningAlone:
         self._coordinator = coordinator
         self._who = f"the callback {name!r}"
 
+    def __reduce__(self) -> tuple[Callable[[Callback], Callback], tuple[Callback]]:
+        # a copy of the net made mid-fit (Checkpoint's f_pickle, deepcopy)
+        # holds the user's own callback, the same object as in net.callbacks;
+        # the wrapper and its coordinator belong to this process's fit
+        return _unwrapped, (self._callback,)
+
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._callback, name)
         if not name.startswith("on_") or not callable(attr):
@@ -153,6 +159,10 @@ class _RunningAlone:
                 return attr(*args, **kwargs)
 
         return alone
+
+
+def _unwrapped(callback: Callback) -> Callback:
+    return callback
 
 
 def hook(callback: object, name: str) -> Callable[..., Any] | None:

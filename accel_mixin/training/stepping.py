@@ -12,7 +12,12 @@ not ``loss.backward()``, with an override of ``train_step_single`` below the
 mixin then refused.
 """
 
+from __future__ import annotations
+
 import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
 
 import torch
 from accelerate import Accelerator
@@ -25,6 +30,14 @@ from accel_mixin.distributed.process_layout import quiet_unless_main
 from accel_mixin.distributed.sharding import sharded
 from accel_mixin.internals import compiled_inner
 from accel_mixin.training.shares import scale_gradient
+
+if TYPE_CHECKING:
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    # to the type checker the mixin is the skorch net it is mixed into
+    from skorch.net import NeuralNet as _Net
+else:
+    _Net = object
 
 __all__ = [
     "StepMixin",
@@ -40,7 +53,7 @@ _PLAIN_BACKWARD_TYPES = frozenset(
 )
 
 
-def plain_backward(accelerator):
+def plain_backward(accelerator: Accelerator) -> bool:
     """Whether ``accelerator.backward(loss)`` is ``loss.backward()``."""
     return (
         accelerator.gradient_accumulation_steps == 1
@@ -52,13 +65,13 @@ def plain_backward(accelerator):
     )
 
 
-def takes_closures(accelerator):
+def takes_closures(accelerator: Accelerator) -> bool:
     """Whether optimizers may step with a closure: not with a gradient scaler,
     nor with accumulation, where the closure's zeroing would lose gradients."""
     return accelerator.scaler is None and accelerator.gradient_accumulation_steps == 1
 
 
-def _uses_closure_value(optimizer):
+def _uses_closure_value(optimizer: torch.optim.Optimizer) -> bool:
     inner = getattr(optimizer, "optimizer", optimizer)
     if isinstance(inner, torch.optim.LBFGS):
         return True
@@ -68,7 +81,7 @@ def _uses_closure_value(optimizer):
 class Stepper:
     """What the mixin adds to skorch's training step, read once from ``accelerator``."""
 
-    def __init__(self, accelerator):
+    def __init__(self, accelerator: Accelerator) -> None:
         self.accelerator = accelerator
         self.steps = accelerator.gradient_accumulation_steps
         self.takes_closures = takes_closures(accelerator)
@@ -76,23 +89,28 @@ class Stepper:
         self.num_processes = accelerator.num_processes
         # under FSDP2 mixed precision is FSDP's policy, as in accelerate's own loop
         amp = accelerator.native_amp and not sharded(accelerator)
-        self._autocast = accelerator.autocast if amp else contextlib.nullcontext
+        self._autocast: Callable[[], AbstractContextManager[None]] = (
+            accelerator.autocast if amp else contextlib.nullcontext
+        )
         # accelerate's forward patch returns fp32 outputs; FSDP2's low
         # precision outputs would reach skorch's scorers and numpy
         self.fp32_outputs = sharded(accelerator) and accelerator.mixed_precision != "no"
         self.deferring = False  # zeroing waits for the end of the train_step
-        self.closures = None  # within a step: whether its optimizers step with closures
+        # within a step: whether its optimizers step with closures
+        self.closures: bool | None = None
         self.loss_weight = 1.0  # this rank's share of the step's real samples (shares.py)
         self._unscaled = False
 
     @property
-    def sync_gradients(self):
+    def sync_gradients(self) -> bool:
         return self.accelerator.gradient_state.sync_gradients
 
-    def autocast(self):
+    def autocast(self) -> AbstractContextManager[None]:
         return self._autocast()
 
-    def accumulate(self, get_modules):
+    def accumulate(
+        self, get_modules: Callable[[], list[torch.nn.Module]]
+    ) -> AbstractContextManager[None]:
         """``accelerator.accumulate(*get_modules())``, a no-op without accumulation."""
         if self.steps == 1:
             return contextlib.nullcontext()
@@ -103,7 +121,7 @@ class Stepper:
         return self.accelerator.accumulate(*modules)
 
     @contextlib.contextmanager
-    def step_window(self, closures):
+    def step_window(self, closures: bool) -> Iterator[None]:
         """One training step; with accumulation and no closures, zeroing waits."""
         self._unscaled = False
         self.closures = closures
@@ -115,7 +133,7 @@ class Stepper:
             self.closures = None
 
     @contextlib.contextmanager
-    def weighting(self, weight):
+    def weighting(self, weight: float) -> Iterator[None]:
         """Within the block the training loss's gradient is ``weight`` times its own."""
         self.loss_weight = weight
         try:
@@ -123,7 +141,7 @@ class Stepper:
         finally:
             self.loss_weight = 1.0
 
-    def unscale(self, optimizers):
+    def unscale(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         """Unscale the gradients of ``optimizers`` once per step (no-op without a scaler)."""
         scaler = self.accelerator.scaler
         if scaler is None or self._unscaled:
@@ -132,11 +150,11 @@ class Stepper:
         for optimizer in optimizers:
             scaler.unscale_(getattr(optimizer, "optimizer", optimizer))
 
-    def closures_for(self, optimizers):
+    def closures_for(self, optimizers: Iterable[torch.optim.Optimizer]) -> bool:
         """Whether ``optimizers`` step with skorch's closure."""
         return self.takes_closures and any(_uses_closure_value(o) for o in optimizers)
 
-    def closure(self, step_fn):
+    def closure(self, step_fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         """``step_fn`` with its loss averaged over the processes, so that LBFGS
         iterates alike on every rank and the gradient syncs match."""
         if self.num_processes == 1:
@@ -145,7 +163,7 @@ class Stepper:
         return lambda: accelerator.reduce(step_fn().detach() * self.loss_weight, reduction="mean")
 
     @contextlib.contextmanager
-    def one_scaler_update(self, optimizers):
+    def one_scaler_update(self, optimizers: Iterable[torch.optim.Optimizer]) -> Iterator[None]:
         """Within the block the prepared ``optimizers`` hold back the scaler's
         ``update``; it runs once after.
 
@@ -155,7 +173,8 @@ class Stepper:
         block; the accelerator's, which others may share, is left as it is.
         """
         scaler = self.accelerator.scaler
-        held = [
+        # the prepared optimizers: accelerate's, with a scaler
+        held: list[AcceleratedOptimizer] = [
             o for o in optimizers if scaler is not None and getattr(o, "scaler", None) is scaler
         ]
         if not held:
@@ -177,19 +196,19 @@ class _DeferredUpdate:
     """A gradient scaler whose ``update`` is recorded, not run; everything
     else is the scaler's own."""
 
-    def __init__(self, scaler):
+    def __init__(self, scaler: torch.amp.GradScaler) -> None:
         self._scaler = scaler
-        self.asked = []
+        self.asked: list[float | torch.Tensor | None] = []
 
-    def update(self, new_scale=None):
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         self.asked.append(new_scale)
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._scaler, name)
 
 
 @contextlib.contextmanager
-def recognisable_criterion(net):
+def recognisable_criterion(net: NeuralNet) -> Iterator[None]:
     """Within the block a compiled ``NLLLoss`` criterion is the loss itself.
 
     skorch compiles criteria too (``compile=True``), and
@@ -211,7 +230,7 @@ def recognisable_criterion(net):
         vars(net)["criterion_"] = criterion
 
 
-def check_overrides(net, mixin):
+def check_overrides(net: NeuralNet, mixin: type) -> None:
     """Refuse a ``train_step_single`` below the mixin that accelerate's backward would skip."""
     if plain_backward(net.accelerator):
         return
@@ -235,7 +254,7 @@ def check_overrides(net, mixin):
         )
 
 
-def clear_gradients(modules, optimizers):
+def clear_gradients(modules: Iterable[torch.nn.Module], optimizers: Iterable[object]) -> None:
     """Drop every gradient of ``modules`` and of the tensors ``optimizers`` hold,
     so that an interrupted fit's half-accumulated gradients do not leak."""
     for module in modules:
@@ -248,22 +267,22 @@ def clear_gradients(modules, optimizers):
                     param.grad = None
 
 
-class StepMixin:
+class StepMixin(_Net):
     """AccelerateMixin's overrides of skorch's training and inference steps."""
 
     @property
-    def _stepper(self):
+    def _stepper(self) -> Stepper:
         return self._process.stepper_for(self.accelerator)
 
-    def _optimizers_now(self):
+    def _optimizers_now(self) -> list[torch.optim.Optimizer]:
         return [getattr(self, name + "_") for name in self._optimizers]
 
-    def _modules_now(self):
+    def _modules_now(self) -> list[torch.nn.Module]:
         """The modules and criteria in place now: DDP wrappers while wrapped."""
         current = [getattr(self, name + "_", None) for name in self._modules + self._criteria]
         return [module for module in current if isinstance(module, torch.nn.Module)]
 
-    def train_step_single(self, batch, **fit_params):
+    def train_step_single(self, batch: Any, **fit_params: Any) -> dict[str, Any]:
         stepper = self._stepper
         if stepper.plain_backward:
             with stepper.autocast():
@@ -278,17 +297,19 @@ class StepMixin:
         self.accelerator.backward(loss)
         return {"loss": loss, "y_pred": y_pred}
 
-    def infer(self, x, **fit_params):
+    def infer(self, x: Any, **fit_params: Any) -> Any:
         y_pred = super().infer(x, **fit_params)
         return convert_to_fp32(y_pred) if self._stepper.fp32_outputs else y_pred
 
-    def get_loss(self, y_pred, y_true, X=None, training=False):
+    def get_loss(
+        self, y_pred: Any, y_true: Any, X: Any = None, training: bool = False
+    ) -> torch.Tensor:
         with recognisable_criterion(self):
             loss = super().get_loss(y_pred, y_true, X=X, training=training)
         # in an epoch's last, partial global batch: this rank's share (shares.py)
         return scale_gradient(loss, self._stepper.loss_weight) if training else loss
 
-    def train_step(self, batch, **fit_params):
+    def train_step(self, batch: Any, **fit_params: Any) -> dict[str, Any]:
         """skorch's ``train_step`` within accelerate's gradient accumulation
         (``accel_mixin.training.stepping``)."""
         stepper = self._stepper
@@ -299,7 +320,7 @@ class StepMixin:
                 self._zero_grad_optimizer()  # skorch's zeroing, after the step
         return step
 
-    def _step_optimizer(self, step_fn):
+    def _step_optimizer(self, step_fn: Callable[[], torch.Tensor] | None) -> None:
         stepper = self._stepper
         closures = stepper.closures
         if closures is None:  # called outside train_step
@@ -312,18 +333,20 @@ class StepMixin:
         with stepper.one_scaler_update(self._optimizers_now()):
             return super()._step_optimizer(None)
 
-    def _zero_grad_optimizer(self, set_to_none=None):
+    def _zero_grad_optimizer(self, set_to_none: bool | None = None) -> None:
         if self._stepper.deferring:
             return  # inside an accumulation window: after the step (train_step)
         if set_to_none is None:
             return super()._zero_grad_optimizer()
         return super()._zero_grad_optimizer(set_to_none=set_to_none)
 
-    def validation_step(self, batch, **fit_params):
+    def validation_step(self, batch: Any, **fit_params: Any) -> dict[str, Any]:
         with self._stepper.autocast():
             return super().validation_step(batch, **fit_params)
 
-    def forward_iter(self, X, training=False, device="cpu"):
+    def forward_iter(
+        self, X: Any, training: bool = False, device: str | torch.device = "cpu"
+    ) -> Iterator[Any]:
         """skorch's ``forward_iter``, after every rank arrived: inference
         gathers from every rank, so a rank that calls ``predict`` alone gets a
         ``DistributedError`` naming both calls instead of a hang."""
@@ -332,7 +355,7 @@ class StepMixin:
         with quiet_unless_main(self.accelerator):
             yield from super().forward_iter(X, training=training, device=device)
 
-    def evaluation_step(self, batch, training=False):
+    def evaluation_step(self, batch: Any, training: bool = False) -> Any:
         # autocast here too, so that unwrapped nets predict with the same precision
         with self._stepper.autocast():
             y_infer = super().evaluation_step(batch, training=training)

@@ -9,18 +9,23 @@ references, stash or restore the forward patch, and keep the accelerator's
 lists holding exactly what is wrapped now.
 """
 
+from __future__ import annotations
+
 import gc
 import inspect
 import weakref
-from collections import namedtuple
+from collections.abc import Collection, Iterable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import DistributedType
 from torch.optim.lr_scheduler import ReduceLROnPlateau
+from torch.utils.data import DataLoader
 
 from accel_mixin.distributed.sharding import check_on_shards, sharded, sharded_module_name
 from accel_mixin.internals import (
+    Marks,
     accelerator_list,
     check_accelerator,
     check_dataloader,
@@ -35,12 +40,30 @@ from accel_mixin.training.epoch_order import (
     shuffles_without_generator,
 )
 
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
 __all__ = ["PreparedObjects", "Slot", "prepare_dataloader", "requires_closure"]
 
-# where ``getattr(owner, attr)`` lives an object of ``kind`` ('module',
-# 'criterion', 'optimizer', 'scheduler'); step_once: a scheduler that steps
-# once per call, whatever the number of processes
-Slot = namedtuple("Slot", ["key", "owner", "attr", "kind", "step_once"], defaults=[False])
+
+class Slot(NamedTuple):
+    """Where ``getattr(owner, attr)`` lives an object of ``kind`` ('module',
+    'criterion', 'optimizer', 'scheduler'); step_once: a scheduler that steps
+    once per call, whatever the number of processes."""
+
+    key: str
+    owner: Any  # the net, or the callback that builds a scheduler
+    attr: str
+    kind: str
+    step_once: bool = False
+
+
+# what a slot holds, raw or prepared: a module, criterion, optimizer or
+# scheduler, or the wrapper accelerate made of it
+NetObject = Any
+
+# key -> (the accelerator's list, the object registered there)
+Held = dict[str, tuple[list[Any], NetObject]]
 
 # where accelerate wraps a trainable module in DDP (older releases lack some names)
 _DDP_TYPES = frozenset(
@@ -50,7 +73,7 @@ _DDP_TYPES = frozenset(
     if hasattr(DistributedType, name)
 )
 
-_TYPE_OF_KIND = {
+_TYPE_OF_KIND: dict[str, type | tuple[type, ...]] = {
     "module": torch.nn.Module,
     "criterion": torch.nn.Module,
     "optimizer": torch.optim.Optimizer,
@@ -58,7 +81,7 @@ _TYPE_OF_KIND = {
 }
 
 
-def requires_closure(optimizer):
+def requires_closure(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step`` cannot be called without a closure (LBFGS)."""
     try:
         param = inspect.signature(optimizer.step).parameters.get("closure")
@@ -67,7 +90,9 @@ def requires_closure(optimizer):
     return param is not None and param.default is inspect.Parameter.empty
 
 
-def prepare_dataloader(accelerator, dataloader, training):
+def prepare_dataloader(
+    accelerator: Accelerator, dataloader: DataLoader, training: bool
+) -> DataLoader:
     """``accelerator.prepare_data_loader``, left off the accelerator's list:
     skorch builds dataloaders for every fit and predict, which would pile up."""
     own_generator = shuffles_without_generator(dataloader) and accelerator.num_processes > 1
@@ -81,14 +106,14 @@ def prepare_dataloader(accelerator, dataloader, training):
     return prepared
 
 
-def _release(held):
+def _release(held: Held) -> None:
     """Take every registered object off the accelerator's lists."""
     for container, obj in held.values():
         container[:] = [item for item in container if item is not obj]
     held.clear()
 
 
-def trainability(obj):
+def trainability(obj: torch.nn.Module) -> tuple[bool, ...]:
     """Which parameters of a module require grad: what DDP was built for."""
     return tuple(param.requires_grad for param in obj.parameters())
 
@@ -96,14 +121,21 @@ def trainability(obj):
 class _Entry:
     __slots__ = ("marks", "prepared", "raw", "registered", "slot", "trainable")
 
-    def __init__(self, slot, raw, prepared, registered, trainable=None):
+    def __init__(
+        self,
+        slot: Slot,
+        raw: NetObject,
+        prepared: NetObject,
+        registered: NetObject,
+        trainable: tuple[bool, ...] | None = None,
+    ) -> None:
         self.slot, self.raw, self.prepared = slot, raw, prepared
         # what accelerate listed: the raw module for DDP, the wrapper otherwise
         self.registered = registered
-        self.marks = []
+        self.marks: Marks = []
         self.trainable = trainable
 
-    def holds(self, owner, obj):
+    def holds(self, owner: object, obj: object) -> bool:
         return (
             owner is self.slot.owner
             and obj is not None
@@ -119,18 +151,18 @@ class PreparedObjects:
     wrapped now, and lose them when this registry is collected with its net.
     """
 
-    def __init__(self):
-        self._entries = {}
+    def __init__(self) -> None:
+        self._entries: dict[str, _Entry] = {}
         # key -> (accelerator list, object); the finalizer's, so no entries
         # (they reference the net)
-        self._held = {}
+        self._held: Held = {}
         weakref.finalize(self, _release, self._held)
         self.wrapped = False
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self._entries)
 
-    def raw_or_current(self, key, owner, attr):
+    def raw_or_current(self, key: str, owner: object, attr: str) -> NetObject:
         """The raw object at ``owner.attr``, or the current one if unknown."""
         current = getattr(owner, attr, None)
         entry = self._entries.get(key)
@@ -138,11 +170,11 @@ class PreparedObjects:
             return entry.raw
         return current
 
-    def module_keys(self):
+    def module_keys(self) -> list[str]:
         """The keys of the prepared modules and criteria, in slot order."""
         return [key for key, entry in self._entries.items() if entry.trainable is not None]
 
-    def trainability_changed(self):
+    def trainability_changed(self) -> set[str]:
         """The keys of the modules whose trainable parameters changed since prepared."""
         return {
             key
@@ -150,7 +182,9 @@ class PreparedObjects:
             if entry.trainable is not None and trainability(entry.raw) != entry.trainable
         }
 
-    def prepare(self, accelerator, slots, refresh=()):
+    def prepare(
+        self, accelerator: Accelerator, slots: Iterable[Slot], refresh: Collection[str] = ()
+    ) -> None:
         """Prepare the objects not seen before, then wrap all of them.
 
         Slots come in the order modules, criteria, optimizers, schedulers (a
@@ -186,7 +220,7 @@ class PreparedObjects:
         if refreshed:
             gc.collect()  # the old DDP reducer holds hooks on the parameters
 
-    def _prepare_sharded(self, accelerator, slots):
+    def _prepare_sharded(self, accelerator: Accelerator, slots: list[Slot]) -> None:
         """FSDP2: the module with parameters and the optimizers are prepared in
         one call, as accelerate requires, where either is new; the module is
         sharded in place, once (a sharded one is left as it is)."""
@@ -235,15 +269,15 @@ class PreparedObjects:
             # the sharded module is the raw one, changed in place
             self._entries[s.key] = _Entry(s, obj, ready, ready, trainable if s is slot else None)
 
-    def _forget_if_known(self, key):
+    def _forget_if_known(self, key: str) -> None:
         if key in self._entries:
             self._forget(key)
 
-    def _holds(self, slot):
+    def _holds(self, slot: Slot) -> bool:
         entry = self._entries.get(slot.key)
         return entry is not None and entry.holds(slot.owner, getattr(slot.owner, slot.attr, None))
 
-    def wrap(self, accelerator):
+    def wrap(self, accelerator: Accelerator) -> None:
         """Put back what was prepared before; never prepares. A slot emptied or
         refilled meanwhile keeps its new value and loses its entry."""
         for key, entry in list(self._entries.items()):
@@ -254,7 +288,7 @@ class PreparedObjects:
                 self._forget(key)
         self.wrapped = True
 
-    def unwrap(self):
+    def unwrap(self) -> None:
         """Put the raw objects in place and take them off the accelerator."""
         for entry in self._entries.values():
             slot = entry.slot
@@ -265,7 +299,7 @@ class PreparedObjects:
         _release(self._held)
         self.wrapped = False
 
-    def _wrap_entry(self, accelerator, entry):
+    def _wrap_entry(self, accelerator: Accelerator, entry: _Entry) -> None:
         slot = entry.slot
         put_marks(entry.marks)
         entry.marks = []
@@ -276,14 +310,14 @@ class PreparedObjects:
             container.append(entry.registered)
         self._held[slot.key] = (container, entry.registered)
 
-    def _forget(self, key):
+    def _forget(self, key: str) -> None:
         del self._entries[key]
         held = self._held.pop(key, None)
         if held is not None:
             _release({key: held})
 
 
-def _prepare_entry(accelerator, obj, slot):
+def _prepare_entry(accelerator: Accelerator, obj: NetObject, slot: Slot) -> _Entry:
     container = accelerator_list(accelerator, slot.kind)
     before = list(container)
     trainable = trainability(obj) if slot.kind in ("module", "criterion") else None
@@ -292,7 +326,7 @@ def _prepare_entry(accelerator, obj, slot):
     return _Entry(slot, obj, prepared, added[0] if added else prepared, trainable)
 
 
-def _prepare_one(accelerator, obj, slot):
+def _prepare_one(accelerator: Accelerator, obj: NetObject, slot: Slot) -> NetObject:
     if slot.kind in ("module", "criterion"):
         # marks left by another net or a pickled copy would make accelerate skip it
         pop_marks(obj)
@@ -316,7 +350,9 @@ def _prepare_one(accelerator, obj, slot):
     return prepared
 
 
-def _as_plateau(accelerator, prepared):
+def _as_plateau(
+    accelerator: Accelerator, prepared: AcceleratedScheduler
+) -> AcceleratedPlateauScheduler:
     # accelerate's wrapper is no ReduceLROnPlateau, which skorch's LRScheduler
     # checks to step with the score: the same wrapper, built as one that is,
     # takes its place in the accelerator's list

@@ -176,10 +176,21 @@ def failing(net, X, y):
     raise ValueError("bad scorer")
 
 
+class After(Callback):
+    """After the failing scorer: whether this rank went on past it."""
+
+    def on_epoch_end(self, net, **kwargs):
+        self.ran_ = True
+
+
 @checks
 def scorer_error_reaches_every_rank():
-    net = make_net(callbacks=[("failing", EpochScoring(failing, name="failing"))])
-    return error_and_seconds(lambda: net.fit(X, y))
+    net = make_net(
+        callbacks=[("failing", EpochScoring(failing, name="failing")), ("after", After())]
+    )
+    result = error_and_seconds(lambda: net.fit(X, y))
+    result["went_on"] = getattr(dict(net.callbacks_)["after"], "ran_", False)
+    return result
 
 
 class Looks(Callback):

@@ -124,4 +124,17 @@ def compiled_net_saves_clean_keys():
     return {"keys": list(torch.load("compiled.pt", weights_only=True))}
 
 
+@checks
+def one_machine_saves_one_state_together():
+    """save_on_each_node on one machine: its ranks share the folder and write
+    their parts of one state, as without it."""
+    config = accelerator.project_configuration
+    config.save_on_each_node = True
+    try:
+        net.save_state("together")
+    finally:
+        config.save_on_each_node = False
+    return sorted(p.name for p in Path("together").iterdir() if p.suffix == ".distcp")
+
+
 report({"rank": rank, "checks": checks.results})

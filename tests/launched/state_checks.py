@@ -41,6 +41,7 @@ def run(checks):
 
     def loads_wait(net, saved_slowly, loaded):
         expected = saved_slowly(net)
+        net.wait_for_saves()  # another net's load waits only for its own saves
         fresh = make_net(max_epochs=1)
         fresh.load_state("slow.pt")
         other_net = loaded(fresh, expected)
@@ -98,9 +99,10 @@ def run(checks):
 
     @checks
     def load_right_after_an_asynchronous_save():
-        """load_state and load_params, of this net and of a fresh one, right
-        after save_state(asynchronous=True) of a write that takes a while: each
-        loads the new state."""
+        """load_state and load_params of this net right after
+        save_state(asynchronous=True) of a write that takes a while, and a
+        fresh net's load_state after its wait_for_saves: each loads the new
+        state."""
         import time
 
         import accel_mixin.checkpoint.dcp_folder as dcp_folder
