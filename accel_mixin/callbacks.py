@@ -56,6 +56,7 @@ if TYPE_CHECKING:
 
     from accel_mixin.net import AccelerateMixin
     from accel_mixin.resume.runs import RunIdentity
+    from accel_mixin.training.fit import Fit
 
 __all__ = ["ResumeTraining", "TrainingCheckpoint"]
 
@@ -65,9 +66,34 @@ class _RunCallback(Callback):
     change it (``runs``), and a training state keeps nothing of theirs."""
 
     in_run_identity = False
+    _fit: Fit | None = None  # the running fit, within during_fit
 
     def state_dict(self) -> dict[str, Any]:
         return {}
+
+    @contextmanager
+    def during_fit(self, net: AccelerateMixin, fit: Fit) -> Iterator[None]:
+        """``AccelerateMixin`` enters it around every ``fit`` and ``partial_fit``."""
+        self._fit = fit
+        try:
+            yield
+        finally:
+            self._fit = None
+
+    @property
+    def _running(self) -> Fit:
+        if self._fit is None:
+            raise RuntimeError(
+                f"{type(self).__name__} runs within a fit of a net with AccelerateMixin, "
+                "which gives it the fit: call fit or partial_fit, not its methods."
+            )
+        return self._fit
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a net pickled inside a fit (Checkpoint's f_pickle): the fit is this process's
+        state = dict(self.__dict__)
+        state.pop("_fit", None)
+        return state
 
     def _check_net(self, net: NeuralNet) -> None:
         if not all(hasattr(net, n) for n in ("save_state", "load_state", "wait_for_everyone")):
@@ -79,7 +105,7 @@ class _RunCallback(Callback):
             )
 
 
-def _fit_identity(net: AccelerateMixin, X: Any, y: Any) -> RunIdentity:
+def _fit_identity(net: AccelerateMixin, X: Any, y: Any, fit: Fit) -> RunIdentity:
     names = {
         cb.run_name
         for _, cb in net.callbacks_
@@ -87,7 +113,7 @@ def _fit_identity(net: AccelerateMixin, X: Any, y: Any) -> RunIdentity:
     }
     if len(names) > 1:
         raise ValueError(f"The net's TrainingCheckpoints name the run differently: {sorted(names)}")
-    return fit_identity(net, X, y, name=next(iter(names), None))
+    return fit_identity(net, X, y, fit, name=next(iter(names), None))
 
 
 class TrainingCheckpoint(_RunCallback):
@@ -220,7 +246,7 @@ class TrainingCheckpoint(_RunCallback):
         self, net: AccelerateMixin, X: Any = None, y: Any = None, **kwargs: Any
     ) -> None:
         self._check_net(net)
-        self.run_ = _fit_identity(net, X, y)
+        self.run_ = _fit_identity(net, X, y, self._running)
         run_folders(self.dirname)  # a clear error where dirname is a file
         self.run_folder_ = os.path.join(self.dirname, self.run_.folder)
         self._folder_due = True
@@ -273,7 +299,7 @@ class TrainingCheckpoint(_RunCallback):
             self._claimed = None
 
     @contextmanager
-    def during_fit(self, net: AccelerateMixin) -> Iterator[None]:
+    def during_fit(self, net: AccelerateMixin, fit: Fit) -> Iterator[None]:
         """``AccelerateMixin`` enters it around every ``fit`` and
         ``partial_fit``: the preemption notices are handled meanwhile."""
         watching = can_handle(self.signals)
@@ -282,7 +308,7 @@ class TrainingCheckpoint(_RunCallback):
         # whether the training data resumes inside epochs; known at the first batch
         self._inside: bool | None = None
         try:
-            with handling_signals(self.signals, notices.note):
+            with super().during_fit(net, fit), handling_signals(self.signals, notices.note):
                 yield
         finally:
             self._claiming = False
@@ -300,9 +326,11 @@ class TrainingCheckpoint(_RunCallback):
         state = net.accelerator.gradient_state
         last, stepped = state.end_of_dataloader, state.sync_gradients
         if self._inside is None:
-            self._inside = resumable_inside_epochs(net)
+            train_iterator = self._running.train_iterator_now()
+            assert train_iterator is not None, "a fit's training batches run from it"
+            self._inside = resumable_inside_epochs(train_iterator)
             if self.every_n_batches and not self._inside:
-                resumable_inside_epochs(net, explain=True)
+                resumable_inside_epochs(train_iterator, explain=True)
         # every rank asks, whatever its signals, for the all-reduces to match;
         # a notice at an epoch's last batch waits for the epoch's end
         notice = self._notices is not None and self._notices.agreed()
@@ -486,7 +514,7 @@ class ResumeTraining(_RunCallback):
         self, net: AccelerateMixin, X: Any = None, y: Any = None, **kwargs: Any
     ) -> None:
         self._check_net(net)
-        identity = _fit_identity(net, X, y)
+        identity = _fit_identity(net, X, y, self._running)
         runs = run_folders(self.dirname)
         own = os.path.join(self.dirname, identity.folder)
         if identity.key in runs:

@@ -8,7 +8,10 @@ machines, that each machine's main process writes whole
 complete, or raises if any process failed.
 """
 
+import functools
+import os
 import warnings
+from typing import Any, Optional
 
 import torch
 from skorch.exceptions import DeviceWarning
@@ -19,13 +22,13 @@ from accel_mixin.checkpoint.state_saves import save_group, save_state_folder
 from accel_mixin.distributed.process_layout import quiet_unless_main, writes_files
 from accel_mixin.distributed.sharding import full_states, sharded
 from accel_mixin.internals import batch_sampler_owner, check_f_arguments
-from accel_mixin.resume.resuming import resume
+from accel_mixin.resume.resuming import read, restore_training, restore_weights
 from accel_mixin.resume.state_folder import folder_state, rank_entries
 from accel_mixin.resume.training_state import (
     train_iterator_state,
     warn_if_inside_accumulation,
 )
-from accel_mixin.training.net_objects import raw, sharded_module
+from accel_mixin.training.net_objects import NetObjects
 from accel_mixin.training.notifications import stopped_early
 from accel_mixin.training.process_state import process_state
 
@@ -44,6 +47,15 @@ class CheckpointingMixin(SafeParamsMixin):
     @property
     def _process(self):
         return process_state(self)
+
+    @property
+    def _objects(self) -> NetObjects:
+        """The objects the net built, for the modules below it (a new view
+        each time: skorch's initialize makes new registries)."""
+        # pylint: disable=protected-access
+        return NetObjects(
+            self, self._process.prepared, self._modules, self._criteria, self._optimizers
+        )
 
     @property
     def _coordinator(self):
@@ -83,14 +95,15 @@ class CheckpointingMixin(SafeParamsMixin):
         elsewhere than where files are written)."""
         if not sharded(self.accelerator):
             return {}
-        named = sharded_module(self)
+        objects = self._objects
+        named = objects.sharded_module()
         if named is None:
             return {}
         files = dict(zip(("f_params", "f_optimizer", "f_criterion", "f_history"), args))
         files.update((key, f) for key, f in kwargs.items() if key.startswith("f_"))
         attrs = list(check_f_arguments("save_params", **files)[0])
         name, module = named
-        optimizers = {f"{n}_": raw(self, n) for n in self._optimizers}
+        optimizers = {f"{n}_": optimizer for n, optimizer in objects.raw_optimizers().items()}
         # every rank arrives first: the gathering is a collective
         self._coordinator.barrier(what)
         accelerator = self.accelerator
@@ -189,9 +202,13 @@ class CheckpointingMixin(SafeParamsMixin):
             # a failure here (a rank gone, the previous save's error) is this call's
             self._finish_saves("save_state")
             # every rank arrived in _finish_saves: machine_copies' gather is safe here
-            position = self._process.fit.position
-            ranks = machine_copies(self.accelerator, lambda: rank_entries(self, position), path)
-            state = folder_state(self, *self._where_training_is(stopped), ranks=ranks)
+            shuffling, stopped, position, epoch_rng = self._where_training_is(stopped)
+            ranks = machine_copies(
+                self.accelerator, lambda: rank_entries(self, position, epoch_rng), path
+            )
+            state = folder_state(
+                self, self._objects, shuffling, stopped, position, epoch_rng, ranks=ranks
+            )
             warn_if_inside_accumulation(self.accelerator)
             group = None
             if asynchronous:
@@ -219,18 +236,21 @@ class CheckpointingMixin(SafeParamsMixin):
                 io_timeout=self.io_timeout,
             )
 
-    def _where_training_is(self, stopped):
-        """``(train iterator state, stopped, position)`` of a state saved now
-        (``collect_state``'s arguments); ``stopped`` is ``save_state``'s."""
+    def _where_training_is(
+        self, stopped: Optional[bool]
+    ) -> tuple[dict[str, Any], bool, Optional[tuple[int, int]], Optional[dict[str, Any]]]:
+        """``(train iterator state, stopped, position, epoch_rng)`` of a state
+        saved now (``collect_state``'s arguments); ``stopped`` is ``save_state``'s."""
         fit = self._process.fit
         if fit.position is None:
-            shuffling = train_iterator_state(fit.running_train_iterator())
+            shuffling, epoch_rng = train_iterator_state(fit.train_iterator_now()), None
         else:  # inside an epoch: its order is replayed from its start
-            batch_sampler_owner(fit.running_train_iterator())
-            shuffling = fit.epoch_start_iterator
+            batch_sampler_owner(fit.train_iterator_now())
+            assert fit.epoch_start is not None, "begin_epoch keeps it before any batch"
+            shuffling, epoch_rng = fit.epoch_start.shuffling, fit.epoch_start.rng
         if stopped is None:
             stopped = fit.position is None and stopped_early(self.callbacks_)
-        return shuffling, stopped, fit.position
+        return shuffling, stopped, fit.position, epoch_rng
 
     def wait_for_saves(self):
         """Wait for an asynchronous ``save_state`` to finish, on every rank.
@@ -288,7 +308,32 @@ class CheckpointingMixin(SafeParamsMixin):
             self._wait_for_writes_in_flight("load_state")
             if not self.initialized_:
                 self.initialize()
-            resume(self, path)
+            self._resume(os.fspath(path))
+
+    def _resume(self, path: str) -> None:
+        """``load_state`` once the net is initialized: ``resuming``'s steps,
+        the net unwrapped and prepared between them."""
+        process, coordinator, objects = self._process, self._coordinator, self._objects
+        process.plan = None  # a load that fails halfway leaves no earlier load to go on from
+        state = coordinator.run(
+            lambda: read(self, path), what="load_state", files=path, io_timeout=self.io_timeout
+        )
+        # a net never prepared ends prepared, as initialize() leaves it
+        was_wrapped = process.prepared.wrapped or not len(process.prepared)
+        self._unwrap_accelerator()
+        coordinator.run(functools.partial(restore_weights, objects, state, path), what="load_state")
+        # prepare what is new (a scheduler a callback before ResumeTraining
+        # built, before its state goes into the raw scheduler) and rewrap; at
+        # train begin the callbacks set up on the unwrapped objects
+        self._initialize_accelerator()
+        if not was_wrapped:
+            self._unwrap_accelerator()
+        plan = coordinator.run(
+            functools.partial(restore_training, self, objects, state, path), what="load_state"
+        )
+        del state  # before the wait: the largest object of the load
+        process.plan = plan  # the next fit goes on from it (fit_loop)
+        coordinator.barrier("load_state")
 
     def wait_for_everyone(self, what="wait_for_everyone"):
         """Wait for every process, failing fast.

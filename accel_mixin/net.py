@@ -7,6 +7,7 @@ maps them).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -27,6 +28,7 @@ from accel_mixin.distributed.sharding import sharded
 from accel_mixin.internals import cache_lomo_check
 from accel_mixin.resume.resuming import begin_epoch, continue_epoch
 from accel_mixin.training.epochs import EpochBatches, epoch_end
+from accel_mixin.training.fit import Fit
 from accel_mixin.training.net_objects import (
     bare_modules,
     check_device,
@@ -34,12 +36,8 @@ from accel_mixin.training.net_objects import (
     check_optimizers,
     check_params,
     check_sharding,
-    net_modules,
     prepare_retrainable_modules,
-    raw,
-    sharded_module,
     shards_in_place,
-    slots,
 )
 from accel_mixin.training.notifications import (
     Notification,
@@ -50,7 +48,6 @@ from accel_mixin.training.notifications import (
 )
 from accel_mixin.training.portable import PortableAccelerator, settle_unpickled
 from accel_mixin.training.process_state import ATTRIBUTE as PROCESS_STATE
-from accel_mixin.training.process_state import FitContext
 from accel_mixin.training.rows import tensor_rows
 from accel_mixin.training.stepping import StepMixin, Stepper, check_overrides, clear_gradients
 from accel_mixin.training.wrapping import prepare_dataloader
@@ -181,7 +178,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
         them for the accelerator; returns self."""
         if self._process.keep_loaded:
             return self  # fit after load_state: skorch's fit goes on from it
-        self._process.forget_loaded_state()  # a fresh start
+        self._process.plan = None  # a fresh start
         check_device(self)  # skorch's initialize moves the module first
         with quiet_unless_main(self.accelerator):
             super().initialize()
@@ -209,12 +206,13 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
         prepared before is put back, not prepared again."""
         check_process_layout(self.accelerator)
         check_supported(self.accelerator)
-        check_optimizers(self)
-        check_sharding(self)
+        objects = self._objects
+        check_optimizers(objects)
+        check_sharding(objects)
         check_overrides(self, AccelerateMixin)
         guard_forks()
         cache_lomo_check()
-        self._process.prepared.prepare(self.accelerator, slots(self))
+        objects.prepared.prepare(self.accelerator, objects.slots())
         return self
 
     def _unwrap_accelerator(self) -> Self:
@@ -235,7 +233,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
     def get_all_learnable_params(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         # skorch's (or an override's) on the raw modules: no DDP prefix in the
         # names; taken whole, as the swap must not outlast the call
-        with bare_modules(self):
+        with bare_modules(self._objects):
             params = list(super().get_all_learnable_params())
         yield from params
 
@@ -257,8 +255,8 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
             # before initialize(), whose preparation runs DDP's collectives:
             # a rank in another call learns it here, naming both calls
             self._coordinator.barrier("fit")
-            plan = self._process.plan
-            self._process.keep_loaded = bool(self.initialized_ and plan and not plan.fitting)
+            # a plan there never began: a fit moves it out (fit_loop)
+            self._process.keep_loaded = bool(self.initialized_ and self._process.plan)
             try:
                 return super().fit(X, y, **fit_params)
             finally:
@@ -269,21 +267,21 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
             self.initialize()
         adopt_history(self)  # a DistributedHistory assigned after initialize
         # skorch's notifications pass no fit parameters; the run identity needs them
-        self._process.fit = FitContext({k: v for k, v in fit_params.items() if k[:1] != "_"})
+        fit = self._process.fit = Fit({k: v for k, v in fit_params.items() if k[:1] != "_"})
         with (
             self._coordinator.session("partial_fit"),
             quiet_unless_main(self.accelerator),
             finished_on_error(self._process, self.io_timeout),
-            callbacks_during_fit(self),
+            callbacks_during_fit(self, fit),
         ):
             return super().partial_fit(X, y, classes=classes, **fit_params)
 
     def fit_loop(self, X: Any, y: Any = None, epochs: int | None = None, **fit_params: Any) -> Self:
-        plan = self._process.plan
-        if plan is not None and plan.fitting:
-            plan = self._process.plan = None  # it belonged to the fit before
+        # the loaded plan is this fit's now: the next fit starts over
+        process = self._process
+        plan = process.fit.plan = process.plan
+        process.plan = None
         if plan is not None:
-            plan.fitting = True
             epochs = plan.epochs_to_train(self, epochs)
         return super().fit_loop(X, y, epochs=epochs, **fit_params)
 
@@ -310,7 +308,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
             with self._coordinator.section("on_train_begin"):
                 self._begin_training(cb_kwargs.get("X"), cb_kwargs.get("y"))
         elif method_name == "on_epoch_begin":
-            prepare_retrainable_modules(self)  # after Freezer, Unfreezer and the like
+            prepare_retrainable_modules(self._objects)  # after Freezer, Unfreezer and the like
 
     def _notify_callbacks(self, method_name: str, **cb_kwargs: Any) -> None:
         with callbacks_of_this_rank(self, self._coordinator):
@@ -320,7 +318,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
         # callbacks build on the raw objects (an LR scheduler on the raw
         # optimizer); _begin_training prepares what they built
         self._unwrap_accelerator()
-        shards_in_place(self)
+        shards_in_place(self._objects)
         self._notify_callbacks("on_train_begin", **cb_kwargs)
 
     def _begin_training(self, X: Any, y: Any) -> None:
@@ -330,30 +328,31 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
         distributed = self.accelerator.num_processes > 1
         if distributed:
             check_same_data(self.accelerator, X, y)
-        plan = self._process.plan
+        plan, objects = self._process.plan, self._objects
         if plan is not None:
-            plan.at_train_begin(self)
+            plan.at_train_begin(self, objects)
         self._initialize_accelerator()
-        prepare_retrainable_modules(self)
+        prepare_retrainable_modules(objects)
         if plan is not None:
             plan.once_prepared(self)
         if distributed and self.replica_check_every:
             # a load that worked on some ranks only (LoadInitState ignores errors)
-            check_net_replicas(self, "when training begins")
+            check_net_replicas(objects, "when training begins")
         self._process.fit.stepper = Stepper(self.accelerator)
 
     def on_train_begin(self, net: NeuralNet, X: Any = None, y: Any = None, **kwargs: Any) -> None:
         super().on_train_begin(net, X=X, y=y, **kwargs)
         # an interrupted fit may have left half-accumulated gradients
         self.accelerator.step = 0
+        objects = self._objects
         clear_gradients(
-            [module for _, module in net_modules(self)],
-            [raw(self, name) for name in self._optimizers],
+            [module for _, module in objects.named_modules()],
+            list(objects.raw_optimizers().values()),
         )
 
     def _epoch_begins(self, **cb_kwargs: Any) -> None:
-        partial = begin_epoch(self)
-        shards_in_place(self)  # for callbacks that change parameters (Freezer)
+        partial = begin_epoch(self._process.fit)
+        shards_in_place(self._objects)  # for callbacks that change parameters (Freezer)
         self._notify_callbacks("on_epoch_begin", **cb_kwargs)
         if partial is not None:
             continue_epoch(self, partial)
@@ -374,16 +373,13 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
         even batches trains but is not counted (``epochs``)."""
         if iterator is None:
             return super().run_single_epoch(iterator, training, prefix, step_fn, **fit_params)
-        process = self._process
-        batches = EpochBatches(
-            self, iterator, training, self._stepper.autocast, process.fit, process.plan
-        )
+        batches = EpochBatches(self, iterator, training, self._process.fit)
         super().run_single_epoch(batches, training, prefix, batches.step(step_fn), **fit_params)
         self.history.record(prefix + "_batch_count", batches.batch_count)
         return None
 
     def _end_epoch(self, **cb_kwargs: Any) -> None:
-        with epoch_end(self, self._coordinator, **cb_kwargs) as scores:
+        with epoch_end(self, self._coordinator, self._objects, **cb_kwargs) as scores:
             if not scores:
                 self._notify_callbacks("on_epoch_end", **cb_kwargs)
             else:  # callbacks record the main process's scores (epoch_scores.py)
@@ -410,13 +406,14 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
             self.accelerator, super().get_iterator(dataset, training=training), training
         )
         if training:
-            self._process.fit.track(iterator)  # for save_state
+            self._process.fit.train_iterator = weakref.ref(iterator)  # for save_state
         return iterator
 
     # --- copies -------------------------------------------------------------
 
     def __getstate__(self) -> dict[str, Any]:
-        shards = sharded_module(self) if self.initialized_ and sharded(self.accelerator) else None
+        initialized = self.initialized_ and sharded(self.accelerator)
+        shards = self._objects.sharded_module() if initialized else None
         if shards is not None:
             raise TypeError(
                 f"A net whose {shards[0]}_ is sharded by FSDP2 cannot be "
@@ -433,4 +430,4 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
     def __setstate__(self, state: dict[str, Any]) -> None:
 
         super().__setstate__(state)
-        settle_unpickled(self)
+        settle_unpickled(self, self._objects)

@@ -1,6 +1,7 @@
 """Resumable training: exact resume in one and two real processes, rotation,
 safety, asynchronous writes. Each run is a new launch, as after a crash."""
 
+import pickle
 import re
 import shutil
 import subprocess
@@ -15,6 +16,7 @@ from common import MLP, AcceleratedNet
 from harness import check_values as values
 from harness import run_plain, run_processes
 from resume_phases import crashed, once_per_layout
+from skorch.callbacks import Callback
 
 from accel_mixin import CheckpointError
 from accel_mixin.checkpoint.checkpoint_files import agreed_checkpoint, checkpoint_name
@@ -274,6 +276,16 @@ def test_a_params_file_is_not_a_training_state(data, tmp_path):
         net.load_state(tmp_path / "params.pt")
 
 
+class Begun(Callback):
+    """Records the epoch number of every epoch that begins into ``epochs``."""
+
+    def __init__(self, epochs):
+        self.epochs = epochs
+
+    def on_epoch_begin(self, net, **kwargs):
+        self.epochs.append(len(net.history))
+
+
 def fit_history(net, data):
     net.fit(*data)
     return [{k: v for k, v in row.items() if k != "dur"} for row in net.history]
@@ -303,6 +315,59 @@ def test_load_state_then_fit_goes_on_from_the_state(data, tmp_path):
     restarted.initialize()
     torch.manual_seed(0)  # fit initializes again, as make() would have
     assert fit_history(restarted, data) == uninterrupted
+
+
+def test_load_state_fit_and_fit_again_the_second_fit_starts_over(data, tmp_path):
+    accelerator = Accelerator(cpu=True)
+    begun = []
+
+    def make(**kwargs):
+        torch.manual_seed(0)
+        return AcceleratedNet(
+            MLP,
+            accelerator=accelerator,
+            max_epochs=4,
+            verbose=0,
+            iterator_train__shuffle=True,
+            **kwargs,
+        )
+
+    uninterrupted = fit_history(make(), data)
+    first = make().set_params(max_epochs=2)
+    first.fit(*data)
+    first.save_state(tmp_path / "state.pt")
+
+    net = make(callbacks=[Begun(begun)])
+    net.load_state(tmp_path / "state.pt")
+    net.fit(*data)
+    assert begun == [3, 4]  # the epochs that remained
+    begun.clear()
+    torch.manual_seed(0)  # fit initializes again, as make() would have
+    assert fit_history(net, data) == uninterrupted
+    assert begun == [1, 2, 3, 4]  # a fresh run: the plan belonged to the fit before
+
+
+def test_a_net_with_the_callbacks_pickles_inside_a_fit(data, tmp_path):
+    from skorch.callbacks import Checkpoint
+
+    from accel_mixin.callbacks import ResumeTraining, TrainingCheckpoint
+
+    states = tmp_path / "states"
+    net = AcceleratedNet(
+        MLP,
+        accelerator=Accelerator(cpu=True),
+        max_epochs=1,
+        verbose=0,
+        callbacks=[
+            TrainingCheckpoint(states),
+            ResumeTraining(states),
+            # pickles the net at the epoch's end, while the callbacks hold the fit
+            Checkpoint(dirname=tmp_path / "pickled", f_pickle="net.pkl", monitor=None),
+        ],
+    )
+    net.fit(*data)
+    with open(tmp_path / "pickled" / "net.pkl", "rb") as f:
+        assert len(pickle.load(f).history) == 1
 
 
 def test_a_run_stopped_early_is_not_continued_by_a_rerun(data, tmp_path):
@@ -457,12 +522,15 @@ def test_a_failed_load_state_leaves_nothing_to_go_on_from(data, tmp_path):
     net.save_state(tmp_path / "state.pt")
     net.save_params(f_params=tmp_path / "params.pt")
 
-    other = AcceleratedNet(MLP, accelerator=accelerator, max_epochs=3, verbose=0)
+    begun = []
+    other = AcceleratedNet(
+        MLP, accelerator=accelerator, max_epochs=3, verbose=0, callbacks=[Begun(begun)]
+    )
     other.load_state(tmp_path / "state.pt")
     with pytest.raises(CheckpointError):
         other.load_state(tmp_path / "params.pt")
     other.fit(*data)
-    assert len(other.history) == 3  # started afresh, as skorch's fit does
+    assert begun == [1, 2, 3]  # started afresh, as skorch's fit does
 
 
 def test_the_gradient_scaler_resumes(data, tmp_path):

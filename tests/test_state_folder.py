@@ -54,7 +54,7 @@ SHUFFLING = {"generators": [], "iteration": None}
 
 def test_a_folder_holds_the_single_file_state_under_parameter_names(data, tmp_path):
     net = _fitted(data)
-    state = folder_state(net, SHUFFLING)
+    state = folder_state(net, net._objects, SHUFFLING)
     save_folder(state, tmp_path / "state")
     keys = saved_keys(tmp_path / "state")
     assert {"meta", "modules", "optimizers", "best_weights", "rng", "history", "loop"} <= set(keys)
@@ -62,7 +62,7 @@ def test_a_folder_holds_the_single_file_state_under_parameter_names(data, tmp_pa
     assert "partial" not in keys  # saved between epochs
 
     read = read_full(tmp_path / "state")
-    single = collect_state(net, SHUFFLING)
+    single = collect_state(net, net._objects, SHUFFLING)
     meta = unplain(read["meta"])
     assert meta["version"] == FOLDER_VERSION and meta["epoch"] == 3
     for key in ("history", "loop", "schedulers", "scaler"):
@@ -94,7 +94,7 @@ def test_a_state_inside_an_epoch_holds_this_ranks_part(data, tmp_path):
     net = _fitted(data)
     net.history.new_epoch()
     net.history.record("epoch", 4)
-    state = folder_state(net, SHUFFLING, position=(2, 2))
+    state = folder_state(net, net._objects, SHUFFLING, position=(2, 2))
     save_folder(state, tmp_path / "state")
     read = read_full(tmp_path / "state", keys={"partial", "loop"})
     partial = unplain(read["partial.rank-0"])
@@ -224,8 +224,8 @@ def test_a_folder_read_whole_is_the_single_file_state(data, tmp_path, position):
     if position is not None:  # inside epoch 4
         net.history.new_epoch()
         net.history.record("epoch", 4)
-    save_folder(folder_state(net, SHUFFLING, position=position), tmp_path / "state")
-    single = collect_state(net, SHUFFLING, position=position)
+    save_folder(folder_state(net, net._objects, SHUFFLING, position=position), tmp_path / "state")
+    single = collect_state(net, net._objects, SHUFFLING, position=position)
     got = as_single_file(read_full(tmp_path / "state"))
     assert _differences(got, single) == []
 

@@ -1,23 +1,24 @@
 """Resuming from a training state: ``load_state``'s steps, and the plan
 they leave for the next fit.
 
-``resume`` takes Lightning's order, each step a collective section that
-fails on every rank if it fails on one: read the state; load the weights
-into the unwrapped modules; prepare; restore optimizers, scaler and
-history; free the state and wait for every rank. What can only go back
-where the uninterrupted run had it waits in a ``ResumePlan``, which the next
-fit applies, each part once: at train begin (after the callbacks reset),
+``load_state`` runs the steps in Lightning's order, each a collective
+section that fails on every rank if it fails on one: ``read`` the state;
+``restore_weights`` into the unwrapped modules; prepare (the net's own);
+``restore_training``: optimizers, scaler and history, returning what can
+only go back where the uninterrupted run had it, a ``ResumePlan``. The next
+fit applies it, each part once: at train begin (after the callbacks reset),
 once prepared (``EarlyStopping``'s best weights under the wrapped keys) and
 at the first epoch's begin (generators; inside an epoch, its part done).
 """
 
+from __future__ import annotations
+
 import copy
-import functools
 import os
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Any
 
 from skorch.history import History
 
@@ -62,43 +63,30 @@ from accel_mixin.resume.training_state import (
     train_iterator_state,
 )
 from accel_mixin.training.data_order import restore_generator_states
-from accel_mixin.training.net_objects import net_modules, raw, sharded_module
-from accel_mixin.training.process_state import process_state
+from accel_mixin.training.fit import EpochStart, Fit
+from accel_mixin.training.net_objects import NetObjects
 
-__all__ = ["ResumePlan", "begin_epoch", "continue_epoch", "resume"]
+if TYPE_CHECKING:
+    import torch
+    from skorch import NeuralNet
+    from torch.utils.data import DataLoader
+
+__all__ = [
+    "ResumePlan",
+    "begin_epoch",
+    "continue_epoch",
+    "read",
+    "restore_training",
+    "restore_weights",
+]
 
 # the parts of a fit, in order; each method applies its part once
 _LOADED, _TRAINING, _PREPARED, _EPOCH = range(4)
 
 
-def resume(net, path):
-    """Restore the training state at ``path`` into the initialized ``net``."""
-    process = process_state(net)
-    coordinator = process.coordinator_for(net.accelerator)
-    # a load that fails halfway leaves no earlier load to go on from
-    process.forget_loaded_state()
-    state = coordinator.run(
-        lambda: _read(net, path), what="load_state", files=str(path), io_timeout=net.io_timeout
-    )
-    # a net never prepared ends prepared, as initialize() leaves it
-    was_wrapped = process.prepared.wrapped or not len(process.prepared)
-    net._unwrap_accelerator()  # pylint: disable=protected-access
-    coordinator.run(functools.partial(_restore_weights, net, state, path), what="load_state")
-    # prepare what is new (a scheduler a callback before ResumeTraining
-    # built, before its state goes into the raw scheduler) and rewrap; at
-    # train begin the callbacks set up on the unwrapped objects
-    net._initialize_accelerator()  # pylint: disable=protected-access
-    if not was_wrapped:
-        net._unwrap_accelerator()  # pylint: disable=protected-access
-    plan = coordinator.run(
-        functools.partial(_restore_training_state, net, state, path), what="load_state"
-    )
-    del state  # before the wait: the largest object of the load
-    process.plan = plan
-    coordinator.barrier("load_state")
-
-
-def _read(net, path):
+def read(net: NeuralNet, path: str) -> dict[str, Any]:
+    """The training state at ``path``, for ``net``: a folder (sharded nets
+    read all but what they load in place) or an earlier release's file."""
     if os.path.isdir(path):
         return _read_folder(net, path)
     if not os.path.lexists(path):
@@ -124,7 +112,7 @@ def _read(net, path):
     return state
 
 
-def _read_folder(net, path):
+def _read_folder(net: NeuralNet, path: str) -> dict[str, Any]:
     """A training-state folder, as ``_read`` returns a file's: read whole by
     one process or DDP; a sharded net reads all but the modules, optimizers
     and best weights, which it loads into what it holds (``InFolder``)."""
@@ -145,9 +133,11 @@ def _read_folder(net, path):
         raise CheckpointError(damaged_message(path, path, failures(exc))) from None
 
 
-def _restore_weights(net, state, source):
+def restore_weights(objects: NetObjects, state: dict[str, Any], source: str) -> None:
+    """Load the modules' weights of ``state`` (read from ``source``) into
+    the net's unwrapped modules (``objects``)."""
     saved = state["modules"]
-    for name, module in net_modules(net):
+    for name, module in objects.named_modules():
         if name not in saved:
             raise CheckpointError(
                 f"{source} holds no state for {name}_ (it holds {sorted(saved)}): it was "
@@ -161,23 +151,29 @@ def _restore_weights(net, state, source):
             load_module_state(module, saved[name], source=source, name=name + "_")
 
 
-def _restore_training_state(net, state, source):
-    """Restore optimizers, scaler and history; return the ``ResumePlan``."""
+def restore_training(
+    net: NeuralNet, objects: NetObjects, state: dict[str, Any], source: str
+) -> ResumePlan:
+    """Restore optimizers, scaler and history of ``state`` (read from
+    ``source``) into ``net``, prepared (``objects``: its objects); return
+    what the next fit applies."""
     accelerator = net.accelerator
-    for name in net._optimizers:  # pylint: disable=protected-access
+    for name, optimizer in objects.raw_optimizers().items():
         if name not in state["optimizers"]:
             raise CheckpointError(f"{source} holds no state for {name}_.")
         saved = state["optimizers"][name]
         if isinstance(saved, InFolder):
             groups = state["optimizer_groups"][name]
-            saved = state["optimizers"][name] = _load_optimizer(net, name, saved, groups, source)
+            saved = state["optimizers"][name] = _load_optimizer(
+                objects, name, saved, groups, source
+            )
         elif is_sharded_entry(saved):
             load_sharded_optimizer(
-                _module_of(net, saved, source), raw(net, name), source, saved, name + "_"
+                _module_of(objects, saved, source), optimizer, source, saved, name + "_"
             )
         else:
-            load_optimizer_state(raw(net, name), saved, source=source, name=name + "_")
-    _load_sharded_best_weights(net, state["callbacks"], state["modules"], source)
+            load_optimizer_state(optimizer, saved, source=source, name=name + "_")
+    _load_sharded_best_weights(objects, state["callbacks"], state["modules"], source)
     if state["scaler"] is not None and accelerator.scaler is not None:
         accelerator.scaler.load_state_dict(state["scaler"])
     net.history = History(state["history"])
@@ -216,12 +212,18 @@ def _restore_training_state(net, state, source):
     return plan
 
 
-def _load_optimizer(net, name, entry, groups, source):
+def _load_optimizer(
+    objects: NetObjects,
+    name: str,
+    entry: InFolder,
+    groups: list[dict[str, Any]],
+    source: str,
+) -> dict[str, Any]:
     """Load the optimizer ``name`` from a folder (``entry``; ``groups``: its
     saved hyperparameters) into a sharded net; returns what the plan needs
     of it (its param groups)."""
-    optimizer = raw(net, name)
-    owner = owner_module(dict(net_modules(net)).values(), optimizer)
+    optimizer = objects.raw(name)
+    owner = owner_module(dict(objects.named_modules()).values(), optimizer)
     if owner is None:  # saved by position (several modules' parameters)
         saved = by_position(read_full(source, ["optimizers"])["optimizers"][name])
         load_optimizer_state(optimizer, saved, source=source, name=name + "_")
@@ -231,33 +233,40 @@ def _load_optimizer(net, name, entry, groups, source):
     return {"param_groups": groups}
 
 
-def _module_of(net, entry, source):
+def _module_of(objects: NetObjects, entry: dict[str, Any], source: str) -> torch.nn.Module:
     """The raw module whose parameters a sharded optimizer entry is over."""
     name = entry["module"]
-    if name not in net._modules:  # pylint: disable=protected-access
+    if name not in objects.modules:
         raise CheckpointError(
             f"{source} holds the state of {entry['name']}_ over the parameters of {name}_, "
             "which this net does not have: it was saved from a net with other modules."
         )
-    return raw(net, name)
+    module: torch.nn.Module = objects.raw(name)
+    return module
 
 
-def _load_sharded_best_weights(net, callbacks, modules, source):
+def _load_sharded_best_weights(
+    objects: NetObjects,
+    callbacks: dict[str, Any],
+    modules: dict[str, Any],
+    source: str,
+) -> None:
     """``EarlyStopping``'s best weights that a state saved under FSDP2 keeps
     in its folder of shards, read now (rotation may remove the folder before
     the fit), laid out as the module's own."""
     name = next((n for n, entry in modules.items() if is_sharded_entry(entry)), None)
-    if any(isinstance(entry, InFolder) for entry in modules.values()):
-        name = sharded_module(net)[0]  # the weights of the module FSDP2 shards
+    named = objects.sharded_module()
+    if named is not None and any(isinstance(entry, InFolder) for entry in modules.values()):
+        name = named[0]  # the weights of the module FSDP2 shards
     for cb_name, cb_state in callbacks.items():
         entry = cb_state.get(BEST_WEIGHTS)
         if isinstance(entry, InFolder):
-            module = _module_of(net, {"module": name, "name": cb_name}, source)
+            module = _module_of(objects, {"module": name, "name": cb_name}, source)
             cb_state[BEST_WEIGHTS] = load_best_weights_from(
                 module, source, entry.keys, source, f"the best weights of {cb_name}"
             )
         elif is_sharded_entry(entry):
-            module = _module_of(net, {"module": name, "name": cb_name}, source)
+            module = _module_of(objects, {"module": name, "name": cb_name}, source)
             cb_state[BEST_WEIGHTS] = load_sharded_best_weights(
                 module, source, entry, f"the best weights of {cb_name}"
             )
@@ -276,18 +285,17 @@ class ResumePlan:
 
     stopped: bool  # EarlyStopping stopped the run: the next fit trains nothing
     accumulation_step: int
-    callbacks: dict
-    schedulers: dict
-    optimizer_groups: dict  # param_groups by optimizer name
-    rng: Optional[dict]
-    train_iterator: dict
-    partial_epoch: Optional[dict] = None
-    fitting: bool = False  # whether the fit it belongs to has begun
+    callbacks: dict[str, Any]
+    schedulers: dict[str, Any]
+    optimizer_groups: dict[str, Any]  # param_groups by optimizer name
+    rng: dict[str, Any] | None
+    train_iterator: dict[str, Any]
+    partial_epoch: dict[str, Any] | None = None
     _stage: int = _LOADED
-    _best_weights: dict = field(default_factory=dict)
-    _resume_point: Optional[dict] = None
+    _best_weights: dict[str, tuple[bool, Any]] = field(default_factory=dict)
+    _resume_point: dict[str, Any] | None = None
 
-    def epochs_to_train(self, net, epochs):
+    def epochs_to_train(self, net: NeuralNet, epochs: int | None) -> int:
         """``epochs`` where given, else those left up to ``max_epochs``
         (none after an early stop)."""
         if epochs is not None:
@@ -302,15 +310,15 @@ class ResumePlan:
             return 0
         return max(net.max_epochs - len(net.history), 0)
 
-    def _enter(self, stage):
+    def _enter(self, stage: int) -> bool:
         if self._stage != stage - 1:
             return False
         self._stage = stage
         return True
 
-    def at_train_begin(self, net):
+    def at_train_begin(self, net: NeuralNet, objects: NetObjects) -> None:
         """After the callbacks' ``on_train_begin``, which resets them and the
-        accumulation step."""
+        accumulation step (``objects``: the net's)."""
         if not self._enter(_TRAINING):
             return
         net.accelerator.step = self.accumulation_step
@@ -332,10 +340,10 @@ class ResumePlan:
         # rate (and momentum) anew from the restored history's epoch count;
         # the saved hyperparameters are the ones to go on with
         for name, groups in self.optimizer_groups.items():
-            for group, saved in zip(raw(net, name).param_groups, groups):
+            for group, saved in zip(objects.raw(name).param_groups, groups):
                 group.update({key: value for key, value in saved.items() if key != "params"})
 
-    def once_prepared(self, net):
+    def once_prepared(self, net: NeuralNet) -> None:
         """``EarlyStopping``'s best weights, under the keys of ``module_`` as
         it is wrapped now, which it loads them into when training ends."""
         if not self._enter(_PREPARED):
@@ -353,7 +361,7 @@ class ResumePlan:
             )
         self._best_weights = {}
 
-    def at_epoch_begin(self, train_iterator):
+    def at_epoch_begin(self, train_iterator: DataLoader | None) -> dict[str, Any] | None:
         """The generators as the uninterrupted run had them when the first
         resumed epoch began; the epoch's part done inside it, else None."""
         if not self._enter(_EPOCH):
@@ -373,26 +381,24 @@ class ResumePlan:
             self._resume_point = partial
         return partial
 
-    def resume_point(self):
+    def resume_point(self) -> dict[str, Any] | None:
         """The epoch's part done, once, for the resumed epoch's batches."""
         point, self._resume_point = self._resume_point, None
         return point
 
 
-def begin_epoch(net):
-    """When an epoch begins, before the callbacks: apply the plan's epoch
-    part, and keep the generators this epoch begins with for states saved
-    inside it. Returns the unfinished epoch a state from inside it holds."""
-    process = process_state(net)
-    fit = process.fit
-    iterator = fit.running_train_iterator()
-    partial = process.plan.at_epoch_begin(iterator) if process.plan is not None else None
-    fit.epoch_start_iterator = train_iterator_state(iterator)
-    fit.epoch_start_rng = rng_state()
+def begin_epoch(fit: Fit) -> dict[str, Any] | None:
+    """When an epoch of ``fit`` begins, before the callbacks: apply the
+    plan's epoch part, and keep the order and generators this epoch begins
+    with for states saved inside it. Returns the unfinished epoch a state
+    from inside it holds."""
+    iterator = fit.train_iterator_now()
+    partial = fit.plan.at_epoch_begin(iterator) if fit.plan is not None else None
+    fit.epoch_start = EpochStart(train_iterator_state(iterator), rng_state())
     return partial
 
 
-def continue_epoch(net, partial):
+def continue_epoch(net: NeuralNet, partial: dict[str, Any]) -> None:
     """After the callbacks' ``on_epoch_begin`` (which starts a row and
     empties caches): the unfinished epoch's row and caches back."""
     net.history[-1] = partial["row"]

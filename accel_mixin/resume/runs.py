@@ -44,7 +44,7 @@ from skorch.callbacks import logging as skorch_logging
 from accel_mixin.checkpoint.files import atomic_write
 from accel_mixin.errors import CheckpointError
 from accel_mixin.resume.describe import Describer, fingerprint, init_defaults, name_of
-from accel_mixin.training.process_state import process_state
+from accel_mixin.training.fit import Fit
 
 if TYPE_CHECKING:
     from skorch import NeuralNet
@@ -195,15 +195,15 @@ def run_identity(
     return RunIdentity(described, refused)
 
 
-def fit_identity(net: NeuralNet, X: Any, y: Any, name: str | None = None) -> RunIdentity:
-    """The run identity of the running fit, computed once per fit (the data
-    hashed once), the same on every rank: the ranks compare theirs and all
-    raise where they differ; an unnamed fit that the identity cannot tell
-    from others gets a unique id, drawn on the main process."""
-    state = process_state(net).fit
-    if state.identity is not None:
-        return state.identity
-    identity = run_identity(net, X, y, state.fit_params, name=name)
+def fit_identity(net: NeuralNet, X: Any, y: Any, fit: Fit, name: str | None = None) -> RunIdentity:
+    """The run identity of ``fit``, the running fit of ``net``, computed once
+    per fit (the data hashed once), the same on every rank: the ranks compare
+    theirs and all raise where they differ; an unnamed fit that the identity
+    cannot tell from others gets a unique id, drawn on the main process."""
+    if fit.identity is not None:
+        known: RunIdentity = fit.identity
+        return known
+    identity = run_identity(net, X, y, fit.fit_params, name=name)
     nonce = uuid.uuid4().hex[:16]
     if net.accelerator.num_processes > 1:
         # every rank comes here: the callbacks before succeeded on all of them
@@ -220,7 +220,7 @@ def fit_identity(net: NeuralNet, X: Any, y: Any, name: str | None = None) -> Run
                 )
     if identity.refused and identity.name is None:
         identity = identity.unique(nonce)
-    state.identity = identity
+    fit.identity = identity
     return identity
 
 

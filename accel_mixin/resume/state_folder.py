@@ -37,7 +37,6 @@ from accel_mixin.resume.training_state import (
     partial_epoch,
     shared_state,
 )
-from accel_mixin.training.net_objects import net_modules, raw, sharded_module
 
 __all__ = [
     "FOLDER_VERSION",
@@ -129,17 +128,20 @@ def _spread_optimizer(optimizer_state, spread):
     return dict(optimizer_state, state=spread(optimizer_state["state"]))
 
 
-def rank_entries(net, position=None):
+def rank_entries(net, position=None, epoch_rng=None):
     """This rank's own entries of a state: its generators and, inside an
-    epoch (``position``, ``collect_state``'s), its part of that epoch."""
+    epoch (``position`` and ``epoch_rng``, ``collect_state``'s), its part of
+    that epoch."""
     rank = net.accelerator.process_index
     entries = {rank_key("rng", rank): plain(rng_state())}
     if position is not None:
-        entries[rank_key("partial", rank)] = plain(partial_epoch(net, position[1]))
+        entries[rank_key("partial", rank)] = plain(partial_epoch(net, position[1], epoch_rng))
     return entries
 
 
-def folder_state(net, train_iterator_state, stopped=False, position=None, ranks=None):
+def folder_state(
+    net, objects, train_iterator_state, stopped=False, position=None, epoch_rng=None, ranks=None
+):
     """The training state of ``net`` as the keys of one DCP folder; every
     rank calls it (no collective). The arguments are ``collect_state``'s;
     ``ranks``: every rank's ``rank_entries``, where this process writes the
@@ -147,11 +149,12 @@ def folder_state(net, train_iterator_state, stopped=False, position=None, ranks=
     this rank's own entries and its share of the tensors."""
     accelerator = net.accelerator
     rank = accelerator.process_index
-    named = sharded_module(net) if sharded(accelerator) else None
+    named = objects.sharded_module() if sharded(accelerator) else None
     if named is not None:
         reshard(named[1])  # named_parameters must be the shards the optimizers hold
-    modules = dict(net_modules(net))
-    shared = shared_state(net, train_iterator_state, stopped=stopped, position=position)
+    modules = dict(objects.named_modules())
+    optimizers = objects.raw_optimizers()
+    shared = shared_state(net, objects, train_iterator_state, stopped=stopped, position=position)
     callbacks = shared.pop("callbacks")
     best = {
         name: cb_state.pop(BEST_WEIGHTS)
@@ -174,8 +177,8 @@ def folder_state(net, train_iterator_state, stopped=False, position=None, ranks=
         ),
         "modules": {name: spread(_module_state(module)) for name, module in modules.items()},
         "optimizers": {
-            name: _spread_optimizer(_optimizer_state(raw(net, name), modules.values()), spread)
-            for name in net._optimizers  # pylint: disable=protected-access
+            name: _spread_optimizer(_optimizer_state(optimizer, modules.values()), spread)
+            for name, optimizer in optimizers.items()
         },
         "best_weights": {name: spread(weights) for name, weights in best.items()},
         # a sharded net loads optimizers into a template of the groups it has,
@@ -184,16 +187,16 @@ def folder_state(net, train_iterator_state, stopped=False, position=None, ranks=
             {
                 name: [
                     {key: value for key, value in group.items() if key != "params"}
-                    for group in raw(net, name).param_groups
+                    for group in optimizer.param_groups
                 ]
-                for name in net._optimizers  # pylint: disable=protected-access
+                for name, optimizer in optimizers.items()
             }
         ),
         "callbacks": plain(callbacks),
     }
     for key in ("schedulers", "scaler", "history", "loop"):
         state[key] = plain(shared[key])
-    state.update(rank_entries(net, position) if ranks is None else ranks)
+    state.update(rank_entries(net, position, epoch_rng) if ranks is None else ranks)
     return state
 
 

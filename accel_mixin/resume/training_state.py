@@ -19,8 +19,11 @@ accel_mixin supports. Any other callback keeps nothing, and the main process
 warns once where it has fitted attributes that a file could hold.
 """
 
+from __future__ import annotations
+
 import warnings
 import weakref
+from typing import TYPE_CHECKING, Any
 
 from accelerate.utils import gather_object
 from skorch.callbacks import (
@@ -43,8 +46,13 @@ from accel_mixin.checkpoint.state_values import (
     rng_state,
 )
 from accel_mixin.training.data_order import generator_states
-from accel_mixin.training.net_objects import net_modules, raw, raw_scheduler
-from accel_mixin.training.process_state import process_state
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from skorch import NeuralNet
+    from torch.utils.data import DataLoader
+
+    from accel_mixin.training.net_objects import NetObjects
 
 __all__ = [
     "BEST_IS_CURRENT",
@@ -67,7 +75,7 @@ BEST_IS_CURRENT = "accel_mixin:best_model_weights_are_the_current_ones"
 
 # skorch's callbacks, by class (subclasses included): the fitted attributes
 # a resumed run needs
-SKORCH_STATE = {
+SKORCH_STATE: dict[type, tuple[str, ...]] = {
     EarlyStopping: ("misses_", "dynamic_threshold_", "best_epoch_", BEST_WEIGHTS),
     ScoringBase: ("best_score_",),
     PassthroughScoring: ("best_score_",),
@@ -77,10 +85,10 @@ SKORCH_STATE = {
 
 # a save runs under warning filters of its own, which reset Python's memory
 # of the warnings it showed
-_WARNED = weakref.WeakSet()
+_WARNED: weakref.WeakSet[Callback] = weakref.WeakSet()
 
 
-def _declared(callback):
+def _declared(callback: Callback) -> tuple[str, ...] | None:
     """The names ``SKORCH_STATE`` gives ``callback``: () for skorch's others
     (timers, loggers, progress bars), None for a callback not skorch's."""
     mro = type(callback).__mro__
@@ -92,7 +100,7 @@ def _declared(callback):
     return None
 
 
-def callback_state(callback, name="", warn=False):
+def callback_state(callback: Callback, name: str = "", warn: bool = False) -> dict[str, Any]:
     """The state of ``callback`` as tensors and plain values; ``warn`` (the
     main process) says where it declares none but has fitted attributes."""
     if callable(getattr(callback, "state_dict", None)):
@@ -123,7 +131,7 @@ def callback_state(callback, name="", warn=False):
     return {}
 
 
-def restore_callback_state(callback, state):
+def restore_callback_state(callback: Callback, state: dict[str, Any]) -> None:
     """Put back what ``callback_state`` returned for the same callback."""
     if callable(getattr(callback, "load_state_dict", None)):
         callback.load_state_dict(state)
@@ -132,7 +140,7 @@ def restore_callback_state(callback, state):
         setattr(callback, key, value)
 
 
-def warn_if_inside_accumulation(accelerator):
+def warn_if_inside_accumulation(accelerator: Accelerator) -> None:
     """Warn on the main process where a state saved now misses the gradients
     accumulated since the last optimizer step."""
     # accelerate's step counts the batches since the last sync (0 at a
@@ -149,7 +157,7 @@ def warn_if_inside_accumulation(accelerator):
         )
 
 
-def train_iterator_state(train_iterator):
+def train_iterator_state(train_iterator: DataLoader | None) -> dict[str, Any]:
     """What decides the order of ``train_iterator``'s next epoch."""
     return {
         "generators": generator_states(train_iterator),
@@ -157,13 +165,16 @@ def train_iterator_state(train_iterator):
     }
 
 
-def partial_epoch(net, batch_count):
+def partial_epoch(
+    net: NeuralNet, batch_count: int, epoch_rng: dict[str, Any] | None
+) -> dict[str, Any]:
     """This rank's part of the unfinished epoch: its row, the predictions of
-    ``EpochScoring(on_train=True)`` and the generators the epoch began with."""
+    ``EpochScoring(on_train=True)`` and the generators the epoch began with
+    (``epoch_rng``)."""
     return {
         "row": history_state([net.history[-1]])[0],
         "batch_count": batch_count,
-        "epoch_rng": process_state(net).fit.epoch_start_rng,
+        "epoch_rng": epoch_rng,
         "caches": {
             name: cpu_snapshot(as_plain([list(cb.y_preds_), list(cb.y_trues_)]))
             for name, cb in net.callbacks_
@@ -172,22 +183,33 @@ def partial_epoch(net, batch_count):
     }
 
 
-def collect_state(net, train_iterator_state, stopped=False, position=None):
-    """The training state of ``net``; every rank calls it (for the RNGs).
+def collect_state(
+    net: NeuralNet,
+    objects: NetObjects,
+    train_iterator_state: dict[str, Any],
+    stopped: bool = False,
+    position: tuple[int, int] | None = None,
+    epoch_rng: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The training state of ``net`` (``objects``: its objects, a
+    ``training.net_objects.NetObjects``); every rank calls it (for the RNGs).
 
     ``train_iterator_state`` decides the next epoch's order (inside an epoch,
     that epoch's); ``stopped`` says that training ends here
     (``EarlyStopping``); ``position`` is ``(batches, batch_count)`` inside an
-    epoch: the batches done, and how many of them held real samples.
+    epoch: the batches done, and how many of them held real samples, and
+    ``epoch_rng`` this rank's generators as that epoch began.
     """
     accelerator = net.accelerator
     mine = {"rng": rng_state()}
     if position is not None:
-        mine["partial"] = partial_epoch(net, position[1])
+        mine["partial"] = partial_epoch(net, position[1], epoch_rng)
     everyone = gather_object([mine]) if accelerator.num_processes > 1 else [mine]
-    state = shared_state(net, train_iterator_state, stopped=stopped, position=position)
-    state["modules"] = {name: clean_state_dict(module) for name, module in net_modules(net)}
-    state["optimizers"] = {name: raw(net, name).state_dict() for name in net._optimizers}  # pylint: disable=protected-access
+    state = shared_state(net, objects, train_iterator_state, stopped=stopped, position=position)
+    state["modules"] = {name: clean_state_dict(module) for name, module in objects.named_modules()}
+    state["optimizers"] = {
+        name: optimizer.state_dict() for name, optimizer in objects.raw_optimizers().items()
+    }
     state["rng"] = [item["rng"] for item in everyone]
     state["loop"]["partial_epoch"] = (
         [item["partial"] for item in everyone] if position is not None else None
@@ -195,7 +217,13 @@ def collect_state(net, train_iterator_state, stopped=False, position=None):
     return state
 
 
-def shared_state(net, train_iterator_state, stopped=False, position=None):
+def shared_state(
+    net: NeuralNet,
+    objects: NetObjects,
+    train_iterator_state: dict[str, Any],
+    stopped: bool = False,
+    position: tuple[int, int] | None = None,
+) -> dict[str, Any]:
     """What every rank holds alike of ``net``'s training state, as plain
     values: all but the modules, optimizers, generators and each rank's part
     of an unfinished epoch. The arguments are ``collect_state``'s."""
@@ -203,7 +231,7 @@ def shared_state(net, train_iterator_state, stopped=False, position=None):
     rows = net.history if position is None else net.history[:-1]
     schedulers = {}
     for name, cb in net.callbacks_:
-        scheduler = raw_scheduler(name, cb, net) if isinstance(cb, LRScheduler) else None
+        scheduler = objects.scheduler(name, cb) if isinstance(cb, LRScheduler) else None
         if scheduler is not None:
             # a plateau scheduler keeps skorch's NumPy float, which
             # weights_only loading refuses
@@ -226,7 +254,7 @@ def shared_state(net, train_iterator_state, stopped=False, position=None):
     }
 
 
-def _callback_state(net, name, cb):
+def _callback_state(net: NeuralNet, name: str, cb: Callback) -> dict[str, Any]:
     # EarlyStopping(load_best=True)'s copy of the best weights is kept only
     # where it differs from the weights saved anyway
     state = callback_state(cb, name, warn=net.accelerator.is_main_process)

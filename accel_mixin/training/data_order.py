@@ -14,17 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 
 from accel_mixin.checkpoint.state_values import restore_rng, rng_state
 from accel_mixin.internals import batch_sampler_owner, start_persistent_iterator
-from accel_mixin.training.process_state import process_state
-
-if TYPE_CHECKING:
-    from skorch import NeuralNet
 
 __all__ = [
     "generator_states",
@@ -86,11 +82,12 @@ def start_workers_without_draws(dataloader: DataLoader) -> None:
         restore_generator_states(dataloader, states)
 
 
-def resumable_inside_epochs(net: NeuralNet, explain: bool = False) -> bool:
-    """Whether the running fit's training data has batch indices to skip
-    (map-style data); ``explain`` raises the ``ValueError`` that says why not."""
+def resumable_inside_epochs(train_iterator: DataLoader, explain: bool = False) -> bool:
+    """Whether the training data of ``train_iterator`` (a running fit's) has
+    batch indices to skip (map-style data); ``explain`` raises the
+    ``ValueError`` that says why not."""
     try:
-        batch_sampler_owner(process_state(net).fit.running_train_iterator())
+        batch_sampler_owner(train_iterator)
     except ValueError:
         if explain:
             raise

@@ -11,8 +11,12 @@ callbacks on the same row, and agree on the row, on stopping and on any
 error, before the replica check and the ``on_epoch_finished`` hooks.
 """
 
+from __future__ import annotations
+
 import inspect
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
 import torch
 from skorch.dataset import get_len, unpack_data
@@ -24,7 +28,8 @@ from accel_mixin.distributed.history_sync import agree_on_row, leading_samples, 
 from accel_mixin.distributed.replicas import check_same_steps
 from accel_mixin.errors import DistributedError
 from accel_mixin.training.data_order import skipping_batches, start_workers_without_draws
-from accel_mixin.training.net_objects import check_net_replicas
+from accel_mixin.training.fit import Fit
+from accel_mixin.training.net_objects import NetObjects, check_net_replicas
 from accel_mixin.training.notifications import hook, main_process_pickles, stopped_early
 from accel_mixin.training.shares import (
     criterion_is_mean,
@@ -32,6 +37,11 @@ from accel_mixin.training.shares import (
     real_samples,
     warn_padding_trains,
 )
+
+if TYPE_CHECKING:
+    from skorch import NeuralNet
+
+    from accel_mixin.distributed.control import Control
 
 __all__ = ["EpochBatches", "epoch_end"]
 
@@ -42,21 +52,27 @@ class EpochBatches:
     Iterating yields each batch of ``iterator`` as the view of its real
     samples; ``step(step_fn)`` trains on the whole batch and returns the step
     of the real samples. While training batches run, ``fit.position`` holds
-    what a training state saved there records; a resumed epoch (``plan``)
-    skips the batches done. ``on_batch_finished`` hooks run after each
-    training batch.
+    what a training state saved there records; a resumed epoch (``fit.plan``)
+    skips the batches done. The steps weigh and autocast with ``fit.stepper``.
+    ``on_batch_finished`` hooks run after each training batch.
     """
 
-    def __init__(self, net, iterator, training, autocast, fit, plan):
-        self.net, self.iterator, self.training, self.autocast = net, iterator, training, autocast
-        self.fit, self.plan = fit, plan
+    def __init__(self, net: NeuralNet, iterator: Any, training: bool, fit: Fit) -> None:
+        # iterator: skorch's, a DataLoader that accelerate prepared
+        assert fit.stepper is not None, "a fit's stepper is made before its epochs"
+        self.net, self.iterator, self.training = net, iterator, training
+        self.fit, self.stepper = fit, fit.stepper
         accelerator = net.accelerator
         self.processes, self.rank = accelerator.num_processes, accelerator.process_index
         self.padded = self.processes > 1 and accelerator.even_batches
-        self.resume, self.done, self.batch_count, self.finished = None, 0, 0, []
-        self._batch = self._real = None
+        self.resume: dict[str, Any] | None = None
+        self.done, self.batch_count = 0, 0
+        self.finished: list[Callable[..., Any]] = []
+        self._batch: Any = None
+        self._real = 0
         self._weight = 1.0
         if training:
+            plan = fit.plan
             self.resume = plan.resume_point() if plan is not None else None
             if self.resume is not None:
                 self.done, self.batch_count = self.resume["batches"], self.resume["batch_count"]
@@ -64,22 +80,22 @@ class EpochBatches:
                 h for _, cb in net.callbacks_ for h in [hook(cb, "on_batch_finished")] if h
             ]
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self.iterator)
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         # an override of run_single_epoch may read the DataLoader's attributes
         if name == "iterator":
             raise AttributeError(name)
         return getattr(self.iterator, name)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Any]:
         net, accelerator = self.net, self.net.accelerator
         if self.training and self.processes > 1:
             check_same_steps(accelerator, self.iterator)
         try:
             with skipping_batches(self.iterator, self.done):
-                if self.plan is not None and len(net.history) > 1:
+                if self.fit.plan is not None and len(net.history) > 1:
                     # the uninterrupted run started them in its first epoch
                     start_workers_without_draws(self.iterator)
                 for batch in self.iterator:
@@ -107,10 +123,10 @@ class EpochBatches:
             if self.training:
                 self.fit.position = None
 
-    def step(self, step_fn):
+    def step(self, step_fn: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
         """``step_fn`` on the whole batch; the step of its real samples."""
 
-        def real_step(view, **fit_params):
+        def real_step(view: Any, **fit_params: Any) -> dict[str, Any]:
             batch, real, weight = self._batch, self._real, self._weight
             trained = batch
             if not self.training or weight == 1:
@@ -118,7 +134,7 @@ class EpochBatches:
             elif criterion_is_mean(self.net.criterion_):
                 # padding alone still runs, for DDP, with weight 0
                 trained = view if real else batch
-                with self.net._stepper.weighting(weight):  # pylint: disable=protected-access
+                with self.stepper.weighting(weight):
                     step = step_fn(trained, **fit_params)
             else:
                 warn_padding_trains(self.net, self.net.criterion_)
@@ -129,16 +145,23 @@ class EpochBatches:
                 self.fit.position = (self.done, self.batch_count)
             if view is trained:
                 return step
-            return _real_step(self.net, step, view, real, self.training, self.autocast)
+            return _real_step(self.net, step, view, real, self.training, self.stepper.autocast)
 
         return real_step
 
 
-def _size(batch):
+def _size(batch: Any) -> int:
     return get_len(batch[0]) if isinstance(batch, (tuple, list)) else get_len(batch)
 
 
-def _real_step(net, step, view, real, training, autocast):
+def _real_step(
+    net: NeuralNet,
+    step: dict[str, Any],
+    view: Any,
+    real: int,
+    training: bool,
+    autocast: Callable[[], Any],
+) -> dict[str, Any]:
     """The step's loss and prediction for the real samples of its batch."""
     y_pred = leading_samples(step["y_pred"], real)
     if not real:
@@ -150,8 +173,11 @@ def _real_step(net, step, view, real, training, autocast):
 
 
 @contextmanager
-def epoch_end(net, coordinator, **cb_kwargs):
-    """The end of an epoch, around the net's notification of its callbacks.
+def epoch_end(
+    net: NeuralNet, coordinator: Control, objects: NetObjects, **cb_kwargs: Any
+) -> Iterator[dict[str, Any]]:
+    """The end of an epoch, around the net's notification of its callbacks
+    (``objects``: the net's, whose replicas are checked).
 
     Before the block the ranks sync the epoch, and the main process scores
     for all: the block gets ``scores``, those the callbacks record at their
@@ -165,13 +191,15 @@ def epoch_end(net, coordinator, **cb_kwargs):
     saying whether ``EarlyStopping`` ends training (a Ctrl-C does not count).
     """
     distributed = net.accelerator.num_processes > 1
-    scores = {}
+    scores: dict[str, Any] = {}
     if distributed:
         coordinator.barrier("history sync")
         on_main = share_predictions(net, **cb_kwargs)  # reads this rank's own batch records
         merge_epoch(net)
         scores = score_on_main(net, on_main, **cb_kwargs)
-    stop, interrupt, error = False, None, None
+    stop = False
+    interrupt: KeyboardInterrupt | None = None
+    error: Exception | None = None
     try:
         with main_process_pickles(net.callbacks_, net.accelerator.is_main_process):
             yield scores
@@ -199,7 +227,7 @@ def epoch_end(net, coordinator, **cb_kwargs):
         every = net.replica_check_every
         if every and len(net.history) % every == 0:
             # before a training state is saved: never save a divergence
-            check_net_replicas(net, f"after epoch {len(net.history)}")
+            check_net_replicas(objects, f"after epoch {len(net.history)}")
     stopped = stop and stopped_early(net.callbacks_)
     for _, cb in net.callbacks_:
         finished = hook(cb, "on_epoch_finished")
@@ -211,6 +239,6 @@ def epoch_end(net, coordinator, **cb_kwargs):
         raise interrupt or KeyboardInterrupt
 
 
-def _takes(function, name):
+def _takes(function: Callable[..., Any], name: str) -> bool:
     parameters = inspect.signature(function).parameters.values()
     return any(p.name == name or p.kind is p.VAR_KEYWORD for p in parameters)

@@ -26,27 +26,22 @@ from accel_mixin.distributed.sharding import (
     sharded,
     sharded_module_name,
 )
-from accel_mixin.training.process_state import process_state
 from accel_mixin.training.stepping import takes_closures
-from accel_mixin.training.wrapping import Slot, requires_closure
+from accel_mixin.training.wrapping import PreparedObjects, Slot, requires_closure
 
 if TYPE_CHECKING:
     from skorch import NeuralNet
 
 __all__ = [
+    "NetObjects",
     "bare_modules",
     "check_device",
     "check_net_replicas",
     "check_optimizers",
     "check_params",
     "check_sharding",
-    "net_modules",
     "prepare_retrainable_modules",
-    "raw",
-    "raw_scheduler",
-    "sharded_module",
     "shards_in_place",
-    "slots",
 ]
 
 
@@ -56,76 +51,94 @@ def _scheduler_slot(cb_name: str, cb: LRScheduler) -> Slot:
     return Slot(key, cb, "lr_scheduler_", "scheduler", step_once=cb.step_every != "batch")
 
 
-def slots(net: NeuralNet) -> Iterator[Slot]:
-    """Every slot accelerate prepares, in the order it must prepare them."""
-    for kind, names in (
-        ("module", net._modules),  # pylint: disable=protected-access
-        ("criterion", net._criteria),  # pylint: disable=protected-access
-        ("optimizer", net._optimizers),  # pylint: disable=protected-access
-    ):
-        for name in names:
-            yield Slot(name + "_", net, name + "_", kind)
-    for cb_name, cb in getattr(net, "callbacks_", []):
-        if isinstance(cb, LRScheduler):
-            yield _scheduler_slot(cb_name, cb)
+class NetObjects:
+    """The objects ``net`` built, by the names of skorch's registries
+    (``modules``, ``criteria``, ``optimizers``), and what accelerate made of
+    them (``prepared``). The net makes one where it is needed and hands it
+    down, so that no module below reads the net's registries."""
+
+    __slots__ = ("criteria", "modules", "net", "optimizers", "prepared")
+
+    def __init__(
+        self,
+        net: NeuralNet,
+        prepared: PreparedObjects,
+        modules: list[str],
+        criteria: list[str],
+        optimizers: list[str],
+    ) -> None:
+        self.net, self.prepared = net, prepared
+        self.modules, self.criteria, self.optimizers = modules, criteria, optimizers
+
+    def slots(self) -> Iterator[Slot]:
+        """Every slot accelerate prepares, in the order it must prepare them."""
+        for kind, names in (
+            ("module", self.modules),
+            ("criterion", self.criteria),
+            ("optimizer", self.optimizers),
+        ):
+            for name in names:
+                yield Slot(name + "_", self.net, name + "_", kind)
+        for cb_name, cb in getattr(self.net, "callbacks_", []):
+            if isinstance(cb, LRScheduler):
+                yield _scheduler_slot(cb_name, cb)
+
+    def raw(self, name: str) -> Any:
+        """The object the net built for ``name`` ('module', 'optimizer2'), wrapped now or not."""
+        return self.prepared.raw_or_current(name + "_", self.net, name + "_")
+
+    def scheduler(self, cb_name: str, cb: LRScheduler) -> Any:
+        """The scheduler an ``LRScheduler`` callback built, unwrapped, or None."""
+        slot = _scheduler_slot(cb_name, cb)
+        return self.prepared.raw_or_current(slot.key, slot.owner, slot.attr)
+
+    def raw_optimizers(self) -> dict[str, Any]:
+        """The optimizers the net built, by name."""
+        return {name: self.raw(name) for name in self.optimizers}
+
+    def named_modules(self) -> Iterator[tuple[str, torch.nn.Module]]:
+        """``(name, module)`` of every raw module and criterion that is a ``torch.nn.Module``."""
+        for name in self.modules + self.criteria:
+            module = self.raw(name)
+            if isinstance(module, torch.nn.Module):
+                yield name, module
+
+    def sharded_module(self) -> tuple[str, torch.nn.Module] | None:
+        """``(name, module)`` of the module FSDP2 shards, or None."""
+        name = sharded_module_name(self.named_raw(self.modules))
+        return None if name is None else (name, self.raw(name))
+
+    def named_raw(self, names: list[str]) -> list[tuple[str, Any]]:
+        """``(name, object)`` of the objects the net built for ``names``."""
+        return [(name, self.raw(name)) for name in names]
 
 
-def raw(net: NeuralNet, name: str) -> Any:
-    """The object the net built for ``name`` ('module', 'optimizer2'), wrapped now or not."""
-    return process_state(net).prepared.raw_or_current(name + "_", net, name + "_")
-
-
-def raw_scheduler(cb_name: str, cb: LRScheduler, net: NeuralNet) -> Any:
-    """The scheduler an ``LRScheduler`` callback built, unwrapped, or None."""
-    slot = _scheduler_slot(cb_name, cb)
-    return process_state(net).prepared.raw_or_current(slot.key, slot.owner, slot.attr)
-
-
-def _named_raw(net: NeuralNet, names: list[str]) -> list[tuple[str, Any]]:
-    return [(name, raw(net, name)) for name in names]
-
-
-def sharded_module(net: NeuralNet) -> tuple[str, torch.nn.Module] | None:
-    """``(name, module)`` of the module FSDP2 shards, or None."""
-    name = sharded_module_name(_named_raw(net, net._modules))  # pylint: disable=protected-access
-    return None if name is None else (name, raw(net, name))
-
-
-def shards_in_place(net: NeuralNet) -> None:
+def shards_in_place(objects: NetObjects) -> None:
     """Under FSDP2, make the sharded module's parameters its shards, those the
     optimizer holds: after a forward pass FSDP2 leaves the root's gathered
     parameters in place, which a callback (``Freezer``) or a new optimizer
     would otherwise take for the module's own."""
-    if sharded(net.accelerator):
-        named = sharded_module(net)
+    if sharded(objects.net.accelerator):
+        named = objects.sharded_module()
         if named is not None:
             reshard(named[1])
 
 
-def check_sharding(net: NeuralNet) -> None:
+def check_sharding(objects: NetObjects) -> None:
     """Under FSDP2, refuse modules and criteria with parameters besides the one sharded."""
-    if sharded(net.accelerator):
-        # pylint: disable=protected-access
-        check_shardable(_named_raw(net, net._modules), _named_raw(net, net._criteria))
-
-
-def net_modules(net: NeuralNet) -> Iterator[tuple[str, torch.nn.Module]]:
-    """``(name, module)`` of every raw module and criterion that is a ``torch.nn.Module``."""
-    for name in net._modules + net._criteria:  # pylint: disable=protected-access
-        module = raw(net, name)
-        if isinstance(module, torch.nn.Module):
-            yield name, module
+    if sharded(objects.net.accelerator):
+        check_shardable(objects.named_raw(objects.modules), objects.named_raw(objects.criteria))
 
 
 @contextmanager
-def bare_modules(net: NeuralNet) -> Iterator[None]:
+def bare_modules(objects: NetObjects) -> Iterator[None]:
     """Within the block the net's module and criterion attributes hold the raw
     objects (a sharded module its shards)."""
-    shards_in_place(net)
-    swapped = []
-    for name in net._modules + net._criteria:  # pylint: disable=protected-access
+    shards_in_place(objects)
+    net, swapped = objects.net, []
+    for name in objects.modules + objects.criteria:
         current = getattr(net, name + "_", None)
-        bare = raw(net, name)
+        bare = objects.raw(name)
         if bare is not current:
             swapped.append((name + "_", current))
             setattr(net, name + "_", bare)
@@ -169,12 +182,11 @@ def check_params(net: NeuralNet) -> None:
         )
 
 
-def check_optimizers(net: NeuralNet) -> None:
+def check_optimizers(objects: NetObjects) -> None:
     """Refuse optimizers that need a closure where accelerate cannot give one."""
-    if takes_closures(net.accelerator):
+    if takes_closures(objects.net.accelerator):
         return
-    for name in net._optimizers:  # pylint: disable=protected-access
-        optimizer = raw(net, name)
+    for name, optimizer in objects.raw_optimizers().items():
         if optimizer is not None and requires_closure(optimizer):
             raise ValueError(
                 f"The optimizer {name}_ ({type(optimizer).__name__}) needs a "
@@ -185,13 +197,13 @@ def check_optimizers(net: NeuralNet) -> None:
             )
 
 
-def prepare_retrainable_modules(net: NeuralNet) -> None:
+def prepare_retrainable_modules(objects: NetObjects) -> None:
     """Give a new DDP wrapper to the modules whose trainable parameters changed
     (``Freezer``, ``requires_grad_``) on any rank; one small all-reduce."""
-    accelerator = net.accelerator
+    accelerator = objects.net.accelerator
     if accelerator.distributed_type == DistributedType.NO or sharded(accelerator):
         return  # no DDP, so nothing to rebuild
-    prepared = process_state(net).prepared
+    prepared = objects.prepared
     keys = prepared.module_keys()
     if not keys:
         return
@@ -202,11 +214,11 @@ def prepare_retrainable_modules(net: NeuralNet) -> None:
     flags = accelerator.reduce(flags, reduction="sum")
     refresh = {key for key, flag in zip(keys, flags.tolist()) if flag}
     if refresh:
-        prepared.prepare(accelerator, slots(net), refresh=refresh)
+        prepared.prepare(accelerator, objects.slots(), refresh=refresh)
 
 
-def check_net_replicas(net: NeuralNet, when: str) -> None:
+def check_net_replicas(objects: NetObjects, when: str) -> None:
     """``check_replicas`` on every parameter of the net's modules and criteria
     that each rank holds whole: a sharded one (FSDP2) is no replica."""
-    modules = ((name + "_", module) for name, module in net_modules(net))
-    check_replicas(net.accelerator, replicated(named_parameters(modules)), when)
+    modules = ((name + "_", module) for name, module in objects.named_modules())
+    check_replicas(objects.net.accelerator, replicated(named_parameters(modules)), when)

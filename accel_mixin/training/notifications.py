@@ -4,10 +4,11 @@ Every notification is a section of the coordinator's protocol, so that a
 callback's error on one rank reaches the others at their next barrier, not
 after DDP's timeout; per-batch ones (ranks may run different numbers of
 batches) report to the enclosing section. Loggers run on the main process
-only. Hooks only ``AccelerateMixin`` calls: ``during_fit(net)``, a context
-around every fit; ``on_batch_finished(net, training, batches)`` after a
-training batch; ``on_epoch_finished(net, stopped)`` once the ranks agreed on
-an epoch's end (``TrainingCheckpoint`` uses all three).
+only. Hooks only ``AccelerateMixin`` calls: ``during_fit(net, fit)``, a
+context around every fit, given its ``training.fit.Fit``;
+``on_batch_finished(net, training, batches)`` after a training batch;
+``on_epoch_finished(net, stopped)`` once the ranks agreed on an epoch's end
+(``TrainingCheckpoint`` uses all three).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from torch.utils.data import Dataset
 
     from accel_mixin.distributed.control import Control as Coordinator
+    from accel_mixin.training.fit import Fit
 
 # skorch's ``callbacks_``: (name, callback) pairs
 _Callbacks = Sequence[tuple[str, "Callback"]]
@@ -170,13 +172,13 @@ def hook(callback: object, name: str) -> Callable[..., Any] | None:
 
 
 @contextmanager
-def callbacks_during_fit(net: NeuralNet) -> Iterator[None]:
-    """Enter the ``during_fit(net)`` context of every callback that has one."""
+def callbacks_during_fit(net: NeuralNet, fit: Fit) -> Iterator[None]:
+    """Enter the ``during_fit(net, fit)`` context of every callback that has one."""
     with ExitStack() as stack:
         for _, cb in net.callbacks_:
             during_fit = hook(cb, "during_fit")
             if during_fit is not None:
-                stack.enter_context(during_fit(net))
+                stack.enter_context(during_fit(net, fit))
         yield
 
 

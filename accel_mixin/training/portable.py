@@ -17,7 +17,7 @@ from accelerate.utils import GradientAccumulationPlugin
 from skorch.callbacks import PrintLog
 
 from accel_mixin.distributed.process_layout import check_not_a_child_of_a_rank, sink_for
-from accel_mixin.training.net_objects import net_modules
+from accel_mixin.training.net_objects import NetObjects
 
 __all__ = ["PortableAccelerator", "accelerator_settings", "build_accelerator", "settle_unpickled"]
 
@@ -77,13 +77,14 @@ class PortableAccelerator:
         return build_accelerator, (accelerator_settings(self.accelerator),)
 
 
-def settle_unpickled(net: NeuralNet) -> None:
+def settle_unpickled(net: NeuralNet, objects: NetObjects) -> None:
     """Make an unpickled net this process's: its 'auto' print sink (resolved
-    by the rank that pickled), its modules on the accelerator's device."""
+    by the rank that pickled), its modules (``objects``) on the accelerator's
+    device."""
     if net.callbacks__print_log__sink == "auto":
         for _, cb in getattr(net, "callbacks_", []):
             if isinstance(cb, PrintLog):
                 cb.sink = sink_for(net.accelerator)
     if net.accelerator.device_placement:
-        for _, module in net_modules(net):
+        for _, module in objects.named_modules():
             module.to(net.accelerator.device)

@@ -21,7 +21,6 @@ import torch
 from accelerate import Accelerator
 
 from accel_mixin.distributed.replicas import check_replicas, named_parameters
-from accel_mixin.training.net_objects import net_modules
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # pylint: disable=wrong-import-position
@@ -43,7 +42,7 @@ def main():
     net = training_net(accelerator, args.width, args.depth)
     X = torch.randn(args.batch_size, 100)
     y = torch.randint(0, 2, (args.batch_size,))
-    params = list(named_parameters((name + "_", m) for name, m in net_modules(net)))
+    params = list(named_parameters((name + "_", m) for name, m in net._objects.named_modules()))
 
     def measure(name):
         barrier()

@@ -20,8 +20,6 @@ from common import (
 )
 from skorch.callbacks import Callback, Checkpoint, Freezer, LoadInitState, Unfreezer
 
-from accel_mixin.training.net_objects import raw
-
 accelerator = make_accelerator()
 rank = accelerator.process_index
 X, y = make_data(240, seed=2)
@@ -46,8 +44,9 @@ def make_net(cls=AcceleratedNet, **kwargs):
 def digest(net):
     """Every parameter of every module, as this rank holds it."""
     out = {}
-    for name in net._modules:  # pylint: disable=protected-access
-        for key, param in raw(net, name).named_parameters():
+    objects = net._objects  # pylint: disable=protected-access
+    for name in objects.modules:
+        for key, param in objects.raw(name).named_parameters():
             out[f"{name}.{key}"] = hashlib.sha256(
                 param.detach().cpu().numpy().tobytes()
             ).hexdigest()[:16]
@@ -67,7 +66,7 @@ def freezer_after_prepare():
     # Freezer acts when epoch 1 begins, after DDP was built for every parameter
     net = make_net(callbacks=[Freezer("hidden.*")])
     net.initialize()
-    before = copy_of(raw(net, "module"))
+    before = copy_of(net._objects.raw("module"))  # pylint: disable=protected-access
     net.partial_fit(X, y)
     return {"digest": digest(net), "changed": changed(before, net.module_)}
 
