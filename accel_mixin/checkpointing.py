@@ -8,10 +8,13 @@ machines, that each machine's main process writes whole
 complete, or raises if any process failed.
 """
 
+from __future__ import annotations
+
 import functools
 import os
 import warnings
-from typing import Any, Optional
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from skorch.exceptions import DeviceWarning
@@ -30,10 +33,16 @@ from accel_mixin.resume.training_state import (
 )
 from accel_mixin.training.net_objects import NetObjects
 from accel_mixin.training.notifications import stopped_early
-from accel_mixin.training.process_state import process_state
+from accel_mixin.training.process_state import ProcessState, process_state
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from accel_mixin.checkpoint.state_saves import SaveInFlight
+    from accel_mixin.distributed.control import Control
 
 
-def _files_of(args, kwargs):
+def _files_of(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str | None:
     """The files a save_params or load_params call names, for messages."""
     names = [str(f) for f in args if f is not None]
     names += [f"{key}={f}" for key, f in kwargs.items() if key.startswith("f_") and f is not None]
@@ -45,7 +54,7 @@ class CheckpointingMixin(SafeParamsMixin):
     ``_unwrapped()`` it uses)."""
 
     @property
-    def _process(self):
+    def _process(self) -> ProcessState:
         return process_state(self)
 
     @property
@@ -58,10 +67,10 @@ class CheckpointingMixin(SafeParamsMixin):
         )
 
     @property
-    def _coordinator(self):
+    def _coordinator(self) -> Control:
         return self._process.coordinator_for(self.accelerator)
 
-    def save_params(self, *args, **kwargs):
+    def save_params(self, *args: Any, **kwargs: Any) -> None:
         """Save the parameters of the net's modules, optimizers and history.
 
         Accepts the arguments of ``skorch.net.NeuralNet.save_params``. Keys
@@ -89,7 +98,9 @@ class CheckpointingMixin(SafeParamsMixin):
                 io_timeout=self.io_timeout,
             )
 
-    def _gather_sharded(self, what, args, kwargs):
+    def _gather_sharded(
+        self, what: str, args: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> dict[str, dict[str, Any]]:
         """Under FSDP2, the full states of the sharded module and optimizers
         that a ``save_params`` call saves, gathered on every rank (empty
         elsewhere than where files are written)."""
@@ -114,7 +125,7 @@ class CheckpointingMixin(SafeParamsMixin):
         everywhere = int(writers.sum()) > 1
         return full_states(f"{name}_", module, optimizers, attrs, everywhere=everywhere)
 
-    def load_params(self, *args, **kwargs):
+    def load_params(self, *args: Any, **kwargs: Any) -> None:
         """Load the parameters of the net's modules, optimizers and history.
 
         Accepts the arguments of ``skorch.net.NeuralNet.load_params``. Every
@@ -136,7 +147,9 @@ class CheckpointingMixin(SafeParamsMixin):
                     io_timeout=self.io_timeout,
                 )
 
-    def _check_device(self, requested_device, map_device):
+    def _check_device(
+        self, requested_device: str | torch.device | None, map_device: str | torch.device
+    ) -> str | torch.device | None:
         if requested_device is None:
             # the accelerator places the objects: no DeviceWarning about it
             with warnings.catch_warnings():
@@ -145,7 +158,13 @@ class CheckpointingMixin(SafeParamsMixin):
             return None
         return super()._check_device(requested_device, map_device)
 
-    def save_state(self, path, asynchronous=False, on_written=None, stopped=None):
+    def save_state(
+        self,
+        path: str | os.PathLike[str],
+        asynchronous: bool = False,
+        on_written: Callable[[], object] | None = None,
+        stopped: bool | None = None,
+    ) -> None:
         """Save the whole training state, to resume training exactly.
 
         ``path`` becomes one ``torch.distributed.checkpoint`` (DCP) folder,
@@ -215,7 +234,7 @@ class CheckpointingMixin(SafeParamsMixin):
                 group = self._process.save_group = save_group(self._process.save_group)
             alone = ranks is not None  # each machine's main process writes its copy
 
-            def save():
+            def save() -> SaveInFlight | None:
                 in_flight = save_state_folder(
                     state,
                     path,
@@ -237,40 +256,42 @@ class CheckpointingMixin(SafeParamsMixin):
             )
 
     def _where_training_is(
-        self, stopped: Optional[bool]
-    ) -> tuple[dict[str, Any], bool, Optional[tuple[int, int]], Optional[dict[str, Any]]]:
+        self, stopped: bool | None
+    ) -> tuple[dict[str, Any], bool, tuple[int, int] | None, dict[str, Any] | None]:
         """``(train iterator state, stopped, position, epoch_rng)`` of a state
         saved now (``collect_state``'s arguments); ``stopped`` is ``save_state``'s."""
         fit = self._process.fit
         if fit.position is None:
             shuffling, epoch_rng = train_iterator_state(fit.train_iterator_now()), None
         else:  # inside an epoch: its order is replayed from its start
-            batch_sampler_owner(fit.train_iterator_now())
+            train_iterator = fit.train_iterator_now()
+            assert train_iterator is not None, "the epoch's batches hold it while they run"
+            batch_sampler_owner(train_iterator)
             assert fit.epoch_start is not None, "begin_epoch keeps it before any batch"
             shuffling, epoch_rng = fit.epoch_start.shuffling, fit.epoch_start.rng
         if stopped is None:
             stopped = fit.position is None and stopped_early(self.callbacks_)
         return shuffling, stopped, fit.position, epoch_rng
 
-    def wait_for_saves(self):
+    def wait_for_saves(self) -> None:
         """Wait for an asynchronous ``save_state`` to finish, on every rank.
 
         Raises on every rank if the write failed.
         """
         self._finish_saves("asynchronous save_state")
 
-    def _finish_saves(self, what):
+    def _finish_saves(self, what: str) -> None:
         """``wait_for_saves`` within the call ``what``, which its errors name."""
         self._coordinator.run(self._wait_for_my_saves, what=what)
 
-    def _wait_for_my_saves(self):
+    def _wait_for_my_saves(self) -> None:
         """On this rank: wait for this net's asynchronous save in flight, at
         most ``io_timeout``; raise what it raised."""
         in_flight, self._process.save_in_flight = self._process.save_in_flight, None
         if in_flight is not None:
             in_flight.wait(self.io_timeout)
 
-    def _wait_for_writes_in_flight(self, what):
+    def _wait_for_writes_in_flight(self, what: str) -> None:
         """Before a load, on every rank: wait for this net's asynchronous
         save; a failed save raises. Another net's saves are that net's to
         wait for (``wait_for_saves``), as DCP's ``async_save`` future is its
@@ -280,7 +301,7 @@ class CheckpointingMixin(SafeParamsMixin):
         label = f"{what}: asynchronous saves in flight" if waits else what
         self._coordinator.run(self._wait_for_my_saves, what=label)
 
-    def load_state(self, path):
+    def load_state(self, path: str | os.PathLike[str]) -> None:
         """Restore a training state that ``save_state`` wrote.
 
         Every rank reads the folder (under FSDP2 the pieces of its own
@@ -335,7 +356,7 @@ class CheckpointingMixin(SafeParamsMixin):
         process.plan = plan  # the next fit goes on from it (fit_loop)
         coordinator.barrier("load_state")
 
-    def wait_for_everyone(self, what="wait_for_everyone"):
+    def wait_for_everyone(self, what: str = "wait_for_everyone") -> None:
         """Wait for every process, failing fast.
 
         As ``accelerator.wait_for_everyone()``, except that if a process

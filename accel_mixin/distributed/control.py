@@ -41,7 +41,7 @@ import zlib
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -430,6 +430,29 @@ class Control:
             f"rank must make the same collective calls ({COLLECTIVE}); the process "
             "group's timeout (InitProcessGroupKwargs) sets how long a rank is waited for"
         )
+
+    # where ``here`` is left true, every rank gets ``fn``'s value
+    @overload
+    def run(
+        self,
+        fn: Callable[[], T],
+        *,
+        what: str,
+        here: Literal[True] = ...,
+        io_timeout: float | None = ...,
+        files: str | None = ...,
+    ) -> T: ...
+
+    @overload
+    def run(
+        self,
+        fn: Callable[[], T],
+        *,
+        what: str,
+        here: bool,
+        io_timeout: float | None = ...,
+        files: str | None = ...,
+    ) -> T | None: ...
 
     def run(
         self,

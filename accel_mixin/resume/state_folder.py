@@ -21,9 +21,14 @@
   (``dcp_folder.plain``).
 """
 
+from __future__ import annotations
+
 import functools
 import os
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,6 +42,11 @@ from accel_mixin.resume.training_state import (
     partial_epoch,
     shared_state,
 )
+
+if TYPE_CHECKING:
+    from skorch import NeuralNet
+
+    from accel_mixin.training.net_objects import NetObjects
 
 __all__ = [
     "FOLDER_VERSION",
@@ -55,19 +65,21 @@ __all__ = [
 FOLDER_VERSION = 2
 
 
-def rank_key(what, rank):
+def rank_key(what: str, rank: int) -> str:
     """The key of rank ``rank``'s own entry ``what`` ('rng', 'partial')."""
     return f"{what}.rank-{rank}"
 
 
-def _api():
+def _api() -> ModuleType:
     # pylint: disable-next=import-outside-toplevel
     from torch.distributed.checkpoint import state_dict
 
     return state_dict
 
 
-def owner_module(modules, optimizer):
+def owner_module(
+    modules: Iterable[torch.nn.Module], optimizer: torch.optim.Optimizer
+) -> torch.nn.Module | None:
     """The module among ``modules`` that holds every parameter of
     ``optimizer``, or None."""
     params = {id(p) for group in optimizer.param_groups for p in group["params"]}
@@ -77,7 +89,7 @@ def owner_module(modules, optimizer):
     return None
 
 
-def _module_state(module):
+def _module_state(module: torch.nn.Module) -> dict[str, Any]:
     """``module``'s state dict under its parameters' names (a sharded one's
     shards)."""
     if not any(True for _ in module.state_dict(keep_vars=True)):
@@ -85,7 +97,9 @@ def _module_state(module):
     return _api().get_model_state_dict(module)
 
 
-def _optimizer_state(optimizer, modules):
+def _optimizer_state(
+    optimizer: torch.optim.Optimizer, modules: Iterable[torch.nn.Module]
+) -> dict[str, Any] | tuple[dict[str, Any]]:
     """``optimizer``'s state dict keyed by parameter names where one module
     holds its parameters; else as torch keys it (by position), plain."""
     owner = owner_module(modules, optimizer)
@@ -94,20 +108,20 @@ def _optimizer_state(optimizer, modules):
     return _api().get_optimizer_state_dict(owner, optimizer)
 
 
-def _size(value):
+def _size(value: object) -> int:
     if isinstance(value, dict):
         return sum(_size(item) for item in value.values())
     return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
 
 
-def _spread(entries, rank, processes):
+def _spread(entries: Mapping[str, Any], rank: int, processes: int) -> dict[str, Any]:
     """The entries of ``entries`` (a dict every rank holds alike) that rank
     ``rank`` of ``processes`` writes: the largest first, each to the rank
     that has the least so far, the same on every rank. Each rank then
     copies only its share to CPU memory for an asynchronous save, where
     DCP would stage everything on every rank and write each entry once."""
     loads = [0] * processes
-    mine = {}
+    mine: dict[str, Any] = {}
     for key in sorted(entries, key=lambda key: (-_size(entries[key]), key)):
         owner = loads.index(min(loads))
         loads[owner] += _size(entries[key]) or 1
@@ -116,11 +130,14 @@ def _spread(entries, rank, processes):
     return mine
 
 
-def _whole(entries):
+def _whole(entries: Mapping[str, Any]) -> Mapping[str, Any]:
     return entries
 
 
-def _spread_optimizer(optimizer_state, spread):
+def _spread_optimizer(
+    optimizer_state: dict[str, Any] | tuple[dict[str, Any]],
+    spread: Callable[[Mapping[str, Any]], Mapping[str, Any]],
+) -> dict[str, Any] | tuple[dict[str, Any]]:
     """An optimizer state keyed by names with its per-parameter state
     spread over the ranks (``_spread``); its groups on every rank."""
     if isinstance(optimizer_state, tuple) or "state" not in optimizer_state:
@@ -128,7 +145,11 @@ def _spread_optimizer(optimizer_state, spread):
     return dict(optimizer_state, state=spread(optimizer_state["state"]))
 
 
-def rank_entries(net, position=None, epoch_rng=None):
+def rank_entries(
+    net: NeuralNet,
+    position: tuple[int, int] | None = None,
+    epoch_rng: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """This rank's own entries of a state: its generators and, inside an
     epoch (``position`` and ``epoch_rng``, ``collect_state``'s), its part of
     that epoch."""
@@ -140,8 +161,14 @@ def rank_entries(net, position=None, epoch_rng=None):
 
 
 def folder_state(
-    net, objects, train_iterator_state, stopped=False, position=None, epoch_rng=None, ranks=None
-):
+    net: NeuralNet,
+    objects: NetObjects,
+    train_iterator_state: dict[str, Any],
+    stopped: bool = False,
+    position: tuple[int, int] | None = None,
+    epoch_rng: dict[str, Any] | None = None,
+    ranks: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The training state of ``net`` as the keys of one DCP folder; every
     rank calls it (no collective). The arguments are ``collect_state``'s;
     ``ranks``: every rank's ``rank_entries``, where this process writes the
@@ -161,10 +188,12 @@ def folder_state(
         for name, cb_state in callbacks.items()
         if cb_state.get(BEST_WEIGHTS) is not None
     }
-    spread = functools.partial(_spread, rank=rank, processes=accelerator.num_processes)
+    spread: Callable[[Mapping[str, Any]], Mapping[str, Any]] = functools.partial(
+        _spread, rank=rank, processes=accelerator.num_processes
+    )
     if named is not None or ranks is not None:  # its own shards already, or alone
         spread = _whole
-    state = {
+    state: dict[str, Any] = {
         "meta": plain(
             {
                 "format": FORMAT,
@@ -200,13 +229,13 @@ def folder_state(
     return state
 
 
-def by_position(optimizer_state):
+def by_position(optimizer_state: dict[str, Any] | tuple[dict[str, Any]]) -> dict[str, Any]:
     """An optimizer state keyed by parameter names as torch keys it, by
     position (the order of its groups' parameters)."""
     if isinstance(optimizer_state, tuple):  # saved by position already
         return unplain(optimizer_state)
     groups = [dict(group) for group in optimizer_state["param_groups"]]
-    position = {}
+    position: dict[str, int] = {}
     for group in groups:
         group["params"] = [position.setdefault(name, len(position)) for name in group["params"]]
     return {
@@ -224,13 +253,13 @@ class InFolder:
     folder itself into what it holds: the entry under ``keys`` of ``path``."""
 
     path: str
-    keys: tuple
+    keys: tuple[str, str]
 
 
-def in_folder_entries(path, names):
+def in_folder_entries(path: str | os.PathLike[str], names: str) -> dict[str, InFolder]:
     """``{name: InFolder}`` for each of ``names`` ('modules', 'optimizers',
     'best_weights') under which the folder ``path`` keeps entries."""
-    found = {}
+    found: dict[str, InFolder] = {}
     for fqn in saved_keys(path).get(names, ()):
         parts = fqn.split(".")
         if len(parts) > 1:
@@ -238,7 +267,9 @@ def in_folder_entries(path, names):
     return found
 
 
-def as_single_file(read, folder=None):
+def as_single_file(
+    read: dict[str, Any], folder: str | os.PathLike[str] | None = None
+) -> dict[str, Any]:
     """A folder's entries read whole (``dcp_folder.read_full``) laid out as
     the single file of version 1 holds them (``collect_state``'s), for the
     readers of one process and DDP. With ``folder``, for a sharded net: the
@@ -282,7 +313,9 @@ def as_single_file(read, folder=None):
     return state
 
 
-def read_whole(path, torch_load_kwargs=None):
+def read_whole(
+    path: str | os.PathLike[str], torch_load_kwargs: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """The training-state folder ``path`` read whole by this process alone,
     laid out as ``collect_state`` lays out a state (no collective)."""
     return as_single_file(read_full(path, torch_load_kwargs=torch_load_kwargs))
