@@ -326,8 +326,7 @@ class TrainingCheckpoint(_RunCallback):
         state = net.accelerator.gradient_state
         last, stepped = state.end_of_dataloader, state.sync_gradients
         if self._inside is None:
-            train_iterator = self._running.train_iterator_now()
-            assert train_iterator is not None, "a fit's training batches run from it"
+            train_iterator = self._running.running_train_iterator()
             self._inside = resumable_inside_epochs(train_iterator)
             if self.every_n_batches and not self._inside:
                 resumable_inside_epochs(train_iterator, explain=True)

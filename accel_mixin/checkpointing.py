@@ -264,9 +264,7 @@ class CheckpointingMixin(SafeParamsMixin):
         if fit.position is None:
             shuffling, epoch_rng = train_iterator_state(fit.train_iterator_now()), None
         else:  # inside an epoch: its order is replayed from its start
-            train_iterator = fit.train_iterator_now()
-            assert train_iterator is not None, "the epoch's batches hold it while they run"
-            batch_sampler_owner(train_iterator)
+            batch_sampler_owner(fit.running_train_iterator())
             assert fit.epoch_start is not None, "begin_epoch keeps it before any batch"
             shuffling, epoch_rng = fit.epoch_start.shuffling, fit.epoch_start.rng
         if stopped is None:

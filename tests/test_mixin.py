@@ -13,6 +13,8 @@ from accelerate import Accelerator
 from common import AcceleratedNet, IncumbentNet
 from skorch import NeuralNetClassifier
 
+from accel_mixin.callbacks import TrainingCheckpoint
+
 
 def incumbent(reason):
     return pytest.param(
@@ -149,3 +151,15 @@ def test_a_compiled_nll_loss_still_gets_the_classifiers_log(mlp, data):
     assert type(ours.criterion_).__name__ == "OptimizedModule"
     assert type(ours.module_).__name__ == "OptimizedModule"
     assert ours.history[:, "train_loss"] == pytest.approx(eager.history[:, "train_loss"], rel=1e-5)
+
+
+def test_a_get_iterator_override_that_bypasses_the_mixin_is_named(data, mlp, tmp_path):
+    # the training DataLoader never reaches the mixin: nothing prepares it, and
+    # a training state could not record its order
+    class Bypassing(AcceleratedNet):
+        def get_iterator(self, dataset, training=False):
+            return NeuralNetClassifier.get_iterator(self, dataset, training=training)
+
+    net = make_net(Bypassing, mlp, callbacks=[TrainingCheckpoint(tmp_path, every_n_batches=2)])
+    with pytest.raises(TypeError, match=r"must return super\(\)\.get_iterator"):
+        net.fit(*data)

@@ -52,3 +52,16 @@ class Fit:
     def train_iterator_now(self) -> DataLoader | None:
         """The training dataloader of this fit, while it exists."""
         return self.train_iterator() if self.train_iterator is not None else None
+
+    def running_train_iterator(self) -> DataLoader:
+        """The training dataloader its batches run from, as ``get_iterator``
+        returned it; an override that bypasses the mixin's is named."""
+        iterator = self.train_iterator_now()
+        if iterator is None:
+            raise TypeError(
+                "The training batches did not come from AccelerateMixin.get_iterator: "
+                "an override of get_iterator must return super().get_iterator(...), "
+                "which prepares the DataLoader for every process and lets training "
+                "states record its order"
+            )
+        return iterator
