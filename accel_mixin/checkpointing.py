@@ -21,10 +21,11 @@ from skorch.exceptions import DeviceWarning
 
 from accel_mixin.checkpoint.machine_copies import machine_copies
 from accel_mixin.checkpoint.params import SafeParamsMixin
-from accel_mixin.checkpoint.state_saves import save_group, save_state_folder
+from accel_mixin.checkpoint.state_saves import save_state_folder
 from accel_mixin.distributed.process_layout import quiet_unless_main, writes_files
 from accel_mixin.distributed.sharding import full_states, sharded
 from accel_mixin.internals import batch_sampler_owner, check_f_arguments
+from accel_mixin.local import NetLocal, net_local
 from accel_mixin.resume.resuming import read, restore_training, restore_weights
 from accel_mixin.resume.state_folder import folder_state, rank_entries
 from accel_mixin.resume.training_state import (
@@ -33,7 +34,6 @@ from accel_mixin.resume.training_state import (
 )
 from accel_mixin.training.net_objects import NetObjects
 from accel_mixin.training.notifications import stopped_early
-from accel_mixin.training.process_state import ProcessState, process_state
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -54,8 +54,8 @@ class CheckpointingMixin(SafeParamsMixin):
     ``_unwrapped()`` it uses)."""
 
     @property
-    def _process(self) -> ProcessState:
-        return process_state(self)
+    def _local(self) -> NetLocal:
+        return net_local(self)
 
     @property
     def _objects(self) -> NetObjects:
@@ -63,12 +63,12 @@ class CheckpointingMixin(SafeParamsMixin):
         each time: skorch's initialize makes new registries)."""
         # pylint: disable=protected-access
         return NetObjects(
-            self, self._process.prepared, self._modules, self._criteria, self._optimizers
+            self, self._local.prepared, self._modules, self._criteria, self._optimizers
         )
 
     @property
     def _coordinator(self) -> Control:
-        return self._process.coordinator_for(self.accelerator)
+        return self._local.coordinator(self.accelerator)
 
     def save_params(self, *args: Any, **kwargs: Any) -> None:
         """Save the parameters of the net's modules, optimizers and history.
@@ -231,7 +231,7 @@ class CheckpointingMixin(SafeParamsMixin):
             warn_if_inside_accumulation(self.accelerator)
             group = None
             if asynchronous:
-                group = self._process.save_group = save_group(self._process.save_group)
+                group = self._local.saves.save_group()
             alone = ranks is not None  # each machine's main process writes its copy
 
             def save() -> SaveInFlight | None:
@@ -244,10 +244,10 @@ class CheckpointingMixin(SafeParamsMixin):
                     alone=alone,
                 )
                 if alone:  # where another machine's copy fails, this one's is still waited for
-                    self._process.save_in_flight = in_flight
+                    self._local.saves.in_flight = in_flight
                 return in_flight
 
-            self._process.save_in_flight = self._coordinator.run(
+            self._local.saves.in_flight = self._coordinator.run(
                 save,
                 what="save_state",
                 files=str(path),
@@ -260,7 +260,7 @@ class CheckpointingMixin(SafeParamsMixin):
     ) -> tuple[dict[str, Any], bool, tuple[int, int] | None, dict[str, Any] | None]:
         """``(train iterator state, stopped, position, epoch_rng)`` of a state
         saved now (``collect_state``'s arguments); ``stopped`` is ``save_state``'s."""
-        fit = self._process.fit
+        fit = self._local.fit
         if fit.position is None:
             shuffling, epoch_rng = train_iterator_state(fit.train_iterator_now()), None
         else:  # inside an epoch: its order is replayed from its start
@@ -285,9 +285,7 @@ class CheckpointingMixin(SafeParamsMixin):
     def _wait_for_my_saves(self) -> None:
         """On this rank: wait for this net's asynchronous save in flight, at
         most ``io_timeout``; raise what it raised."""
-        in_flight, self._process.save_in_flight = self._process.save_in_flight, None
-        if in_flight is not None:
-            in_flight.wait(self.io_timeout)
+        self._local.saves.wait(self.io_timeout)
 
     def _wait_for_writes_in_flight(self, what: str) -> None:
         """Before a load, on every rank: wait for this net's asynchronous
@@ -295,7 +293,7 @@ class CheckpointingMixin(SafeParamsMixin):
         wait for (``wait_for_saves``), as DCP's ``async_save`` future is its
         caller's."""
         # a failure there (a rank gone) is the load's own unless a save is in flight
-        waits = self._process.save_in_flight is not None
+        waits = self._local.saves.in_flight is not None
         label = f"{what}: asynchronous saves in flight" if waits else what
         self._coordinator.run(self._wait_for_my_saves, what=label)
 
@@ -332,13 +330,13 @@ class CheckpointingMixin(SafeParamsMixin):
     def _resume(self, path: str) -> None:
         """``load_state`` once the net is initialized: ``resuming``'s steps,
         the net unwrapped and prepared between them."""
-        process, coordinator, objects = self._process, self._coordinator, self._objects
-        process.plan = None  # a load that fails halfway leaves no earlier load to go on from
+        local, coordinator, objects = self._local, self._coordinator, self._objects
+        local.loaded = None  # a load that fails halfway leaves no earlier load to go on from
         state = coordinator.run(
             lambda: read(self, path), what="load_state", files=path, io_timeout=self.io_timeout
         )
         # a net never prepared ends prepared, as initialize() leaves it
-        was_wrapped = process.prepared.wrapped or not len(process.prepared)
+        was_wrapped = local.prepared.wrapped or not len(local.prepared)
         self._unwrap_accelerator()
         coordinator.run(functools.partial(restore_weights, objects, state, path), what="load_state")
         # prepare what is new (a scheduler a callback before ResumeTraining
@@ -351,7 +349,7 @@ class CheckpointingMixin(SafeParamsMixin):
             functools.partial(restore_training, self, objects, state, path), what="load_state"
         )
         del state  # before the wait: the largest object of the load
-        process.plan = plan  # the next fit goes on from it (fit_loop)
+        local.loaded = plan  # the next fit goes on from it (fit_loop)
         coordinator.barrier("load_state")
 
     def wait_for_everyone(self, what: str = "wait_for_everyone") -> None:

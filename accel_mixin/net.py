@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from accel_mixin.checkpoint.state_saves import finished_on_error
 from accel_mixin.checkpointing import CheckpointingMixin
 from accel_mixin.distributed.epoch_scores import notify_scored
 from accel_mixin.distributed.fork_guard import guard_forks
@@ -26,6 +25,7 @@ from accel_mixin.distributed.process_layout import (
 from accel_mixin.distributed.replicas import check_same_data
 from accel_mixin.distributed.sharding import sharded
 from accel_mixin.internals import cache_lomo_check
+from accel_mixin.local import ATTRIBUTE as LOCAL
 from accel_mixin.resume.resuming import begin_epoch, continue_epoch
 from accel_mixin.training.epochs import EpochBatches, epoch_end
 from accel_mixin.training.fit import Fit
@@ -47,7 +47,6 @@ from accel_mixin.training.notifications import (
     progress_of_this_rank,
 )
 from accel_mixin.training.portable import PortableAccelerator, settle_unpickled
-from accel_mixin.training.process_state import ATTRIBUTE as PROCESS_STATE
 from accel_mixin.training.rows import tensor_rows
 from accel_mixin.training.stepping import StepMixin, Stepper, check_overrides, clear_gradients
 from accel_mixin.training.wrapping import prepare_dataloader
@@ -176,9 +175,9 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
     def initialize(self) -> Self:
         """Initializes all of its components as skorch does, then prepares
         them for the accelerator; returns self."""
-        if self._process.keep_loaded:
+        if self._local.going_on:
             return self  # fit after load_state: skorch's fit goes on from it
-        self._process.plan = None  # a fresh start
+        self._local.loaded = None  # a fresh start
         check_device(self)  # skorch's initialize moves the module first
         with quiet_unless_main(self.accelerator):
             super().initialize()
@@ -217,18 +216,18 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
 
     def _unwrap_accelerator(self) -> Self:
         """Put back the objects the net built in place of the prepared ones."""
-        self._process.prepared.unwrap()
+        self._local.prepared.unwrap()
         return self
 
     @contextmanager
     def _unwrapped(self) -> Iterator[Self]:
-        was_wrapped = self._process.prepared.wrapped
+        was_wrapped = self._local.prepared.wrapped
         self._unwrap_accelerator()
         try:
             yield self
         finally:
             if was_wrapped:
-                self._process.prepared.wrap(self.accelerator)
+                self._local.prepared.wrap(self.accelerator)
 
     def get_all_learnable_params(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         # skorch's (or an override's) on the raw modules: no DDP prefix in the
@@ -250,37 +249,37 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
         with (
             self._coordinator.session("fit"),
             quiet_unless_main(self.accelerator),
-            finished_on_error(self._process, self.io_timeout),
+            self._local.saves.finished_on_error(self.io_timeout),
         ):
             # before initialize(), whose preparation runs DDP's collectives:
             # a rank in another call learns it here, naming both calls
             self._coordinator.barrier("fit")
             # a plan there never began: a fit moves it out (fit_loop)
-            self._process.keep_loaded = bool(self.initialized_ and self._process.plan)
+            self._local.going_on = bool(self.initialized_ and self._local.loaded)
             try:
                 return super().fit(X, y, **fit_params)
             finally:
-                self._process.keep_loaded = False
+                self._local.going_on = False
 
     def partial_fit(self, X: Any, y: Any = None, classes: Any = None, **fit_params: Any) -> Self:
         if not self.initialized_:  # as skorch does first, for the callbacks' contexts
             self.initialize()
         adopt_history(self)  # a DistributedHistory assigned after initialize
         # skorch's notifications pass no fit parameters; the run identity needs them
-        fit = self._process.fit = Fit({k: v for k, v in fit_params.items() if k[:1] != "_"})
+        fit = self._local.fit = Fit({k: v for k, v in fit_params.items() if k[:1] != "_"})
         with (
             self._coordinator.session("partial_fit"),
             quiet_unless_main(self.accelerator),
-            finished_on_error(self._process, self.io_timeout),
+            self._local.saves.finished_on_error(self.io_timeout),
             callbacks_during_fit(self, fit),
         ):
             return super().partial_fit(X, y, classes=classes, **fit_params)
 
     def fit_loop(self, X: Any, y: Any = None, epochs: int | None = None, **fit_params: Any) -> Self:
         # the loaded plan is this fit's now: the next fit starts over
-        process = self._process
-        plan = process.fit.plan = process.plan
-        process.plan = None
+        local = self._local
+        plan = local.fit.plan = local.loaded
+        local.loaded = None
         if plan is not None:
             epochs = plan.epochs_to_train(self, epochs)
         return super().fit_loop(X, y, epochs=epochs, **fit_params)
@@ -328,7 +327,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
         distributed = self.accelerator.num_processes > 1
         if distributed:
             check_same_data(self.accelerator, X, y)
-        plan, objects = self._process.plan, self._objects
+        plan, objects = self._local.loaded, self._objects
         if plan is not None:
             plan.at_train_begin(self, objects)
         self._initialize_accelerator()
@@ -338,7 +337,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
         if distributed and self.replica_check_every:
             # a load that worked on some ranks only (LoadInitState ignores errors)
             check_net_replicas(objects, "when training begins")
-        self._process.fit.stepper = Stepper(self.accelerator)
+        self._local.fit.stepper = Stepper(self.accelerator)
 
     def on_train_begin(self, net: NeuralNet, X: Any = None, y: Any = None, **kwargs: Any) -> None:
         super().on_train_begin(net, X=X, y=y, **kwargs)
@@ -351,7 +350,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
         )
 
     def _epoch_begins(self, **cb_kwargs: Any) -> None:
-        partial = begin_epoch(self._process.fit)
+        partial = begin_epoch(self._local.fit)
         shards_in_place(self._objects)  # for callbacks that change parameters (Freezer)
         self._notify_callbacks("on_epoch_begin", **cb_kwargs)
         if partial is not None:
@@ -373,7 +372,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
         even batches trains but is not counted (``epochs``)."""
         if iterator is None:
             return super().run_single_epoch(iterator, training, prefix, step_fn, **fit_params)
-        batches = EpochBatches(self, iterator, training, self._process.fit)
+        batches = EpochBatches(self, iterator, training, self._local.fit)
         super().run_single_epoch(batches, training, prefix, batches.step(step_fn), **fit_params)
         self.history.record(prefix + "_batch_count", batches.batch_count)
         return None
@@ -406,7 +405,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
             self.accelerator, super().get_iterator(dataset, training=training), training
         )
         if training:
-            self._process.fit.train_iterator = weakref.ref(iterator)  # for save_state
+            self._local.fit.train_iterator = weakref.ref(iterator)  # for save_state
         return iterator
 
     # --- copies -------------------------------------------------------------
@@ -423,7 +422,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
             )
         with self._unwrapped():
             state = super().__getstate__()
-        state.pop(PROCESS_STATE, None)
+        state.pop(LOCAL, None)
         state["accelerator"] = PortableAccelerator(self.accelerator)
         return state
 

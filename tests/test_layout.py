@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "accel_mixin"
 # top first; a module not in a subpackage belongs to the first layer that
 # names it
 LAYERS = [
-    {"__init__", "__main__", "net", "callbacks", "checkpointing", "diagnostics"},
+    {"__init__", "__main__", "net", "local", "callbacks", "checkpointing", "diagnostics"},
     {"resume"},
     {"training"},
     {"checkpoint"},
@@ -63,3 +63,104 @@ def test_the_check_sees_an_upward_import(monkeypatch):
     # the check is no tautology: a layer order turned upside down breaks it
     monkeypatch.setattr(__import__(__name__), "LAYERS", LAYERS[::-1])
     assert upward_imports()
+
+
+# The net's private attributes are read in the top layer only: below it,
+# functions get the objects they use as parameters (a Fit, NetObjects, a
+# Control) and return values, and never reach into the net's process-local holder.
+TOP = LAYERS[0]
+HOLDER_MODULES = {"local", "training.process_state"}  # NetLocal's; ProcessState's before it
+# what stays, each with why; the allow-list shrinks, it never grows
+ALLOWED = {
+    # StepMixin's steps are the net's own methods (skorch's step overrides);
+    # they move to net/steps.py with the net/ package (issue 47, point 4, commit 7)
+    "training.stepping: self._local",
+    "training.stepping: self._coordinator",
+}
+
+
+def _top_private_names():
+    """The private names the top layer's modules define on the net (methods, properties)."""
+    names = set()
+    for path in sorted(PACKAGE.glob("*.py")):
+        if path.stem not in TOP:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    if isinstance(item, ast.FunctionDef) and _private(item.name):
+                        names.add(item.name)
+    return names
+
+
+def _private(name):
+    return name.startswith("_") and not name.endswith("__")
+
+
+def _is_net(node):
+    """``net`` or ``self.net``."""
+    if isinstance(node, ast.Name):
+        return node.id == "net"
+    return (
+        isinstance(node, ast.Attribute)
+        and node.attr == "net"
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+    )
+
+
+def _mixed_into_the_net(cls):
+    """A class below the top layer that is mixed into the net (``StepMixin(_Net)``)."""
+    return any(isinstance(base, ast.Name) and base.id == "_Net" for base in cls.bases)
+
+
+def private_reads():
+    """``module: expression`` of every read of the net's private attributes
+    below the top layer, and every import of the holder's module there."""
+    top_names = _top_private_names()
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+        if layer(module) == 0:
+            continue
+        tree = ast.parse(path.read_text())
+        found += [f"{module} imports {i}" for i in imports(path) if i in HOLDER_MODULES]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and _private(node.attr) and _is_net(node.value):
+                found.append(f"{module}: {ast.unparse(node)}")
+            elif isinstance(node, ast.ClassDef) and _mixed_into_the_net(node):
+                # the net's own private attributes, read by a class mixed into it
+                for inner in ast.walk(node):
+                    if (
+                        isinstance(inner, ast.Attribute)
+                        and isinstance(inner.value, ast.Name)
+                        and inner.value.id == "self"
+                        and inner.attr in top_names
+                    ):
+                        found.append(f"{module}: {ast.unparse(inner)}")
+    return sorted(set(found))
+
+
+def test_only_the_net_reads_its_private_attributes():
+    assert [read for read in private_reads() if read not in ALLOWED] == []
+    # an entry that no longer matches anything goes
+    assert set(private_reads()) >= ALLOWED
+
+
+def test_the_check_sees_a_private_read(tmp_path, monkeypatch):
+    below = tmp_path / "accel_mixin" / "training"
+    below.mkdir(parents=True)
+    for path in PACKAGE.glob("*.py"):  # the top layer's names
+        (tmp_path / "accel_mixin" / path.name).write_text(path.read_text())
+    (below / "x.py").write_text(
+        "from accel_mixin.local import NetLocal\n"
+        "def f(net):\n    return net._local, net.__class__\n"
+        "class M(_Net):\n    def g(self):\n        return self.net._objects, self._unwrapped()\n"
+    )
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", tmp_path / "accel_mixin")
+    assert private_reads() == [
+        "training.x imports local",
+        "training.x: net._local",
+        "training.x: self._unwrapped",
+        "training.x: self.net._objects",
+    ]

@@ -21,7 +21,6 @@ from skorch.callbacks import Callback
 from accel_mixin import CheckpointError
 from accel_mixin.checkpoint.checkpoint_files import agreed_checkpoint, checkpoint_name
 from accel_mixin.resume.state_folder import read_whole
-from accel_mixin.training.process_state import process_state
 
 multiprocess = pytest.mark.multiprocess
 
@@ -242,7 +241,7 @@ def test_load_state_into_an_uninitialized_net_then_partial_fit_continues(data, t
     net.save_state(tmp_path / "state.pt")
     fresh = AcceleratedNet(MLP, accelerator=net.accelerator, max_epochs=4, verbose=0)
     fresh.load_state(tmp_path / "state.pt")
-    assert process_state(fresh).prepared.wrapped  # prepared after the weights were loaded
+    assert fresh._local.prepared.wrapped  # pylint: disable=protected-access; prepared after the weights were loaded
     fresh.partial_fit(*data)
     assert len(fresh.history) == 4  # only the remaining epochs
 
@@ -613,7 +612,7 @@ def test_the_asynchronous_save_is_let_go_when_training_ends(data, tmp_path):
     )
     net.fit(*data)
     # the save in flight holds DCP's CPU copy of the state
-    assert net._process.save_in_flight is None  # pylint: disable=protected-access
+    assert net._local.saves.in_flight is None  # pylint: disable=protected-access
 
 
 @pytest.mark.parametrize("callback", ["TrainingCheckpoint", "ResumeTraining"])

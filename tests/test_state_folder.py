@@ -11,7 +11,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 from common import MLP, AcceleratedNet
-from skorch.callbacks import EarlyStopping, LRScheduler
+from skorch.callbacks import Callback, EarlyStopping, LRScheduler
 
 from accel_mixin import CheckpointError
 from accel_mixin.checkpoint.dcp_folder import (
@@ -161,7 +161,7 @@ def test_a_load_waits_for_its_own_net_s_save_not_for_another_s(data, tmp_path):
     loading.io_timeout = 30.0  # what a load waited for another net's stalled save
     committed = threading.Event()
     writing.save_state(tmp_path / "stuck", asynchronous=True, on_written=committed.wait)
-    in_flight = writing._process.save_in_flight  # pylint: disable=protected-access
+    in_flight = writing._local.saves.in_flight  # pylint: disable=protected-access
     try:
         began = time.monotonic()
         loading.load_state(tmp_path / "loaded")  # while the other net's storage stalls
@@ -171,6 +171,26 @@ def test_a_load_waits_for_its_own_net_s_save_not_for_another_s(data, tmp_path):
         threading.Timer(1.0, committed.set).start()
     writing.load_state(tmp_path / "stuck")  # its own: waited for
     assert in_flight.future.done()
+
+
+def test_a_fit_that_raises_finishes_its_save_in_flight_first(data, tmp_path):
+    committed = threading.Event()
+
+    def slowly_committed():
+        time.sleep(1.0)  # the storage is slow
+        committed.set()
+
+    class SaveThenFail(Callback):
+        def on_epoch_end(self, net, **kwargs):
+            net.save_state(tmp_path / "state", asynchronous=True, on_written=slowly_committed)
+            raise RuntimeError("boom")
+
+    net = _net(max_epochs=1, callbacks=[SaveThenFail()])
+    with pytest.raises(RuntimeError, match="boom"):
+        net.fit(*data)
+    # the fit's error comes once the save it left is committed, not before
+    assert committed.is_set()
+    assert net._local.saves.in_flight is None  # pylint: disable=protected-access
 
 
 def test_load_state_resumes_from_a_folder_as_from_the_single_file(data, tmp_path):

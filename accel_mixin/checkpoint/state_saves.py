@@ -1,6 +1,6 @@
-"""Training states saved as DCP folders (``dcp_folder``): the gloo group of
-asynchronous saves, the save in flight, and one ``CheckpointError`` for a
-save that failed on any rank.
+"""Training states saved as DCP folders (``dcp_folder``): a net's asynchronous
+saves (``StateSaves``: the save in flight and its gloo group), and one
+``CheckpointError`` for a save that failed on any rank.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import os
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,29 +27,11 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.checkpoint.api import WRAPPED_EXCEPTION
 
-__all__ = [
-    "SaveInFlight",
-    "finished_on_error",
-    "save_group",
-    "save_state_folder",
-]
+__all__ = ["SaveInFlight", "StateSaves", "save_state_folder"]
 
 
 def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
-def save_group(held: ProcessGroup | None) -> ProcessGroup | None:
-    """The process group of asynchronous saves: ``held``, or a new gloo group
-    (a collective: every rank calls it); None without a process group.
-
-    Never the default group, even where it is gloo's: DCP's thread runs its
-    collectives while training's run on that group, and two threads' calls
-    on one group pair up across ranks in whatever order each rank made them.
-    """
-    if not _distributed():
-        return None
-    return held if held is not None else torch.distributed.new_group(backend="gloo")
 
 
 def _failed_writes(directory: str, exc: BaseException, rank: int) -> str:
@@ -122,7 +104,7 @@ def save_state_folder(
 class SaveInFlight:
     """An asynchronous save: ``path``, the future that ends once its folder
     is committed, and whether this process saves it ``alone``. Its net holds
-    it (``ProcessState.save_in_flight``) and waits for it; nothing else does."""
+    it (``StateSaves.in_flight``) and waits for it; nothing else does."""
 
     path: str
     future: concurrent.futures.Future[None]
@@ -142,27 +124,51 @@ class SaveInFlight:
             raise _save_error(self.path, exc, self.alone) from None
 
 
-class _HoldsSave(Protocol):
-    """What holds a net's asynchronous save (``ProcessState``, a layer above)."""
+@dataclass(eq=False)
+class StateSaves:
+    """A net's asynchronous saves in this process: the save ``in_flight``
+    (at most one) and the gloo ``group`` they run on. An asynchronous save
+    outlives the fit that started it: the next save, ``wait_for_saves``, a
+    load and a failing fit wait for it."""
 
-    save_in_flight: SaveInFlight | None
+    in_flight: SaveInFlight | None = None
+    group: ProcessGroup | None = None
 
+    def save_group(self) -> ProcessGroup | None:
+        """The process group of asynchronous saves: the one made before, or
+        a new gloo group (a collective: every rank calls it); None without a
+        process group.
 
-@contextlib.contextmanager
-def finished_on_error(process: _HoldsSave, io_timeout: float | None) -> Iterator[None]:
-    """Where the block raises, finish ``process``'s save in flight (its
-    ``save_in_flight``), at most ``io_timeout``, and warn if it failed too,
-    without hiding the block's error."""
-    try:
-        yield
-    except BaseException:
-        in_flight, process.save_in_flight = process.save_in_flight, None
+        Never the default group, even where it is gloo's: DCP's thread runs its
+        collectives while training's run on that group, and two threads' calls
+        on one group pair up across ranks in whatever order each rank made them.
+        """
+        if not _distributed():
+            return None
+        if self.group is None:
+            self.group = torch.distributed.new_group(backend="gloo")
+        return self.group
+
+    def wait(self, io_timeout: float | None) -> None:
+        """On this rank: wait for the save in flight, at most ``io_timeout``;
+        raise what it raised. It is no longer in flight either way."""
+        in_flight, self.in_flight = self.in_flight, None
         if in_flight is not None:
+            in_flight.wait(io_timeout)
+
+    @contextlib.contextmanager
+    def finished_on_error(self, io_timeout: float | None) -> Iterator[None]:
+        """Where the block raises, finish the save in flight, at most
+        ``io_timeout``, and warn if it failed too, without hiding the block's
+        error."""
+        try:
+            yield
+        except BaseException:
             try:
-                in_flight.wait(io_timeout)
+                self.wait(io_timeout)
             except Exception as exc:  # pylint: disable=broad-except
                 warnings.warn(
                     f"An asynchronous save_state failed too: {type(exc).__name__}: {exc}",
                     RuntimeWarning,
                 )
-        raise
+            raise

@@ -272,7 +272,7 @@ class StepMixin(_Net):
 
     @property
     def _stepper(self) -> Stepper:
-        return self._process.stepper_for(self.accelerator)
+        return self._local.stepper(self.accelerator)
 
     def _optimizers_now(self) -> list[torch.optim.Optimizer]:
         return [getattr(self, name + "_") for name in self._optimizers]
