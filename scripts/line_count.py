@@ -55,8 +55,8 @@ def code_lines(source):
 
 
 def subsystem(path):
-    """``training/`` for ``accel_mixin/training/epochs.py``, ``net.py`` for
-    ``accel_mixin/net.py``."""
+    """``training/`` for ``accel_mixin/training/epochs.py``, ``callbacks.py`` for
+    ``accel_mixin/callbacks.py``."""
     parts = Path(path).relative_to(PACKAGE).parts
     return f"{parts[0]}/" if len(parts) > 1 else parts[0]
 

@@ -47,9 +47,9 @@ def test_complete_artifacts_pass(tmp_path, monkeypatch, capsys):
     ("drop", "add", "message"),
     [
         (
-            ["wheel:accel_mixin/net.py"],
+            ["wheel:accel_mixin/net/mixin.py"],
             [],
-            "wheel accel_mixin-0.1.0-py3-none-any.whl lacks accel_mixin/net.py",
+            "wheel accel_mixin-0.1.0-py3-none-any.whl lacks accel_mixin/net/mixin.py",
         ),
         (
             ["wheel:accel_mixin-0.1.0.dist-info/licenses/LICENSE"],
@@ -60,9 +60,9 @@ def test_complete_artifacts_pass(tmp_path, monkeypatch, capsys):
         ([], ["wheel:accel_mixin/deleted.py"], "holds accel_mixin/deleted.py, which it should not"),
         (["sdist:LICENSE"], [], "sdist accel_mixin-0.1.0.tar.gz lacks LICENSE"),
         (
-            ["sdist:accel_mixin/net.py"],
+            ["sdist:accel_mixin/net/mixin.py"],
             [],
-            "sdist accel_mixin-0.1.0.tar.gz lacks accel_mixin/net.py",
+            "sdist accel_mixin-0.1.0.tar.gz lacks accel_mixin/net/mixin.py",
         ),
         ([], ["sdist:tests/test_mixin.py"], "holds tests/test_mixin.py, which it should not"),
     ],

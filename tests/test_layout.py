@@ -10,10 +10,10 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "accel_mixin"
 
-# top first; a module not in a subpackage belongs to the first layer that
-# names it
+# top first; a module belongs to the first layer that names it or its
+# subpackage (the net's own modules are the package net/, in the top layer)
 LAYERS = [
-    {"__init__", "__main__", "net", "local", "callbacks", "checkpointing", "diagnostics"},
+    {"__init__", "__main__", "net", "callbacks", "diagnostics"},
     {"resume"},
     {"training"},
     {"checkpoint"},
@@ -68,22 +68,19 @@ def test_the_check_sees_an_upward_import(monkeypatch):
 # The net's private attributes are read in the top layer only: below it,
 # functions get the objects they use as parameters (a Fit, NetObjects, a
 # Control) and return values, and never reach into the net's process-local holder.
-TOP = LAYERS[0]
-HOLDER_MODULES = {"local", "training.process_state"}  # NetLocal's; ProcessState's before it
-# what stays, each with why; the allow-list shrinks, it never grows
-ALLOWED = {
-    # StepMixin's steps are the net's own methods (skorch's step overrides);
-    # they move to net/steps.py with the net/ package (issue 47, point 4, commit 7)
-    "training.stepping: self._local",
-    "training.stepping: self._coordinator",
-}
+HOLDER_MODULES = {"net.local"}  # NetLocal's
+
+
+def _module(path):
+    return ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
 
 
 def _top_private_names():
-    """The private names the top layer's modules define on the net (methods, properties)."""
+    """The private names the top layer's modules (net/ among them) define on
+    the net (methods, properties)."""
     names = set()
-    for path in sorted(PACKAGE.glob("*.py")):
-        if path.stem not in TOP:
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if layer(_module(path)) != 0:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef):
@@ -120,7 +117,7 @@ def private_reads():
     top_names = _top_private_names()
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        module = ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+        module = _module(path)
         if layer(module) == 0:
             continue
         tree = ast.parse(path.read_text())
@@ -142,24 +139,24 @@ def private_reads():
 
 
 def test_only_the_net_reads_its_private_attributes():
-    assert [read for read in private_reads() if read not in ALLOWED] == []
-    # an entry that no longer matches anything goes
-    assert set(private_reads()) >= ALLOWED
+    assert private_reads() == []
 
 
 def test_the_check_sees_a_private_read(tmp_path, monkeypatch):
     below = tmp_path / "accel_mixin" / "training"
     below.mkdir(parents=True)
-    for path in PACKAGE.glob("*.py"):  # the top layer's names
-        (tmp_path / "accel_mixin" / path.name).write_text(path.read_text())
+    (tmp_path / "accel_mixin" / "net").mkdir()
+    for path in PACKAGE.rglob("*.py"):  # the top layer's names
+        if layer(_module(path)) == 0:
+            (tmp_path / "accel_mixin" / path.relative_to(PACKAGE)).write_text(path.read_text())
     (below / "x.py").write_text(
-        "from accel_mixin.local import NetLocal\n"
+        "from accel_mixin.net.local import NetLocal\n"
         "def f(net):\n    return net._local, net.__class__\n"
         "class M(_Net):\n    def g(self):\n        return self.net._objects, self._unwrapped()\n"
     )
     monkeypatch.setattr(__import__(__name__), "PACKAGE", tmp_path / "accel_mixin")
     assert private_reads() == [
-        "training.x imports local",
+        "training.x imports net.local",
         "training.x: net._local",
         "training.x: self._unwrapped",
         "training.x: self.net._objects",

@@ -25,7 +25,7 @@ from accel_mixin.checkpoint.state_saves import save_state_folder
 from accel_mixin.distributed.process_layout import quiet_unless_main, writes_files
 from accel_mixin.distributed.sharding import full_states, sharded
 from accel_mixin.internals import batch_sampler_owner, check_f_arguments
-from accel_mixin.local import NetLocal, net_local
+from accel_mixin.net.local import NetLocal, net_local
 from accel_mixin.resume.resuming import read, restore_training, restore_weights
 from accel_mixin.resume.state_folder import folder_state, rank_entries
 from accel_mixin.resume.training_state import (

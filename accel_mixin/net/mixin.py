@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from accel_mixin.checkpointing import CheckpointingMixin
 from accel_mixin.distributed.epoch_scores import notify_scored
 from accel_mixin.distributed.fork_guard import guard_forks
 from accel_mixin.distributed.history_sync import adopt_history
@@ -25,7 +24,9 @@ from accel_mixin.distributed.process_layout import (
 from accel_mixin.distributed.replicas import check_same_data
 from accel_mixin.distributed.sharding import sharded
 from accel_mixin.internals import cache_lomo_check
-from accel_mixin.local import ATTRIBUTE as LOCAL
+from accel_mixin.net.local import ATTRIBUTE as LOCAL
+from accel_mixin.net.saving import CheckpointingMixin
+from accel_mixin.net.steps import StepMixin
 from accel_mixin.resume.resuming import begin_epoch, continue_epoch
 from accel_mixin.training.epochs import EpochBatches, epoch_end
 from accel_mixin.training.fit import Fit
@@ -48,7 +49,7 @@ from accel_mixin.training.notifications import (
 )
 from accel_mixin.training.portable import PortableAccelerator, settle_unpickled
 from accel_mixin.training.rows import tensor_rows
-from accel_mixin.training.stepping import StepMixin, Stepper, check_overrides, clear_gradients
+from accel_mixin.training.stepping import Stepper, check_overrides, clear_gradients
 from accel_mixin.training.wrapping import prepare_dataloader
 
 if TYPE_CHECKING:
