@@ -1776,7 +1776,7 @@ BREAKS = [
         "dcp_folder",
         "each rank saves as if it were alone, over the others' files",
         "accel_mixin/checkpoint/dcp_folder.py",
-        "    no_dist = alone or not _distributed()\n",
+        "    no_dist = not _distributed() or (alone and group is None)\n",
         "    no_dist = True\n",
         (
             "tests/test_dcp_folder.py::"
@@ -2039,6 +2039,15 @@ BREAKS = [
         "                if alone:  # where another machine's copy fails",
         "                if False:  # where another machine's copy fails",
         (FILES + "test_a_failed_copy_raises_on_every_node",),
+    ),
+    launched(
+        "machine-copies-no-own-group",
+        "checkpointing",
+        "a machine's copy is saved with no group: DCP's writer thread warns on every machine",
+        "accel_mixin/checkpointing.py",
+        "                    group=saves.own_group() if alone else group,",
+        "                    group=group,",
+        (FILES + "test_copies_of_each_node_resume_inside_an_epoch_exactly",),
     ),
     # --- issue 47: a fit in one direction (the loaded plan, the fit the callbacks hold) ---
     Break(

@@ -123,6 +123,7 @@ def test_copies_of_each_node_resume_inside_an_epoch_exactly(nodes):
             "files": ["__0_0.distcp"],  # its main process wrote it alone
             "resumed_from": "training-state-000001-batch-000004-ranks-2",
             "same_losses": True,
+            "warnings": [],
         }
 
 

@@ -285,9 +285,9 @@ def save_folder(
     Asynchronous: returns a future once the state is staged in CPU memory,
     which ends once DCP's save ended and (on rank 0) the folder is
     committed. ``group`` is the process group of the save's collectives (a
-    gloo group for ``async_save``, which wants one with a CPU backend even
-    ``alone``); ``on_committed`` runs on rank 0 (or ``alone``) after the
-    commit.
+    gloo group for ``async_save``, which wants one with a CPU backend; with
+    ``alone``, a group of this process only); ``on_committed`` runs on rank 0
+    (or ``alone``) after the commit.
     """
     import torch.distributed.checkpoint as dcp  # pylint: disable=import-outside-toplevel
 
@@ -300,8 +300,9 @@ def save_folder(
             if on_committed is not None:
                 on_committed()
 
-    no_dist = alone or not _distributed()
-    with one_process_quietly(alone):
+    # alone, this process's own group keeps DCP from the default group's collectives
+    no_dist = not _distributed() or (alone and group is None)
+    with one_process_quietly(no_dist):
         if not asynchronous:
             dcp.save(state, checkpoint_id=partial, process_group=group, no_dist=no_dist)
             commit()

@@ -133,6 +133,7 @@ class StateSaves:
 
     in_flight: SaveInFlight | None = None
     group: ProcessGroup | None = None
+    own: ProcessGroup | None = None
 
     def save_group(self) -> ProcessGroup | None:
         """The process group of asynchronous saves: the one made before, or
@@ -148,6 +149,19 @@ class StateSaves:
         if self.group is None:
             self.group = torch.distributed.new_group(backend="gloo")
         return self.group
+
+    def own_group(self) -> ProcessGroup:
+        """A gloo group of this process alone, made once, for the saves it
+        writes by itself (``save_on_each_node``'s copies): only this rank
+        takes part in making it. DCP given no group would assume one process
+        without torch.distributed and warn so from its writer thread, where
+        no filter of the caller's applies."""
+        if self.own is None:
+            rank = torch.distributed.get_rank()
+            self.own = torch.distributed.new_group(
+                ranks=[rank], backend="gloo", use_local_synchronization=True
+            )
+        return self.own
 
     def wait(self, io_timeout: float | None) -> None:
         """On this rank: wait for the save in flight, at most ``io_timeout``;

@@ -229,17 +229,16 @@ class CheckpointingMixin(SafeParamsMixin):
                 self, self._objects, shuffling, stopped, position, epoch_rng, ranks=ranks
             )
             warn_if_inside_accumulation(self.accelerator)
-            group = None
-            if asynchronous:
-                group = self._local.saves.save_group()
             alone = ranks is not None  # each machine's main process writes its copy
+            saves = self._local.saves
+            group = saves.save_group() if asynchronous and not alone else None
 
             def save() -> SaveInFlight | None:
                 in_flight = save_state_folder(
                     state,
                     path,
                     asynchronous=asynchronous,
-                    group=group,
+                    group=saves.own_group() if alone else group,
                     on_committed=on_written,
                     alone=alone,
                 )
