@@ -2044,7 +2044,7 @@ BREAKS = [
         "machine-copies-no-own-group",
         "checkpointing",
         "a machine's copy is saved with no group: DCP's writer thread warns on every machine",
-        "accel_mixin/checkpointing.py",
+        "accel_mixin/net/saving.py",
         "                    group=saves.own_group() if alone else group,",
         "                    group=group,",
         (FILES + "test_copies_of_each_node_resume_inside_an_epoch_exactly",),
