@@ -2,7 +2,7 @@
 gradient accumulation, and checkpoints that are right in every process layout."""
 
 from accel_mixin.checkpoint.params import SafeParamsMixin
-from accel_mixin.checkpoint.state_dict import strip_wrapper_prefixes
+from accel_mixin.checkpoint.weights import strip_wrapper_prefixes
 from accel_mixin.errors import CheckpointError, DistributedError, Preempted
 from accel_mixin.net import AccelerateMixin
 

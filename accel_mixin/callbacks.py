@@ -23,7 +23,10 @@ from typing import TYPE_CHECKING, Any
 from accelerate.utils import gather_object
 from skorch.callbacks import Callback
 
-from accel_mixin.checkpoint.checkpoint_files import (
+from accel_mixin.checkpoint.atomic_files import remove_temporaries
+from accel_mixin.checkpoint.dcp_folder import remove_partial_folders
+from accel_mixin.checkpoint.folder_claim import claim, release
+from accel_mixin.checkpoint.positions import (
     agreed_checkpoint,
     checkpoint_files,
     checkpoint_name,
@@ -31,10 +34,7 @@ from accel_mixin.checkpoint.checkpoint_files import (
     describe_position,
     position_of,
 )
-from accel_mixin.checkpoint.dcp_folder import remove_partial_folders
-from accel_mixin.checkpoint.files import remove_temporaries
-from accel_mixin.checkpoint.folder_claim import claim, release
-from accel_mixin.checkpoint.sharded_state import remove_training_state
+from accel_mixin.checkpoint.v1_shards import remove_training_state
 from accel_mixin.distributed.preemption import NoticeBoard, can_handle, handling_signals
 from accel_mixin.distributed.process_layout import writes_files
 from accel_mixin.errors import CheckpointError, Preempted
@@ -47,8 +47,8 @@ from accel_mixin.resume.runs import (
     run_folders,
     write_manifest,
 )
-from accel_mixin.training.data_order import resumable_inside_epochs
 from accel_mixin.training.notifications import stopped_early
+from accel_mixin.training.resumed_order import resumable_inside_epochs
 
 if TYPE_CHECKING:
     from skorch import NeuralNet

@@ -10,8 +10,8 @@ from common import MLP, AcceleratedNet, make_data
 from harness import run_nodes, run_plain, run_processes
 from skorch.callbacks import Callback
 
-from accel_mixin.checkpoint.checkpoint_files import agreed_checkpoint
-from accel_mixin.training.data_order import skipping_batches
+from accel_mixin.checkpoint.positions import agreed_checkpoint
+from accel_mixin.training.resumed_order import skipping_batches
 
 
 class CountingDataset(torch.utils.data.Dataset):

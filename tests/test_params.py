@@ -21,7 +21,7 @@ from harness import ROOT
 from skorch import NeuralNetClassifier
 
 from accel_mixin import CheckpointError, SafeParamsMixin, strip_wrapper_prefixes
-from accel_mixin.checkpoint.state_dict import (
+from accel_mixin.checkpoint.weights import (
     clean_state_dict,
     describe_content,
     history_error,
@@ -210,7 +210,7 @@ def test_any_name_the_filesystem_admits_saves(tmp_path):
 
 
 def test_temporary_names_are_short_and_each_saves_own(tmp_path):
-    from accel_mixin.checkpoint import files
+    from accel_mixin.checkpoint import atomic_files as files
 
     names = set()
     for _ in range(3):
@@ -225,7 +225,7 @@ def test_temporary_names_are_short_and_each_saves_own(tmp_path):
 
 
 def test_a_killed_saves_temporary_is_removed_by_the_next_save_and_by_rotation(tmp_path):
-    from accel_mixin.checkpoint.files import atomic_write, remove_temporaries
+    from accel_mixin.checkpoint.atomic_files import atomic_write, remove_temporaries
 
     atomic_write(tmp_path / "params.pt", lambda f: f.write(b"whole"))
     assert stray_files(tmp_path) == []
@@ -253,7 +253,7 @@ def test_a_killed_saves_temporary_is_removed_by_the_next_save_and_by_rotation(tm
 
 
 def test_concurrent_saves_of_the_same_file_never_tear_it_nor_take_each_others_file(tmp_path):
-    from accel_mixin.checkpoint.files import atomic_files, remove_temporaries
+    from accel_mixin.checkpoint.atomic_files import atomic_files, remove_temporaries
 
     target = tmp_path / "params.pt"
     target.write_bytes(b"before")
@@ -273,7 +273,7 @@ def test_concurrent_saves_of_the_same_file_never_tear_it_nor_take_each_others_fi
 def test_a_save_whose_temporary_was_replaced_fails_and_leaves_the_target(tmp_path):
     # where nothing locks (or in the instant before a lock), another save may
     # still replace the file: the save notices and renames nothing
-    from accel_mixin.checkpoint.files import atomic_files
+    from accel_mixin.checkpoint.atomic_files import atomic_files
 
     target = tmp_path / "params.pt"
     target.write_bytes(b"before")
@@ -286,7 +286,7 @@ def test_a_save_whose_temporary_was_replaced_fails_and_leaves_the_target(tmp_pat
 
 
 def test_a_save_whose_temporary_was_removed_fails_and_leaves_the_target(tmp_path):
-    from accel_mixin.checkpoint.files import atomic_files
+    from accel_mixin.checkpoint.atomic_files import atomic_files
 
     target = tmp_path / "params.pt"
     target.write_bytes(b"before")
@@ -299,7 +299,7 @@ def test_a_save_whose_temporary_was_removed_fails_and_leaves_the_target(tmp_path
 
 
 def test_without_locks_saves_still_save_and_leftovers_stay(tmp_path, monkeypatch):
-    from accel_mixin.checkpoint import files
+    from accel_mixin.checkpoint import atomic_files as files
 
     monkeypatch.setattr(files, "fcntl", None)  # Windows, or a filesystem without flock
     fd, leftover = files._create_temporary(tmp_path / "params.pt")  # pylint: disable=protected-access
@@ -311,7 +311,7 @@ def test_without_locks_saves_still_save_and_leftovers_stay(tmp_path, monkeypatch
 
 
 def test_a_leftover_that_cannot_be_opened_is_left_alone(tmp_path):
-    from accel_mixin.checkpoint.files import remove_temporaries
+    from accel_mixin.checkpoint.atomic_files import remove_temporaries
 
     dangling = tmp_path / ".accel_mixin-tmp-0123456789abcdef-01234567.tmp"
     dangling.symlink_to(tmp_path / "gone")
@@ -369,7 +369,7 @@ import sys, torch
 path = sys.argv[1]
 torch.save({'weight': torch.full((4,), 1.0)}, path)
 print('first save done', flush=True)
-from accel_mixin.checkpoint.files import atomic_write
+from accel_mixin.checkpoint.atomic_files import atomic_write
 big = {f'w{i}': torch.randn(1000, 1000) for i in range(100)}  # 400 MB
 atomic_write(path, lambda tmp: torch.save(big, tmp), by_name=True)
 print('second save done', flush=True)
@@ -576,7 +576,7 @@ def test_a_safetensors_file_read_as_torch_gets_a_pointer(tmp_path):
     # the error then points to use_safetensors=True
     from safetensors.torch import save_file
 
-    from accel_mixin.checkpoint.state_dict import _safetensors_hint
+    from accel_mixin.checkpoint.weights import _safetensors_hint
 
     save_file({"w": torch.zeros(2)}, tmp_path / "p.safetensors")
     torch.save({"w": torch.zeros(2)}, tmp_path / "p.pt")
@@ -668,7 +668,7 @@ def write_as_another_user(path, umask):
             os.setgid(65534)
             os.setuid(65534)
             os.umask(umask)
-            from accel_mixin.checkpoint.files import atomic_write
+            from accel_mixin.checkpoint.atomic_files import atomic_write
 
             atomic_write(path, lambda tmp: torch.save({"w": torch.ones(2)}, tmp), by_name=True)
             status = 0
@@ -934,7 +934,7 @@ def test_a_denied_permission_is_named(tmp_path, monkeypatch):
     # as root every directory is writable: the refusal a user gets, simulated
     import errno
 
-    from accel_mixin.checkpoint import files
+    from accel_mixin.checkpoint import atomic_files as files
 
     def refused(path):
         raise PermissionError(errno.EACCES, "Permission denied", path)

@@ -19,7 +19,7 @@ from resume_phases import crashed, once_per_layout
 from skorch.callbacks import Callback
 
 from accel_mixin import CheckpointError
-from accel_mixin.checkpoint.checkpoint_files import agreed_checkpoint, checkpoint_name
+from accel_mixin.checkpoint.positions import agreed_checkpoint, checkpoint_name
 from accel_mixin.resume.state_folder import read_whole
 
 multiprocess = pytest.mark.multiprocess

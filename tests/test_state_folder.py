@@ -23,8 +23,8 @@ from accel_mixin.checkpoint.dcp_folder import (
 )
 from accel_mixin.checkpoint.state_saves import SaveInFlight
 from accel_mixin.errors import Stalled
+from accel_mixin.resume.contents import BEST_WEIGHTS, collect_state
 from accel_mixin.resume.state_folder import FOLDER_VERSION, as_single_file, folder_state
-from accel_mixin.resume.training_state import BEST_WEIGHTS, collect_state
 
 
 def _net(**kwargs):

@@ -4,7 +4,7 @@ main process of each machine writes a whole state folder of its own, alone
 (``dcp_folder.save_folder(alone=True)``), holding every rank's own entries,
 gathered first; the other ranks wait for it in ``save_state``'s run. Each
 rank then reads its own machine's copy, and ``ResumeTraining`` resumes from
-the newest one every rank has (``checkpoint_files.agreed_checkpoint``).
+the newest one every rank has (``positions.agreed_checkpoint``).
 
 On one machine, where every rank sees the folder, the ranks write one state
 together whatever ``save_on_each_node`` says.
@@ -23,7 +23,7 @@ from accel_mixin.errors import CheckpointError
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
-    from accel_mixin.checkpoint.files import Path
+    from accel_mixin.checkpoint.atomic_files import Path
 
 __all__ = ["check_unsharded", "machine_copies"]
 

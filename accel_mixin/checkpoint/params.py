@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from accel_mixin.checkpoint import files as _files
-from accel_mixin.checkpoint.state_dict import (
+from accel_mixin.checkpoint import atomic_files as _files
+from accel_mixin.checkpoint.weights import (
     File,
     check_readable,
     clean_state_dict,

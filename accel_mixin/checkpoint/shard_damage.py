@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from accel_mixin.checkpoint.checkpoint_files import checkpoint_files
 from accel_mixin.checkpoint.dcp_folder import SafeReader
+from accel_mixin.checkpoint.positions import checkpoint_files
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint import CheckpointException

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from accel_mixin.checkpoint.atomic_files import check_directory, without_name, write_cause
 from accel_mixin.checkpoint.dcp_folder import (
     checkpoint_exception,
     remove_partial_folders,
     save_folder,
 )
-from accel_mixin.checkpoint.files import check_directory, without_name, write_cause
 from accel_mixin.errors import CheckpointError, Stalled
 
 if TYPE_CHECKING:

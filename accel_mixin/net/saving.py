@@ -26,12 +26,12 @@ from accel_mixin.distributed.process_layout import quiet_unless_main, writes_fil
 from accel_mixin.distributed.sharding import full_states, sharded
 from accel_mixin.internals import batch_sampler_owner, check_f_arguments
 from accel_mixin.net.local import NetLocal, net_local
-from accel_mixin.resume.resuming import read, restore_training, restore_weights
-from accel_mixin.resume.state_folder import folder_state, rank_entries
-from accel_mixin.resume.training_state import (
+from accel_mixin.resume.contents import (
     train_iterator_state,
     warn_if_inside_accumulation,
 )
+from accel_mixin.resume.resuming import read, restore_training, restore_weights
+from accel_mixin.resume.state_folder import folder_state, rank_entries
 from accel_mixin.training.net_objects import NetObjects
 from accel_mixin.training.notifications import stopped_early
 

@@ -33,7 +33,8 @@ from accel_mixin.checkpoint.dcp_folder import (
 )
 from accel_mixin.checkpoint.params import load_optimizer_state
 from accel_mixin.checkpoint.shard_damage import damaged_message
-from accel_mixin.checkpoint.sharded_state import (
+from accel_mixin.checkpoint.state_values import restore_rng, rng_state
+from accel_mixin.checkpoint.v1_shards import (
     is_sharded_entry,
     load_best_weights_from,
     load_module_from,
@@ -43,18 +44,10 @@ from accel_mixin.checkpoint.sharded_state import (
     load_sharded_optimizer,
     restore_groups,
 )
-from accel_mixin.checkpoint.state_dict import load_module_state, read_state, strip_wrapper_prefixes
-from accel_mixin.checkpoint.state_values import restore_rng, rng_state
+from accel_mixin.checkpoint.weights import load_module_state, read_state, strip_wrapper_prefixes
 from accel_mixin.distributed.sharding import sharded
 from accel_mixin.errors import CheckpointError
-from accel_mixin.resume.state_folder import (
-    InFolder,
-    as_single_file,
-    by_position,
-    owner_module,
-    read_whole,
-)
-from accel_mixin.resume.training_state import (
+from accel_mixin.resume.contents import (
     BEST_IS_CURRENT,
     BEST_WEIGHTS,
     FORMAT,
@@ -62,9 +55,16 @@ from accel_mixin.resume.training_state import (
     restore_callback_state,
     train_iterator_state,
 )
-from accel_mixin.training.data_order import restore_generator_states
+from accel_mixin.resume.state_folder import (
+    InFolder,
+    as_single_file,
+    by_position,
+    owner_module,
+    read_whole,
+)
 from accel_mixin.training.fit import EpochStart, Fit
 from accel_mixin.training.net_objects import NetObjects
+from accel_mixin.training.resumed_order import restore_generator_states
 
 if TYPE_CHECKING:
     import torch

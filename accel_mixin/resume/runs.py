@@ -41,7 +41,7 @@ from accelerate.utils import gather_object
 from skorch.callbacks import Callback
 from skorch.callbacks import logging as skorch_logging
 
-from accel_mixin.checkpoint.files import atomic_write
+from accel_mixin.checkpoint.atomic_files import atomic_write
 from accel_mixin.errors import CheckpointError
 from accel_mixin.resume.describe import Describer, fingerprint, init_defaults, name_of
 from accel_mixin.training.fit import Fit
@@ -49,8 +49,8 @@ from accel_mixin.training.fit import Fit
 if TYPE_CHECKING:
     from skorch import NeuralNet
 
-    from accel_mixin.checkpoint.checkpoint_files import Position
-    from accel_mixin.checkpoint.files import Path
+    from accel_mixin.checkpoint.atomic_files import Path
+    from accel_mixin.checkpoint.positions import Position
 
 
 __all__ = [
@@ -378,7 +378,7 @@ def write_manifest(
     folder: str, identity: RunIdentity, positions: Iterable[Position], status: str
 ) -> None:
     """Write the manifest of a run folder, atomically; ``positions`` are the
-    ``(epoch, batch)`` of its training states (``checkpoint_files``)."""
+    ``(epoch, batch)`` of its training states (``positions.checkpoint_files``)."""
     manifest = {
         "format": _FORMAT,
         "run": identity.key,

@@ -1,6 +1,6 @@
 """A training state as the keys of one DCP folder (``checkpoint.dcp_folder``).
 
-``folder_state`` lays out what ``training_state.collect_state`` collects as
+``folder_state`` lays out what ``contents.collect_state`` collects as
 ``torch.distributed.checkpoint`` expects it, the same in every layout:
 
 - ``modules``: ``{name: state dict}`` of every module and criterion under
@@ -35,7 +35,7 @@ import torch
 from accel_mixin.checkpoint.dcp_folder import plain, read_full, saved_keys, unplain
 from accel_mixin.checkpoint.state_values import rng_state
 from accel_mixin.distributed.sharding import reshard, sharded
-from accel_mixin.resume.training_state import (
+from accel_mixin.resume.contents import (
     BEST_WEIGHTS,
     FORMAT,
     VERSION,

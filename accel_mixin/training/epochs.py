@@ -27,10 +27,10 @@ from accel_mixin.distributed.epoch_scores import score_on_main, share_prediction
 from accel_mixin.distributed.history_sync import agree_on_row, leading_samples, merge_epoch
 from accel_mixin.distributed.replicas import check_same_steps
 from accel_mixin.errors import DistributedError
-from accel_mixin.training.data_order import skipping_batches, start_workers_without_draws
 from accel_mixin.training.fit import Fit
 from accel_mixin.training.net_objects import NetObjects, check_net_replicas
 from accel_mixin.training.notifications import hook, main_process_pickles, stopped_early
+from accel_mixin.training.resumed_order import skipping_batches, start_workers_without_draws
 from accel_mixin.training.shares import (
     criterion_is_mean,
     loss_weight,

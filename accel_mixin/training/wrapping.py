@@ -34,7 +34,7 @@ from accel_mixin.internals import (
     pop_marks,
     put_marks,
 )
-from accel_mixin.training.epoch_order import (
+from accel_mixin.training.shuffling import (
     draw_orders_as_one_process,
     keeping_global_draws,
     shuffles_without_generator,

@@ -8,7 +8,7 @@ synchronous and asynchronous; the time each save blocks training, on rank 0.
 
 Skip: the time from iterating a prepared, shuffled dataloader to its first
 batch when the first ``k`` batches are skipped: by their indices
-(``data_order.skipping_batches``, what a resumed epoch does) against loading
+(``resumed_order.skipping_batches``, what a resumed epoch does) against loading
 and dropping them, the baseline of a resume that reads what it skips. Each
 sample costs ``--load-us`` microseconds to load.
 """
@@ -30,7 +30,7 @@ from checkpoint import OursNet, Stack, n_params
 from common import alternate, barrier, write_result
 
 from accel_mixin.callbacks import TrainingCheckpoint
-from accel_mixin.training.data_order import skipping_batches
+from accel_mixin.training.resumed_order import skipping_batches
 
 
 class TimedCheckpoint(TrainingCheckpoint):

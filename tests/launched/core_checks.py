@@ -160,7 +160,7 @@ def core(impl):
     def only_main_writes():
         """Counts the files each rank writes: through torch.save or History.to_file
         to a path (the incumbent), or through accel_mixin's atomic writes."""
-        import accel_mixin.checkpoint.files as files
+        import accel_mixin.checkpoint.atomic_files as files
 
         calls = []
         saved = torch.save, History.to_file, files.atomic_files

@@ -28,8 +28,8 @@ from common import (
 )
 
 from accel_mixin.callbacks import ResumeTraining, TrainingCheckpoint
-from accel_mixin.checkpoint.checkpoint_files import position_of
 from accel_mixin.checkpoint.dcp_folder import saved_keys
+from accel_mixin.checkpoint.positions import position_of
 
 accelerator = make_accelerator(project_config=ProjectConfiguration(save_on_each_node=True))
 rank = accelerator.process_index

@@ -4,7 +4,7 @@ batches: every case of ``CASES`` (a dataset size in global batches,
 the weights, every epoch's train loss and train batch count.
 
 Shuffled or not: N processes draw every epoch's order as one process does
-(``data_order.draw_orders_as_one_process``).
+(``shuffling.draw_orders_as_one_process``).
 
 Usage: torchrun --nproc_per_node N shares_run.py CONFIG [CONFIG ...]
 

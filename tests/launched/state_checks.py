@@ -13,7 +13,7 @@ import torch
 from common import MLP, AcceleratedNet, make_accelerator, make_data, outcome
 
 from accel_mixin.callbacks import TrainingCheckpoint
-from accel_mixin.checkpoint.state_dict import strip_wrapper_prefixes
+from accel_mixin.checkpoint.weights import strip_wrapper_prefixes
 from accel_mixin.resume.state_folder import read_whole
 
 

@@ -81,7 +81,7 @@ class CountWrites:
     def __enter__(self):
         import skorch.callbacks.training as training
 
-        import accel_mixin.checkpoint.files as files
+        import accel_mixin.checkpoint.atomic_files as files
 
         self.calls = []
         self.saved = (files.atomic_files, training.open_file_like)
@@ -101,7 +101,7 @@ class CountWrites:
     def __exit__(self, *exc):
         import skorch.callbacks.training as training
 
-        import accel_mixin.checkpoint.files as files
+        import accel_mixin.checkpoint.atomic_files as files
 
         files.atomic_files, training.open_file_like = self.saved
 

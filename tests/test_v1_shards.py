@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 
-from accel_mixin.checkpoint.sharded_state import (
+from accel_mixin.checkpoint.v1_shards import (
     SHARDED,
     is_sharded_entry,
     load_sharded_best_weights,

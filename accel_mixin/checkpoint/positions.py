@@ -26,7 +26,7 @@ from accel_mixin.errors import CheckpointError
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
-    from accel_mixin.checkpoint.files import Path
+    from accel_mixin.checkpoint.atomic_files import Path
 
 
 # a training state's place in training: (epochs done, batches of the next)

@@ -1,5 +1,5 @@
 """Every epoch's shuffled order drawn as one process draws it
-(``accel_mixin.training.epoch_order``), in this process."""
+(``accel_mixin.training.shuffling``), in this process."""
 
 import copy
 import pickle
@@ -7,7 +7,7 @@ import pickle
 import torch
 from torch.utils.data import RandomSampler
 
-from accel_mixin.training.epoch_order import _SeededAsOneProcess
+from accel_mixin.training.shuffling import _SeededAsOneProcess
 
 
 def seeded_as_one_process(n=10):

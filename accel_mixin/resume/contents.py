@@ -36,7 +36,6 @@ from skorch.callbacks import (
 )
 from skorch.callbacks.scoring import ScoringBase
 
-from accel_mixin.checkpoint.state_dict import clean_state_dict, strip_wrapper_prefixes
 from accel_mixin.checkpoint.state_values import (
     NOT_PLAIN,
     as_plain,
@@ -45,7 +44,8 @@ from accel_mixin.checkpoint.state_values import (
     plain_or_not,
     rng_state,
 )
-from accel_mixin.training.data_order import generator_states
+from accel_mixin.checkpoint.weights import clean_state_dict, strip_wrapper_prefixes
+from accel_mixin.training.resumed_order import generator_states
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -68,6 +68,8 @@ __all__ = [
     "warn_if_inside_accumulation",
 ]
 
+# the tag every saved state holds (this module's name when it was first
+# written): a saved value, not an import path, so it never follows renames
 FORMAT = "accel_mixin.resume.training_state"
 VERSION = 1
 BEST_WEIGHTS = "best_model_weights_"
