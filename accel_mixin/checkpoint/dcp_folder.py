@@ -257,11 +257,11 @@ def remove_partial_folders(directory: str | os.PathLike[str], name: str | None =
 
 
 @contextlib.contextmanager
-def one_process_quietly(alone: bool = False) -> Iterator[None]:
-    """Without a process group (or ``alone``: this process saves by itself)
+def one_process_quietly(no_dist: bool = False) -> Iterator[None]:
+    """Without a process group (or ``no_dist``: DCP told to run without one)
     DCP warns that it assumes one process: it is one."""
     with warnings.catch_warnings():
-        if alone or not _distributed():
+        if no_dist or not _distributed():
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         yield
 

@@ -55,6 +55,8 @@ def guard_forks() -> None:
     if _installed or not needed() or not os.path.isdir("/proc/self/task"):
         return
     _installed = True
+    # process-wide by nature (a fork is the process's): no engine makes a fork
+    # wait for torch's native threads, and the defect is CPython's, below them
     os.register_at_fork(before=_before_fork)
 
 
@@ -130,6 +132,9 @@ def rest(tids: Iterable[int], patience: float = PATIENCE) -> bool:
                 return True
             if time.monotonic() > deadline:
                 return False
-            time.sleep(_YIELD)  # a CPU for a thread that waits for one, the GIL for another
+            # a poll only before a fork, bounded by ``patience``: no engine says
+            # when its native threads rest; the sleep gives a thread that waits
+            # for a CPU one, and another the GIL
+            time.sleep(_YIELD)
     finally:
         sys.setswitchinterval(interval)
