@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from accelerate.utils import gather_object
 
-from accel_mixin.distributed.process_layout import writes_files
+from accel_mixin.distributed.process_layout import saves_on_each_node, writes_files
 from accel_mixin.distributed.sharding import sharded
 from accel_mixin.errors import CheckpointError
 
@@ -38,8 +38,7 @@ def machine_copies(
     A collective where ``save_on_each_node`` is set on several processes:
     the ranks learn there how many processes write files (one per machine).
     """
-    config = getattr(accelerator, "project_configuration", None)
-    if accelerator.num_processes == 1 or not getattr(config, "save_on_each_node", False):
+    if accelerator.num_processes == 1 or not saves_on_each_node(accelerator):
         return None
     gathered = gather_object([(writes_files(accelerator), entries())])
     if sum(writes for writes, _ in gathered) < 2:

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
 __all__ = ["check_not_a_child_of_a_rank", "check_process_layout", "check_supported"]
-__all__ += ["quiet_unless_main", "silent", "sink_for", "writes_files"]
+__all__ += ["quiet_unless_main", "saves_on_each_node", "silent", "sink_for", "writes_files"]
 
 
 def _env_int(name: str, default: int = 1) -> int:
@@ -156,11 +156,16 @@ def check_supported(accelerator: Accelerator) -> None:
         )
 
 
+def saves_on_each_node(accelerator: Accelerator) -> bool:
+    """Whether ``ProjectConfiguration(save_on_each_node=True)`` is set."""
+    config = getattr(accelerator, "project_configuration", None)
+    return bool(getattr(config, "save_on_each_node", False))
+
+
 def writes_files(accelerator: Accelerator) -> bool:
     """Whether this process writes checkpoint files: the main process; with
     ``ProjectConfiguration(save_on_each_node=True)``, every machine's."""
-    config = getattr(accelerator, "project_configuration", None)
-    if getattr(config, "save_on_each_node", False):
+    if saves_on_each_node(accelerator):
         return accelerator.is_local_main_process
     return accelerator.is_main_process
 
