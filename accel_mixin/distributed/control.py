@@ -559,7 +559,9 @@ def _collect_at_exit() -> None:
     gc.collect()
 
 
-# one per process group: every net in the process shares its control group
+# one per process group, as process-wide as the group itself: every net in
+# the process shares its control group, which every rank makes together once
+# (a collective, N sockets); torch keeps no side group per process group
 _COORDINATORS: dict[tuple[int, int, int], Control] = {}
 
 
