@@ -1734,6 +1734,24 @@ BREAKS = [
         "        if True:\n",
         (COORDINATION + "test_a_run_without_progress_fails_on_every_rank_after_its_io_timeout",),
     ),
+    Break(
+        "io_watchdog-stalled-worker-kept",
+        "io_watchdog",
+        "after a stall the next file operation queues behind the stuck one on the same worker",
+        "accel_mixin/distributed/io_watchdog.py",
+        "                self._jobs = self._worker = None\n",
+        "",
+        (COORDINATION + "test_a_writer_is_kept_between_runs_and_replaced_after_a_stall",),
+    ),
+    Break(
+        "control-outcomes-not-combined",
+        "control",
+        "a barrier returns this rank's own outcome, not every rank's maximum",
+        "accel_mixin/distributed/control.py",
+        '        return cast("list[int]", table.max(axis=0).tolist())',
+        '        return list(mine)',
+        (COORDINATION + "test_an_error_on_one_rank_reaches_the_other_promptly",),
+    ),
     # --- issue 47: one checkpoint format ---
     Break(
         "dcp-folder-plain-values-unsafe",

@@ -11,7 +11,8 @@ import pytest
 import torch.distributed as dist
 
 from accel_mixin.distributed.control import Control, agreed_failure
-from accel_mixin.errors import DistributedError
+from accel_mixin.distributed.io_watchdog import Watchdog
+from accel_mixin.errors import DistributedError, Stalled
 from accel_mixin.training.notifications import Notification
 
 
@@ -223,6 +224,24 @@ def test_a_run_without_progress_fails_on_every_rank_after_its_io_timeout():
     assert str(exc0).startswith("save_params of p.pt made no progress for 1 s")
     assert isinstance(exc1, DistributedError)
     assert "save_params failed on rank 0: Stalled: save_params of p.pt made no" in str(exc1)
+
+
+def test_a_writer_is_kept_between_runs_and_replaced_after_a_stall():
+    watchdog = Watchdog()
+    workers = [watchdog.run(threading.get_ident, io_timeout=5, what="w") for _ in range(3)]
+    assert len(set(workers)) == 1 and workers[0] != threading.get_ident()
+    stuck = threading.Event()
+    with pytest.raises(Stalled, match="stuck made no progress for 0 s"):
+        watchdog.run(lambda: stuck.wait(20), io_timeout=0.3, what="stuck")
+    # the stalled worker still waits: the next run gets a worker of its own
+    assert watchdog.run(threading.get_ident, io_timeout=5, what="w") != workers[0]
+    stuck.set()
+    with pytest.raises(ValueError, match="raised on the worker"):
+        watchdog.run(_raise, io_timeout=5, what="w")
+
+
+def _raise():
+    raise ValueError("raised on the worker")
 
 
 def test_a_live_rank_keeps_the_others_waiting():

@@ -43,10 +43,11 @@ from datetime import timedelta
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast, overload
 
+import numpy
 import torch
 import torch.distributed as dist
 
-from accel_mixin.distributed.io_watchdog import supervised
+from accel_mixin.distributed.io_watchdog import Watchdog
 from accel_mixin.errors import DistributedError, Preempted
 from accel_mixin.internals import default_store
 
@@ -203,6 +204,9 @@ class Control:
         self._met: tuple[int, str] | None = None
         # this rank's failure that a barrier carried, and its message: (exc, message)
         self._carried: tuple[BaseException | None, str] = (None, "")
+        self._watchdog = Watchdog()
+        # the outcomes of a barrier by rank, and each rank's row as a tensor
+        self._rows: tuple[numpy.ndarray[Any, Any], list[torch.Tensor]] | None = None
 
     @property
     def distributed(self) -> bool:
@@ -355,9 +359,7 @@ class Control:
             self.num_processes - self.process_index if priority else 0
         )
         depth = len(self._open) if priority else 0
-        outcome = self._arrive(
-            what, wait, torch.tensor([rank_code, call, -call, depth], dtype=torch.int64)
-        )
+        outcome = self._arrive(what, wait, (rank_code, call, -call, depth))
         if outcome[1] != -outcome[2]:
             mismatch = self._mismatch(what)
             for entry in self._open:  # every rank leaves its call at once
@@ -365,18 +367,18 @@ class Control:
             return mismatch
         if outcome[0] == 0:
             return None
-        root = self.num_processes - int(outcome[0]) % (self.num_processes + 1)
+        root = self.num_processes - outcome[0] % (self.num_processes + 1)
         text = _encode(message if root == self.process_index else "")
         broadcast = dist.BroadcastOptions()
         broadcast.rootRank, broadcast.timeout = root, wait
         group.broadcast([text], broadcast).wait()
         message = _decode(text)
         # fail the sections from the failing rank's down: see the module's docstring
-        for entry in self._open[max(0, int(outcome[3]) - 1) :]:
+        for entry in self._open[max(0, outcome[3] - 1) :]:
             entry[2] = message
         return _agreed(message)
 
-    def _arrive(self, what: str, wait: timedelta, mine: torch.Tensor) -> torch.Tensor:
+    def _arrive(self, what: str, wait: timedelta, mine: tuple[int, ...]) -> list[int]:
         """Send ``mine`` (this rank's outcome) to every peer and receive
         theirs, as ``monitored_barrier`` sends its token with rank 0 alone:
         every rank, not only rank 0, names a peer whose connection closed (at
@@ -384,11 +386,19 @@ class Control:
         never arrived). Return the outcomes' elementwise maximum, the same on
         every rank: one round, where an arrival and an ``allreduce`` took two."""
         group = self.group()
-        peers = [rank for rank in range(self.num_processes) if rank != self.process_index]
-        received = {rank: torch.zeros_like(mine) for rank in peers}
-        works = {rank: group.recv([received[rank]], rank, _ARRIVAL) for rank in peers}
+        me = self.process_index
+        if self._rows is None:
+            # one row per rank, made once: a barrier's only tensor operations
+            # are its sends, receives and waits (each other one cost as much
+            # as a small save's write)
+            table = numpy.zeros((self.num_processes, len(mine)), dtype=numpy.int64)
+            self._rows = (table, list(torch.from_numpy(table)))
+        table, rows = self._rows
+        table[me] = mine
+        peers = [rank for rank in range(self.num_processes) if rank != me]
+        works = {rank: group.recv([rows[rank]], rank, _ARRIVAL) for rank in peers}
         # kept until received: gloo drops the send of a Work nobody holds
-        sends = [group.send([mine], rank, _ARRIVAL) for rank in peers]
+        sends = [group.send([rows[me]], rank, _ARRIVAL) for rank in peers]
         deadline = time.monotonic() + wait.total_seconds()
         missing: list[int] = []
         for rank, work in works.items():
@@ -402,7 +412,7 @@ class Control:
             raise self._break(lambda later: self._timed_out(later, wait, missing), what)
         for work in sends:
             work.wait()
-        return torch.stack([mine, *received.values()]).amax(0)
+        return cast("list[int]", table.max(axis=0).tolist())
 
     def _mismatch(self, what: str) -> DistributedError:
         mine = self._open[0][0]
@@ -476,7 +486,7 @@ class Control:
             self.barrier(what)
             if here and self.distributed:
                 name = what if files is None else f"{what} of {files}"
-                result: T | None = supervised(fn, io_timeout=io_timeout, what=name)
+                result: T | None = self._watchdog.run(fn, io_timeout=io_timeout, what=name)
             else:
                 result = fn() if here else None
             self.barrier(what, _WRITER_CAP.total_seconds())

@@ -1,6 +1,6 @@
 """A watchdog on a file operation: it must advance, or every rank stops.
 
-``supervised`` runs a save or a load in a worker thread and watches it
+``Watchdog.run`` runs a save or a load on a worker thread and watches it
 advance: the process reads or writes (``/proc/self/io``), or the worker
 computes (copying a memory-mapped file reads nothing through system calls).
 After ``io_timeout`` seconds without, ``Stalled`` is raised, and a worker
@@ -11,6 +11,7 @@ bounds a write this way: a collective's timeout bounds waiting ranks only.
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -18,12 +19,13 @@ from typing import Any, TypeVar, cast
 
 from accel_mixin.errors import Stalled
 
-__all__ = ["supervised"]
+__all__ = ["Watchdog"]
 
 T = TypeVar("T")
 
-# how often the calling thread looks at the worker: soon for small saves, then less often
-_LOOK_FIRST, _LOOK_MAX = 0.001, 0.25
+# how often the calling thread samples the worker's progress, more seldom as
+# it goes on; a finished operation wakes it at once
+_LOOK_FIRST, _LOOK_MAX = 0.01, 0.25
 
 
 class _Sampler:
@@ -56,37 +58,62 @@ class _Sampler:
         return last is None or now[0] - last[0] > own_before or now[1] != last[1]
 
 
-def supervised(fn: Callable[[], T], *, io_timeout: float, what: str) -> T:
-    """Return or raise what ``fn()`` does in a worker thread; ``Stalled``
-    naming ``what`` after ``io_timeout`` seconds without progress."""
-    outcome: dict[str, Any] = {}
+class Watchdog:
+    """Runs file operations one at a time on a worker thread of its own, and
+    watches each advance. The thread is kept between operations: starting
+    one per ``save_params`` cost more than a small model's write. A worker
+    left behind in a stalled operation ends after it."""
 
-    def work() -> None:
-        try:
-            outcome["value"] = fn()
-        except BaseException as exc:  # pylint: disable=broad-except
-            outcome["error"] = exc
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] | None = None
+        self._worker: threading.Thread | None = None
 
-    worker = threading.Thread(target=work, daemon=True, name="accel_mixin-io")
-    worker.start()  # returns once the thread runs, its native_id set
-    # the first sample at the first look: a write shorter than that reads nothing
-    sampler = _Sampler(worker.native_id)
-    last_progress = time.monotonic()
-    look = _LOOK_FIRST
-    while True:
-        worker.join(look)
-        if not worker.is_alive():
-            break
-        look = min(2 * look, _LOOK_MAX)
-        if sampler.advanced():
-            last_progress = time.monotonic()
-        elif time.monotonic() - last_progress > io_timeout:
-            raise Stalled(
-                f"{what} made no progress for {io_timeout:.0f} s: nothing was read or "
-                "written (a hung or very slow filesystem?). It is left running in the "
-                "background; every rank stops here. io_timeout sets this limit."
-            )
-    if "error" in outcome:
-        raise outcome["error"]
-    # set whenever fn returned
-    return cast(T, outcome.get("value"))
+    def _start(self) -> tuple[queue.SimpleQueue[Callable[[], None] | None], threading.Thread]:
+        jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+
+        def serve() -> None:
+            for job in iter(jobs.get, None):
+                job()
+
+        worker = threading.Thread(target=serve, daemon=True, name="accel_mixin-io")
+        worker.start()  # returns once the thread runs, its native_id set
+        self._jobs, self._worker = jobs, worker
+        return jobs, worker
+
+    def run(self, fn: Callable[[], T], *, io_timeout: float, what: str) -> T:
+        """Return or raise what ``fn()`` does on the worker; ``Stalled``
+        naming ``what`` after ``io_timeout`` seconds without progress."""
+        jobs, worker = self._jobs, self._worker
+        if jobs is None or worker is None or not worker.is_alive():  # a forked child's copy
+            jobs, worker = self._start()
+        outcome: dict[str, Any] = {}
+        done = threading.Event()
+
+        def job() -> None:
+            try:
+                outcome["value"] = fn()
+            except BaseException as exc:  # pylint: disable=broad-except
+                outcome["error"] = exc
+            done.set()
+
+        jobs.put(job)
+        # the first sample at the first look: a write shorter than that reads nothing
+        sampler = _Sampler(worker.native_id)
+        last_progress = time.monotonic()
+        look = _LOOK_FIRST
+        while not done.wait(look):
+            look = min(2 * look, _LOOK_MAX)
+            if sampler.advanced():
+                last_progress = time.monotonic()
+            elif time.monotonic() - last_progress > io_timeout:
+                jobs.put(None)  # the worker ends once the stalled call returns
+                self._jobs = self._worker = None
+                raise Stalled(
+                    f"{what} made no progress for {io_timeout:.0f} s: nothing was read or "
+                    "written (a hung or very slow filesystem?). It is left running in the "
+                    "background; every rank stops here. io_timeout sets this limit."
+                )
+        if "error" in outcome:
+            raise outcome["error"]
+        # set whenever fn returned
+        return cast(T, outcome.get("value"))
