@@ -1689,8 +1689,8 @@ BREAKS = [
         "control",
         "a live rank that does not arrive within the timeout is called gone",
         "accel_mixin/distributed/control.py",
-        "                missing.append(rank)",
-        "                raise self._break(functools.partial(self._gone, rank=rank), what)",
+        "        return lambda later: self._timed_out(later, wait, missing)",
+        "        return functools.partial(self._gone, rank=missing[0])",
         (COORDINATION + "test_a_live_rank_that_does_not_arrive_is_named_not_gone",),
     ),
     launched(
@@ -1749,8 +1749,40 @@ BREAKS = [
         "a barrier returns this rank's own outcome, not every rank's maximum",
         "accel_mixin/distributed/control.py",
         '        return cast("list[int]", table.max(axis=0).tolist())',
-        '        return list(mine)',
+        "        return list(mine)",
         (COORDINATION + "test_an_error_on_one_rank_reaches_the_other_promptly",),
+    ),
+    Break(
+        "control-closed-peer-not-passed-on",
+        "control",
+        "a rank that finds a peer's connection closed keeps it to itself: the others time out",
+        "accel_mixin/distributed/control.py",
+        "                table[0, -1] = max(int(table[0, -1]), *(2 + peer for peer in closed))",
+        "                pass",
+        (COORDINATION + "test_among_four_ranks_a_rank_that_ends_is_named_at_once_by_every_other",),
+    ),
+    Break(
+        "control-send-dropped-after-failed-receive",
+        "control",
+        "a round whose receive found a closed connection drops its send, so its target waits",
+        "accel_mixin/distributed/control.py",
+        "                closed.append(peer)\n        for peer, work in works:",
+        "                closed.append(peer)\n"
+        "                return closed\n"
+        "        for peer, work in works:",
+        (COORDINATION + "test_among_four_ranks_a_rank_that_ends_is_named_at_once_by_every_other",),
+    ),
+    Break(
+        "control-census-does-not-wait",
+        "control",
+        "the census reads who arrived before the ranks that arrived later have said so",
+        "accel_mixin/distributed/control.py",
+        '            store.wait(["all"], wait)',
+        "            pass",
+        (
+            COORDINATION
+            + "test_among_four_ranks_a_rank_that_does_not_arrive_is_named_by_every_other",
+        ),
     ),
     # --- issue 47: one checkpoint format ---
     Break(

@@ -4,6 +4,8 @@ store, in threads: their gloo group connects over loopback.
 The same over real processes: test_multiprocess.py and test_sync.py.
 """
 
+import functools
+import gc
 import threading
 import time
 
@@ -17,8 +19,19 @@ from accel_mixin.training.notifications import Notification
 
 
 def pair(timeout=30.0):
+    return ranks(2, timeout)
+
+
+def ranks(n, timeout=30.0):
     store = dist.HashStore()
-    return [Control(2, rank, timeout=timeout, store=store) for rank in (0, 1)]
+    return [Control(n, rank, timeout=timeout, store=store) for rank in range(n)]
+
+
+def warmed_up(n, timeout):
+    """``n`` coordinators whose group is connected: one barrier passed."""
+    coordinators = ranks(n, timeout)
+    run_ranks(*[functools.partial(c.barrier, "warm up") for c in coordinators])
+    return coordinators
 
 
 def run_ranks(*bodies):
@@ -92,6 +105,48 @@ def test_an_error_on_one_rank_reaches_the_other_promptly():
     assert "on_epoch_end failed on rank 1: ValueError: boom on rank 1" in str(exc0)
     assert waiting.seconds < 5
     assert not wrote  # the barrier before the write raised
+
+
+@pytest.mark.parametrize("n", [3, 4, 5])
+def test_among_more_ranks_an_error_on_one_reaches_every_other(n):
+    # the barrier's outcome passes from rank to rank in log2(n) rounds
+    coordinators = warmed_up(n, timeout=30)
+
+    def body(control):
+        with control.session("fit"):
+            if control.process_index == n - 1:
+                raise ValueError(f"boom on rank {n - 1}")
+            control.barrier("on_epoch_end")
+
+    results = run_ranks(*[functools.partial(body, c) for c in coordinators])
+    assert [kind for kind, _ in results] == ["raised"] * n
+    for _, exc in results[:-1]:
+        assert f"fit failed on rank {n - 1}: ValueError: boom on rank {n - 1}" in str(exc)
+
+
+def test_among_four_ranks_a_rank_that_does_not_arrive_is_named_by_every_other():
+    coordinators = warmed_up(4, timeout=1)
+    start = time.monotonic()
+    arriving = [coordinators[rank] for rank in (0, 1, 3)]
+    results = run_ranks(*[functools.partial(c.barrier, "save") for c in arriving])
+    assert [kind for kind, _ in results] == ["raised"] * 3
+    for _, exc in results:
+        assert ". Rank 2 did not arrive: its process lives" in str(exc), exc
+    assert time.monotonic() - start < 10
+
+
+def test_among_four_ranks_a_rank_that_ends_is_named_at_once_by_every_other():
+    coordinators = warmed_up(4, timeout=20)
+    # its connections close as a dead process's do
+    coordinators[2]._group = None  # pylint: disable=protected-access
+    gc.collect()
+    start = time.monotonic()
+    alive = [coordinators[rank] for rank in (0, 1, 3)]
+    results = run_ranks(*[functools.partial(c.barrier, "save") for c in alive])
+    assert [kind for kind, _ in results] == ["raised"] * 3
+    for _, exc in results:
+        assert "save: rank 2 is gone (its process ended)" in str(exc), exc
+    assert time.monotonic() - start < 10  # not the 20 s timeout
 
 
 def test_main_only_failure_reaches_the_others():

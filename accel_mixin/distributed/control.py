@@ -2,11 +2,13 @@
 
 A section is a block that every rank runs, in the same order. Its barriers
 are collectives on a gloo group of the coordinator's own (made with it, on
-every rank alike): one round in which each rank sends its outcome to every
-peer and receives theirs (``monitored_barrier``'s mechanism, symmetric:
-every rank names a dead or missing peer, not rank 0 alone), and their
-maximum, the same on every rank: passed, failed on a rank (whose message
-follows by one broadcast), or ranks in different calls.
+every rank alike): gloo's own dissemination barrier, log2(N) rounds of one
+send and one receive per rank, carrying the maximum of every rank's outcome,
+the same on every rank: passed, failed on a rank (whose message follows by
+one broadcast), or ranks in different calls. Every rank, not rank 0 alone
+as with ``monitored_barrier``, names a dead or missing peer: a closed
+connection rides on the outcome to every survivor, and a barrier that waited
+in vain ends in a census of who arrived, on the job's store.
 
 A rank whose section raised enters the barrier the others wait in, carrying
 its failure. Every rank marks the sections it learned the failure in, from
@@ -69,6 +71,11 @@ if TYPE_CHECKING:
         def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int) -> dist.Work: ...
 
         def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int) -> dist.Work: ...
+
+    class _Appending(Protocol):
+        """``Store.append``, which torch's type stubs leave out."""
+
+        def append(self, key: str, value: str) -> None: ...
 
 
 __all__ = ["Control", "agreed_failure", "coordinator_for", "failure_message", "own_sockets"]
@@ -205,7 +212,8 @@ class Control:
         # this rank's failure that a barrier carried, and its message: (exc, message)
         self._carried: tuple[BaseException | None, str] = (None, "")
         self._watchdog = Watchdog()
-        # the outcomes of a barrier by rank, and each rank's row as a tensor
+        self._barriers = 0  # the barriers this rank entered: the census's key
+        # a barrier's outcome held and received, and each as a tensor
         self._rows: tuple[numpy.ndarray[Any, Any], list[torch.Tensor]] | None = None
 
     @property
@@ -379,40 +387,90 @@ class Control:
         return _agreed(message)
 
     def _arrive(self, what: str, wait: timedelta, mine: tuple[int, ...]) -> list[int]:
-        """Send ``mine`` (this rank's outcome) to every peer and receive
-        theirs, as ``monitored_barrier`` sends its token with rank 0 alone:
-        every rank, not only rank 0, names a peer whose connection closed (at
-        once) or whose outcome did not come within ``wait`` (a live rank that
-        never arrived). Return the outcomes' elementwise maximum, the same on
-        every rank: one round, where an arrival and an ``allreduce`` took two."""
-        group = self.group()
-        me = self.process_index
+        """Return the elementwise maximum of every rank's outcome (``mine``
+        here), the same on every rank, in ceil(log2 N) rounds: in round i a
+        rank sends what it holds to rank + 2^i and receives from rank - 2^i
+        (gloo's own barrier is this dissemination barrier; the maximum rides
+        on it). A peer whose connection closed is passed on in the outcome, so
+        every survivor names it at once. A rank not heard from within ``wait``
+        is found by a census (``_census``), which names who did not arrive."""
+        n, me = self.num_processes, self.process_index
         if self._rows is None:
-            # one row per rank, made once: a barrier's only tensor operations
-            # are its sends, receives and waits (each other one cost as much
-            # as a small save's write)
-            table = numpy.zeros((self.num_processes, len(mine)), dtype=numpy.int64)
+            # what this rank holds and what it receives, made once: a round's
+            # only tensor operations are a send, a receive and their waits
+            table = numpy.zeros((2, len(mine) + 1), dtype=numpy.int64)
             self._rows = (table, list(torch.from_numpy(table)))
-        table, rows = self._rows
-        table[me] = mine
-        peers = [rank for rank in range(self.num_processes) if rank != me]
-        works = {rank: group.recv([rows[rank]], rank, _ARRIVAL) for rank in peers}
-        # kept until received: gloo drops the send of a Work nobody holds
-        sends = [group.send([rows[me]], rank, _ARRIVAL) for rank in peers]
+        table, (held, received) = self._rows
+        table[0] = (*mine, 0)  # the last column: 2 + the rank of a closed peer
+        self._barriers += 1
         deadline = time.monotonic() + wait.total_seconds()
-        missing: list[int] = []
-        for rank, work in works.items():
+        for step in (1 << i for i in range((n - 1).bit_length())):
+            source, target = (me - step) % n, (me + step) % n
+            try:
+                closed = self._swap(held, received, source, target, deadline)
+            except RuntimeError as exc:
+                self._rows = None  # gloo may still write into them
+                raise self._break(self._census(wait), what) from exc
+            if closed:
+                table[0, -1] = max(int(table[0, -1]), *(2 + peer for peer in closed))
+            if source in closed:
+                table[1] = 0  # nothing came
+            numpy.maximum(table[0], table[1], out=table[0])
+        if table[0, -1]:
+            raise self._break(functools.partial(self._gone, rank=int(table[0, -1]) - 2), what)
+        return cast("list[int]", table[0, :-1].tolist())
+
+    def _swap(
+        self,
+        held: torch.Tensor,
+        received: torch.Tensor,
+        source: int,
+        target: int,
+        deadline: float,
+    ) -> list[int]:
+        """One round: send ``held`` to ``target``, receive ``received`` from
+        ``source``; return the peers whose connection closed (gloo says so as
+        an operation is posted or waited for). The send is waited for even
+        after the receive failed: gloo drops the send of a Work nobody holds,
+        and its target would wait for it. Raise gloo's error past ``deadline``."""
+        group = self.group()
+        closed: list[int] = []
+        works: list[tuple[int, dist.Work]] = []
+        for peer, post, tensor in ((source, group.recv, received), (target, group.send, held)):
+            try:
+                works.append((peer, post([tensor], peer, _ARRIVAL)))
+            except RuntimeError as exc:
+                if not _CLOSED.search(str(exc)):
+                    raise
+                closed.append(peer)
+        for peer, work in works:
             try:
                 work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
             except RuntimeError as exc:
-                if _CLOSED.search(str(exc)):
-                    raise self._break(functools.partial(self._gone, rank=rank), what) from exc
-                missing.append(rank)
-        if missing:
-            raise self._break(lambda later: self._timed_out(later, wait, missing), what)
-        for work in sends:
-            work.wait()
-        return cast("list[int]", table.max(axis=0).tolist())
+                if not _CLOSED.search(str(exc)):
+                    raise
+                closed.append(peer)
+        return closed
+
+    def _census(self, wait: timedelta) -> Callable[[str], DistributedError]:
+        """After a barrier waited in vain, name the ranks that did not arrive:
+        each rank that timed out adds its rank to one key of the job's store
+        and waits up to ``wait`` (long enough for a rank that arrived later,
+        whose own wait ends later) until all have. A gloo pair that timed out
+        is closed, so the census cannot go through the group; the store
+        answers a wait when its key is set, and is asked O(1) times per rank,
+        once, on the way out of a failed barrier."""
+        store = dist.PrefixStore(
+            f"{namespace()}/census/{self._barriers}", cast(dist.Store, self.store)
+        )
+        cast("_Appending", store).append("here", f"{self.process_index},")
+        if store.add("count", 1) == self.num_processes:
+            store.set("all", "1")
+        with contextlib.suppress(RuntimeError):  # DistStoreError: not all came
+            store.wait(["all"], wait)
+        here = {int(rank) for rank in store.get("here").decode().split(",") if rank}
+        missing = [rank for rank in range(self.num_processes) if rank not in here]
+        return lambda later: self._timed_out(later, wait, missing)
 
     def _mismatch(self, what: str) -> DistributedError:
         mine = self._open[0][0]
