@@ -8,6 +8,7 @@ import functools
 import gc
 import threading
 import time
+import weakref
 
 import pytest
 import torch.distributed as dist
@@ -285,6 +286,19 @@ def test_a_writer_is_kept_between_runs_and_replaced_after_a_stall():
     watchdog = Watchdog()
     workers = [watchdog.run(threading.get_ident, io_timeout=5, what="w") for _ in range(3)]
     assert len(set(workers)) == 1 and workers[0] != threading.get_ident()
+
+    class Net:  # what a save's function holds
+        pass
+
+    def saving(net):
+        return lambda: net
+
+    net = Net()
+    held = weakref.ref(net)
+    watchdog.run(saving(net), io_timeout=5, what="w")
+    del net
+    gc.collect()
+    assert held() is None  # the waiting worker holds nothing of the last save
     stuck = threading.Event()
     with pytest.raises(Stalled, match="stuck made no progress for 0 s"):
         watchdog.run(lambda: stuck.wait(20), io_timeout=0.3, what="stuck")

@@ -74,6 +74,7 @@ class Watchdog:
         def serve() -> None:
             for job in iter(jobs.get, None):
                 job()
+                del job  # waiting for the next, hold nothing of this one (its net)
 
         worker = threading.Thread(target=serve, daemon=True, name="accel_mixin-io")
         worker.start()  # returns once the thread runs, its native_id set
