@@ -9,7 +9,10 @@
   time of a ``save_params`` whose write on the main process takes about
   ``--write-seconds`` (a model sized for it), as a fraction of one core;
 - ``save_params`` of a 10k-parameter model, alternating with a hand-written
-  ``torch.save`` plus fsync on the main process between two gloo barriers.
+  ``torch.save`` plus fsync on the main process between two gloo barriers
+  (the issue's baseline), and with the same written atomically (a temporary
+  file renamed into place, the directory fsynced): what the promise that a
+  failed save leaves the previous file costs by itself.
 """
 
 import argparse
@@ -76,6 +79,26 @@ def hand_written_save(net, path):
     barrier()
 
 
+def hand_written_atomic_save(net, path):
+    """rank 0, between two barriers: what a save that never destroys the
+    previous file costs at least: ``torch.save`` to a temporary file, fsync,
+    rename over the target, fsync of the directory."""
+    barrier()
+    if is_main():
+        tmp = f"{path}.tmp"
+        with open(tmp, "wb") as f:
+            torch.save(net.accelerator.unwrap_model(net.module_).state_dict(), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        directory = os.open(os.path.dirname(path), os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+    barrier()
+
+
 def waiting_cpu(net, path, repeats):
     """Per save: (CPU seconds of this process, wall seconds), every rank in step."""
     out = []
@@ -112,6 +135,7 @@ def main():
     result["sockets_after_fit"] = sockets()
     variants = {
         "hand-written": lambda: hand_written_save(small, path),
+        "hand-written, atomic": lambda: hand_written_atomic_save(small, path),
         "save_params": lambda: small.save_params(f_params=path),
     }
 

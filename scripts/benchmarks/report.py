@@ -261,16 +261,23 @@ def control_table(results):
         "**Control plane** (rank 0 writes, the other ranks wait)",
         "",
         "| processes | sockets: group | sockets: after fit | waiting rank, core fraction (max) "
-        "| save_params / torch.save+fsync (paired) |",
-        "|---:|---:|---:|---:|---:|",
+        "| save_params / torch.save+fsync (paired) "
+        "| save_params / the same, atomic (medians) |",
+        "|---:|---:|---:|---:|---:|---:|",
     ]
     for result in results:
         ranks = result["ranks"]
         waiting = max(r["wait"]["core_fraction"] for r in ranks[1:])
-        ratio = ranks[0]["save_params"]["save_params"]["paired_ratio"]
+        saves = ranks[0]["save_params"]
+        ratio = saves["save_params"]["paired_ratio"]
+        atomic = saves.get("hand-written, atomic")
+        over_atomic = (
+            f"{saves['save_params']['median_s'] / atomic['median_s']:.2f}" if atomic else "-"
+        )
         lines.append(
             f"| {result['processes']} | {max(r['sockets_group'] for r in ranks)} | "
-            f"{max(r['sockets_after_fit'] for r in ranks)} | {waiting:.3f} | {ratio:.2f} |"
+            f"{max(r['sockets_after_fit'] for r in ranks)} | {waiting:.3f} | {ratio:.2f} "
+            f"| {over_atomic} |"
         )
     return lines
 
