@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 from accelerate import Accelerator
+from accelerate.utils import gather_object
 from common import MLP, AcceleratedNet
 from skorch.callbacks import Callback, EarlyStopping, LRScheduler
 
@@ -22,9 +23,40 @@ from accel_mixin.checkpoint.dcp_folder import (
     unplain,
 )
 from accel_mixin.checkpoint.state_saves import SaveInFlight
+from accel_mixin.checkpoint.state_values import rng_state
+from accel_mixin.checkpoint.weights import clean_state_dict
 from accel_mixin.errors import Stalled
-from accel_mixin.resume.contents import BEST_WEIGHTS, collect_state
+from accel_mixin.resume.contents import BEST_WEIGHTS, partial_epoch, shared_state
 from accel_mixin.resume.state_folder import FOLDER_VERSION, as_single_file, folder_state
+
+
+def collect_state(net, objects, train_iterator_state, stopped=False, position=None, epoch_rng=None):
+    """The reference: a state as the single file of version 1 laid it out,
+    which reading a folder (``as_single_file``) must give back. The training
+    state of ``net`` (``objects``: its objects, a
+    ``training.net_objects.NetObjects``); every rank calls it (for the RNGs).
+
+    ``train_iterator_state`` decides the next epoch's order (inside an epoch,
+    that epoch's); ``stopped`` says that training ends here
+    (``EarlyStopping``); ``position`` is ``(batches, batch_count)`` inside an
+    epoch: the batches done, and how many of them held real samples, and
+    ``epoch_rng`` this rank's generators as that epoch began.
+    """
+    accelerator = net.accelerator
+    mine = {"rng": rng_state()}
+    if position is not None:
+        mine["partial"] = partial_epoch(net, position[1], epoch_rng)
+    everyone = gather_object([mine]) if accelerator.num_processes > 1 else [mine]
+    state = shared_state(net, objects, train_iterator_state, stopped=stopped, position=position)
+    state["modules"] = {name: clean_state_dict(module) for name, module in objects.named_modules()}
+    state["optimizers"] = {
+        name: optimizer.state_dict() for name, optimizer in objects.raw_optimizers().items()
+    }
+    state["rng"] = [item["rng"] for item in everyone]
+    state["loop"]["partial_epoch"] = (
+        [item["partial"] for item in everyone] if position is not None else None
+    )
+    return state
 
 
 def _net(**kwargs):

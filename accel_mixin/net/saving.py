@@ -258,7 +258,8 @@ class CheckpointingMixin(SafeParamsMixin):
         self, stopped: bool | None
     ) -> tuple[dict[str, Any], bool, tuple[int, int] | None, dict[str, Any] | None]:
         """``(train iterator state, stopped, position, epoch_rng)`` of a state
-        saved now (``collect_state``'s arguments); ``stopped`` is ``save_state``'s."""
+        saved now (``state_folder.folder_state``'s arguments); ``stopped`` is
+        ``save_state``'s."""
         fit = self._local.fit
         if fit.position is None:
             shuffling, epoch_rng = train_iterator_state(fit.train_iterator_now()), None

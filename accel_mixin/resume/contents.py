@@ -8,8 +8,8 @@ accumulation step, the training data's generators) and the callbacks'
 fitted state. A state saved inside an epoch also holds each rank's part of
 that epoch (``partial_epoch``). ``shared_state`` is what every layout
 shares; ``state_folder`` lays it out as the keys of one DCP folder, and
-``collect_state`` as the single file of earlier releases (version 1), the
-layout ``resuming`` reads either into.
+reads a folder, or the single file of earlier releases (version 1), into
+that file's layout, which ``resuming`` reads.
 
 A callback keeps in it what it declares as accelerate's
 ``register_for_checkpointing`` expects (``state_dict()`` and
@@ -25,7 +25,6 @@ import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from accelerate.utils import gather_object
 from skorch.callbacks import (
     Callback,
     EarlyStopping,
@@ -42,9 +41,8 @@ from accel_mixin.checkpoint.state_values import (
     cpu_snapshot,
     history_state,
     plain_or_not,
-    rng_state,
 )
-from accel_mixin.checkpoint.weights import clean_state_dict, strip_wrapper_prefixes
+from accel_mixin.checkpoint.weights import strip_wrapper_prefixes
 from accel_mixin.training.resumed_order import generator_states
 
 if TYPE_CHECKING:
@@ -60,7 +58,6 @@ __all__ = [
     "FORMAT",
     "VERSION",
     "callback_state",
-    "collect_state",
     "partial_epoch",
     "restore_callback_state",
     "shared_state",
@@ -185,40 +182,6 @@ def partial_epoch(
     }
 
 
-def collect_state(
-    net: NeuralNet,
-    objects: NetObjects,
-    train_iterator_state: dict[str, Any],
-    stopped: bool = False,
-    position: tuple[int, int] | None = None,
-    epoch_rng: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """The training state of ``net`` (``objects``: its objects, a
-    ``training.net_objects.NetObjects``); every rank calls it (for the RNGs).
-
-    ``train_iterator_state`` decides the next epoch's order (inside an epoch,
-    that epoch's); ``stopped`` says that training ends here
-    (``EarlyStopping``); ``position`` is ``(batches, batch_count)`` inside an
-    epoch: the batches done, and how many of them held real samples, and
-    ``epoch_rng`` this rank's generators as that epoch began.
-    """
-    accelerator = net.accelerator
-    mine = {"rng": rng_state()}
-    if position is not None:
-        mine["partial"] = partial_epoch(net, position[1], epoch_rng)
-    everyone = gather_object([mine]) if accelerator.num_processes > 1 else [mine]
-    state = shared_state(net, objects, train_iterator_state, stopped=stopped, position=position)
-    state["modules"] = {name: clean_state_dict(module) for name, module in objects.named_modules()}
-    state["optimizers"] = {
-        name: optimizer.state_dict() for name, optimizer in objects.raw_optimizers().items()
-    }
-    state["rng"] = [item["rng"] for item in everyone]
-    state["loop"]["partial_epoch"] = (
-        [item["partial"] for item in everyone] if position is not None else None
-    )
-    return state
-
-
 def shared_state(
     net: NeuralNet,
     objects: NetObjects,
@@ -228,7 +191,11 @@ def shared_state(
 ) -> dict[str, Any]:
     """What every rank holds alike of ``net``'s training state, as plain
     values: all but the modules, optimizers, generators and each rank's part
-    of an unfinished epoch. The arguments are ``collect_state``'s."""
+    of an unfinished epoch. ``train_iterator_state`` decides the next epoch's
+    order (inside an epoch, that epoch's); ``stopped`` says that training
+    ends here (``EarlyStopping``); ``position`` is ``(batches,
+    batch_count)`` inside an epoch: the batches done, and how many of them
+    held real samples."""
     accelerator = net.accelerator
     rows = net.history if position is None else net.history[:-1]
     schedulers = {}

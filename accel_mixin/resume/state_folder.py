@@ -1,6 +1,6 @@
 """A training state as the keys of one DCP folder (``checkpoint.dcp_folder``).
 
-``folder_state`` lays out what ``contents.collect_state`` collects as
+``folder_state`` lays out a net's training state (``contents``) as
 ``torch.distributed.checkpoint`` expects it, the same in every layout:
 
 - ``modules``: ``{name: state dict}`` of every module and criterion under
@@ -151,7 +151,8 @@ def rank_entries(
     epoch_rng: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """This rank's own entries of a state: its generators and, inside an
-    epoch (``position`` and ``epoch_rng``, ``collect_state``'s), its part of
+    epoch (``position``, as ``contents.shared_state`` takes it, and
+    ``epoch_rng``, this rank's generators as that epoch began), its part of
     that epoch."""
     rank = net.accelerator.process_index
     entries = {rank_key("rng", rank): plain(rng_state())}
@@ -170,10 +171,11 @@ def folder_state(
     ranks: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The training state of ``net`` as the keys of one DCP folder; every
-    rank calls it (no collective). The arguments are ``collect_state``'s;
-    ``ranks``: every rank's ``rank_entries``, where this process writes the
-    whole folder alone (each rank's entries and every tensor); without it,
-    this rank's own entries and its share of the tensors."""
+    rank calls it (no collective). The arguments are ``rank_entries``'s and
+    ``contents.shared_state``'s; ``ranks``: every rank's ``rank_entries``,
+    where this process writes the whole folder alone (each rank's entries
+    and every tensor); without it, this rank's own entries and its share of
+    the tensors."""
     accelerator = net.accelerator
     rank = accelerator.process_index
     named = objects.sharded_module() if sharded(accelerator) else None
@@ -271,7 +273,7 @@ def as_single_file(
     read: dict[str, Any], folder: str | os.PathLike[str] | None = None
 ) -> dict[str, Any]:
     """A folder's entries read whole (``dcp_folder.read_full``) laid out as
-    the single file of version 1 holds them (``collect_state``'s), for the
+    the single file of version 1 holds them, for the
     readers of one process and DDP. With ``folder``, for a sharded net: the
     modules, optimizers and best weights, not read, are ``InFolder``
     entries of it."""
@@ -317,5 +319,5 @@ def read_whole(
     path: str | os.PathLike[str], torch_load_kwargs: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
     """The training-state folder ``path`` read whole by this process alone,
-    laid out as ``collect_state`` lays out a state (no collective)."""
+    laid out as the single file of version 1 (no collective)."""
     return as_single_file(read_full(path, torch_load_kwargs=torch_load_kwargs))
