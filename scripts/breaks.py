@@ -638,24 +638,24 @@ BREAKS = [
         "        if False:  # pylint: disable=using-constant-test\n",
         (SYNC + "test_an_error_on_rank_1_reaches_rank_0_promptly",),
     ),
-    # --- state_values / contents / resuming -------------------------------
+    # --- rng / plain_values / contents / resuming --------------------------
     Break(
-        "state_values-no-torch-rng",
-        "state_values",
+        "rng-no-torch-rng",
+        "rng",
         "stop restoring torch's random number generator",
-        "accel_mixin/checkpoint/state_values.py",
+        "accel_mixin/training/rng.py",
         '    torch.set_rng_state(state["torch"])\n',
         "",
-        ("tests/test_state_values.py",),
+        ("tests/test_rng.py",),
     ),
     Break(
-        "state_values-snapshot-shares-memory",
-        "state_values",
+        "plain_values-snapshot-shares-memory",
+        "plain_values",
         "the CPU snapshot of an asynchronous save shares the live tensors",
-        "accel_mixin/checkpoint/state_values.py",
+        "accel_mixin/checkpoint/plain_values.py",
         '        return tensor.to("cpu", copy=True)',
         '        return tensor.to("cpu")',
-        ("tests/test_state_values.py",),
+        ("tests/test_plain_values.py",),
     ),
     Break(
         "callback_state-scraped",

@@ -24,7 +24,7 @@ from conftest import reset_accelerate
 from skorch import NeuralNetClassifier
 from skorch.callbacks import Callback, GradientNormClipping
 
-from accel_mixin.checkpoint.state_values import restore_rng, rng_state
+from accel_mixin.training.rng import restore_rng, rng_state
 
 pytestmark = [
     pytest.mark.cuda,

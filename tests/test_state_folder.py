@@ -23,11 +23,11 @@ from accel_mixin.checkpoint.dcp_folder import (
     unplain,
 )
 from accel_mixin.checkpoint.state_saves import SaveInFlight
-from accel_mixin.checkpoint.state_values import rng_state
 from accel_mixin.checkpoint.weights import clean_state_dict
 from accel_mixin.errors import Stalled
 from accel_mixin.resume.contents import BEST_WEIGHTS, partial_epoch, shared_state
 from accel_mixin.resume.state_folder import FOLDER_VERSION, as_single_file, folder_state
+from accel_mixin.training.rng import rng_state
 
 
 def collect_state(net, objects, train_iterator_state, stopped=False, position=None, epoch_rng=None):

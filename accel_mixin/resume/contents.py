@@ -35,7 +35,7 @@ from skorch.callbacks import (
 )
 from skorch.callbacks.scoring import ScoringBase
 
-from accel_mixin.checkpoint.state_values import (
+from accel_mixin.checkpoint.plain_values import (
     NOT_PLAIN,
     as_plain,
     cpu_snapshot,

@@ -33,7 +33,6 @@ from accel_mixin.checkpoint.dcp_folder import (
 )
 from accel_mixin.checkpoint.params import load_optimizer_state
 from accel_mixin.checkpoint.shard_damage import damaged_message
-from accel_mixin.checkpoint.state_values import restore_rng, rng_state
 from accel_mixin.checkpoint.v1_shards import (
     is_sharded_entry,
     load_best_weights_from,
@@ -65,6 +64,7 @@ from accel_mixin.resume.state_folder import (
 from accel_mixin.training.fit import EpochStart, Fit
 from accel_mixin.training.net_objects import NetObjects
 from accel_mixin.training.resumed_order import restore_generator_states
+from accel_mixin.training.rng import restore_rng, rng_state
 
 if TYPE_CHECKING:
     import torch

@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from accel_mixin.checkpoint.dcp_folder import plain, read_full, saved_keys, unplain
-from accel_mixin.checkpoint.state_values import rng_state
 from accel_mixin.distributed.sharding import reshard, sharded
 from accel_mixin.resume.contents import (
     BEST_WEIGHTS,
@@ -42,6 +41,7 @@ from accel_mixin.resume.contents import (
     partial_epoch,
     shared_state,
 )
+from accel_mixin.training.rng import rng_state
 
 if TYPE_CHECKING:
     from skorch import NeuralNet

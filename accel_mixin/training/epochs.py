@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from skorch.dataset import get_len, unpack_data
 
-from accel_mixin.checkpoint.state_values import restore_rng
 from accel_mixin.distributed.control import agreed_failure
 from accel_mixin.distributed.epoch_scores import score_on_main, share_predictions
 from accel_mixin.distributed.history_sync import agree_on_row, leading_samples, merge_epoch
@@ -31,6 +30,7 @@ from accel_mixin.training.fit import Fit
 from accel_mixin.training.net_objects import NetObjects, check_net_replicas
 from accel_mixin.training.notifications import hook, main_process_pickles, stopped_early
 from accel_mixin.training.resumed_order import skipping_batches, start_workers_without_draws
+from accel_mixin.training.rng import restore_rng
 from accel_mixin.training.shares import (
     criterion_is_mean,
     loss_weight,

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from accel_mixin.checkpoint.state_values import restore_rng, rng_state
 from accel_mixin.internals import batch_sampler_owner, start_persistent_iterator
+from accel_mixin.training.rng import restore_rng, rng_state
 
 __all__ = [
     "generator_states",

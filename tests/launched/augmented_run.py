@@ -32,7 +32,7 @@ from resume_phases import stopped
 from skorch.callbacks import Callback
 
 from accel_mixin.callbacks import ResumeTraining, TrainingCheckpoint
-from accel_mixin.checkpoint.state_values import restore_rng, rng_state
+from accel_mixin.training.rng import restore_rng, rng_state
 
 RANK = int(os.environ.get("RANK", "0"))
 

@@ -1,19 +1,15 @@
-"""The non-weight pieces of a training state, on their own."""
-
-import random
+"""The plain-value pieces of a training state, on their own."""
 
 import numpy as np
 import pytest
 import torch
 from skorch.history import History
 
-from accel_mixin.checkpoint.state_values import (
+from accel_mixin.checkpoint.plain_values import (
     _NotPlain,
     as_plain,
     cpu_snapshot,
     history_state,
-    restore_rng,
-    rng_state,
 )
 
 
@@ -53,34 +49,6 @@ def test_history_state_names_what_it_cannot_keep(value, kind):
     history.record("value", value)
     with pytest.raises(TypeError, match=f"The history holds a {kind}"):
         history_state(history)
-
-
-def test_rng_state_round_trip():
-    state = rng_state()
-    draws = (random.random(), np.random.rand(), torch.rand(1).item())
-    restore_rng(state)
-    assert (random.random(), np.random.rand(), torch.rand(1).item()) == draws
-
-
-def test_cuda_generators_are_kept_where_cuda_started_and_restored_on_the_gpus_there_are(
-    monkeypatch,
-):
-    # a machine with two GPUs saves, one with a single GPU resumes (simulated)
-    saved = [torch.tensor([1], dtype=torch.uint8), torch.tensor([2], dtype=torch.uint8)]
-    restored = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
-    assert "cuda" not in rng_state()  # CUDA never started: nothing to resume
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: saved)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(
-        torch.cuda, "set_rng_state", lambda state, device: restored.append((state, device))
-    )
-    state = rng_state()
-    assert state["cuda"] is saved
-    restore_rng(state)
-    assert len(restored) == 1 and restored[0][0] is saved[0] and restored[0][1] == 0
 
 
 def test_snapshot_copies_and_reuses_memory():
