@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
     from skorch import NeuralNet
 
-    from accel_mixin.resume.resuming import ResumePlan
+    from accel_mixin.resume.plan import ResumePlan
 
 __all__ = ["ATTRIBUTE", "NetLocal", "net_local"]
 

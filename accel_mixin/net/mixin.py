@@ -27,7 +27,7 @@ from accel_mixin.internals import cache_lomo_check
 from accel_mixin.net.local import ATTRIBUTE as LOCAL
 from accel_mixin.net.saving import CheckpointingMixin
 from accel_mixin.net.steps import StepMixin
-from accel_mixin.resume.resuming import begin_epoch, continue_epoch
+from accel_mixin.resume.plan import begin_epoch, continue_epoch
 from accel_mixin.training.epochs import EpochBatches, epoch_end
 from accel_mixin.training.fit import Fit
 from accel_mixin.training.net_objects import (

@@ -30,7 +30,7 @@ from accel_mixin.resume.contents import (
     train_iterator_state,
     warn_if_inside_accumulation,
 )
-from accel_mixin.resume.resuming import read, restore_training, restore_weights
+from accel_mixin.resume.load import read, restore_training, restore_weights
 from accel_mixin.resume.state_folder import folder_state, rank_entries
 from accel_mixin.training.net_objects import NetObjects
 from accel_mixin.training.notifications import stopped_early
@@ -328,7 +328,7 @@ class CheckpointingMixin(SafeParamsMixin):
             self._resume(os.fspath(path))
 
     def _resume(self, path: str) -> None:
-        """``load_state`` once the net is initialized: ``resuming``'s steps,
+        """``load_state`` once the net is initialized: ``resume.load``'s steps,
         the net unwrapped and prepared between them."""
         local, coordinator, objects = self._local, self._coordinator, self._objects
         local.loaded = None  # a load that fails halfway leaves no earlier load to go on from

@@ -9,7 +9,7 @@ fitted state. A state saved inside an epoch also holds each rank's part of
 that epoch (``partial_epoch``). ``shared_state`` is what every layout
 shares; ``state_folder`` lays it out as the keys of one DCP folder, and
 reads a folder, or the single file of earlier releases (version 1), into
-that file's layout, which ``resuming`` reads.
+that file's layout, which ``load`` reads.
 
 A callback keeps in it what it declares as accelerate's
 ``register_for_checkpointing`` expects (``state_dict()`` and

@@ -21,7 +21,7 @@ __all__ = ["EpochResume", "EpochStart", "Fit"]
 
 class EpochResume(Protocol):
     """What a fit applies of a loaded training state at its epochs
-    (``resume.resuming.ResumePlan``)."""
+    (``resume.plan.ResumePlan``)."""
 
     def at_epoch_begin(self, train_iterator: DataLoader | None) -> dict[str, Any] | None: ...
 
