@@ -1,6 +1,6 @@
 """What a callback keeps in a training state is what it declares: its own
 state_dict()/load_state_dict(), or, for skorch's callbacks, the fitted
-attributes that contents.SKORCH_STATE names. Nothing is scraped."""
+attributes that callback_state.SKORCH_STATE names. Nothing is scraped."""
 
 import warnings
 
@@ -17,7 +17,7 @@ from skorch.callbacks import (
 )
 
 from accel_mixin.callbacks import ResumeTraining, TrainingCheckpoint
-from accel_mixin.resume.contents import callback_state, restore_callback_state
+from accel_mixin.resume.callback_state import callback_state, restore_callback_state
 
 
 class Counting(Callback):

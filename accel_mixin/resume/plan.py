@@ -15,12 +15,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from accel_mixin.checkpoint.weights import strip_wrapper_prefixes
-from accel_mixin.resume.contents import (
-    BEST_IS_CURRENT,
-    BEST_WEIGHTS,
-    restore_callback_state,
-    train_iterator_state,
-)
+from accel_mixin.resume.callback_state import BEST_WEIGHTS, restore_callback_state
+from accel_mixin.resume.contents import BEST_IS_CURRENT, train_iterator_state
 from accel_mixin.training.fit import EpochStart, Fit
 from accel_mixin.training.resumed_order import restore_generator_states
 from accel_mixin.training.rng import restore_rng, rng_state
