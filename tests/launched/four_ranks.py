@@ -4,7 +4,8 @@ after the census, the ended one at once.
 
 Usage: torchrun --nproc_per_node 4 ... four_ranks.py MODE, MODE one of
   absent  rank 2 sleeps past the timeout (3 s) before save_params
-  ended   rank 2 ends its process (os._exit) before save_params
+  ended   rank 2 ends its process (os._exit(0)) before save_params: with a
+          status of 0, as a launcher would otherwise stop the others first
 
 Each rank reports what save_params raised and how long it waited, then ends
 with os._exit: the process group cannot be torn down with a peer gone.
@@ -28,7 +29,7 @@ torch.manual_seed(0)
 net = AcceleratedNet(MLP, accelerator=accelerator, max_epochs=1, verbose=0).fit(X, y)
 if accelerator.process_index == 2:
     if mode == "ended":
-        os._exit(3)
+        os._exit(0)
     time.sleep(10)
 write_report(error_and_seconds(lambda: net.save_params(f_params=f"params-{mode}.pt")))
 os._exit(0)
