@@ -158,3 +158,10 @@ def test_without_save_on_each_node_the_other_machine_fails_clearly(nodes):
     assert node1["load_error"].startswith("FileNotFoundError: No checkpoint at only_main/params.pt")
     assert "save_on_each_node=True" in node1["load_error"]
     assert node0["load_error"].startswith("DistributedError: load_params failed on rank 1")
+
+
+def test_named_files_are_written_while_the_others_arrive(ranks):
+    # a file by name is replaced atomically: no rank can see it half written,
+    # so the main process need not wait for the others before writing it
+    value = values(ranks, "named_files_are_written_while_the_others_arrive")[1]
+    assert value == {"named_before": True, "object_before": 0}

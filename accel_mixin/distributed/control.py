@@ -509,6 +509,7 @@ class Control:
         here: Literal[True] = ...,
         io_timeout: float | None = ...,
         files: str | None = ...,
+        overlap: bool = ...,
     ) -> T: ...
 
     @overload
@@ -520,6 +521,7 @@ class Control:
         here: bool,
         io_timeout: float | None = ...,
         files: str | None = ...,
+        overlap: bool = ...,
     ) -> T | None: ...
 
     def run(
@@ -530,6 +532,7 @@ class Control:
         here: bool = True,
         io_timeout: float | None = None,
         files: str | None = None,
+        overlap: bool = False,
     ) -> T | None:
         """Run ``fn`` on the ranks where ``here`` is true, and agree on the outcome.
 
@@ -537,16 +540,27 @@ class Control:
         wherever it ran. If it failed anywhere, every rank raises: the failing
         one its exception, the others a ``DistributedError`` naming it.
         ``io_timeout`` (default: the timeout) bounds a stall of ``fn`` on the
-        rank that runs it; ``files`` names them in its error.
+        rank that runs it; ``files`` names them in its error. With
+        ``overlap``, ``fn`` starts before the others arrived, while this rank
+        waits for them: for a write that replaces its files atomically, which
+        a rank still reading the previous ones does not see.
         """
         io_timeout = self.timeout if io_timeout is None else io_timeout
         with self.session(what):
-            self.barrier(what)
-            if here and self.distributed:
-                name = what if files is None else f"{what} of {files}"
-                result: T | None = self._watchdog.run(fn, io_timeout=io_timeout, what=name)
-            else:
+            if not (here and self.distributed):
+                self.barrier(what)
                 result = fn() if here else None
+            else:
+                name = what if files is None else f"{what} of {files}"
+                if not overlap:
+                    self.barrier(what)
+                job = self._watchdog.start(fn)
+                try:
+                    if overlap:
+                        self.barrier(what)
+                finally:
+                    # a failed barrier too waits for the write: none outlives the call
+                    result = job.result(io_timeout=io_timeout, what=name)
             self.barrier(what, _WRITER_CAP.total_seconds())
         return result
 

@@ -15,11 +15,11 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from typing import Any, Generic, TypeVar, cast
 
 from accel_mixin.errors import Stalled
 
-__all__ = ["Watchdog"]
+__all__ = ["Job", "Watchdog"]
 
 T = TypeVar("T")
 
@@ -84,37 +84,59 @@ class Watchdog:
     def run(self, fn: Callable[[], T], *, io_timeout: float, what: str) -> T:
         """Return or raise what ``fn()`` does on the worker; ``Stalled``
         naming ``what`` after ``io_timeout`` seconds without progress."""
+        return self.start(fn).result(io_timeout=io_timeout, what=what)
+
+    def start(self, fn: Callable[[], T]) -> Job[T]:
+        """Start ``fn()`` on the worker; the caller goes on, and collects the
+        outcome with the job's ``result``."""
         jobs, worker = self._jobs, self._worker
         if jobs is None or worker is None or not worker.is_alive():  # a forked child's copy
             jobs, worker = self._start()
-        outcome: dict[str, Any] = {}
-        done = threading.Event()
-
-        def job() -> None:
-            try:
-                outcome["value"] = fn()
-            except BaseException as exc:  # pylint: disable=broad-except
-                outcome["error"] = exc
-            done.set()
-
+        job = Job(self, fn, worker.native_id)
         jobs.put(job)
+        return job
+
+    def _abandon(self) -> None:
+        """Let the worker end once its stalled call returns; the next job gets another."""
+        if self._jobs is not None:
+            self._jobs.put(None)
+        self._jobs = self._worker = None
+
+
+class Job(Generic[T]):
+    """A file operation on the watchdog's worker."""
+
+    def __init__(self, watchdog: Watchdog, fn: Callable[[], T], native_id: int | None) -> None:
+        self._watchdog, self._fn = watchdog, fn
+        self._outcome: dict[str, Any] = {}
+        self._done = threading.Event()
+        self._sampler = _Sampler(native_id)
+
+    def __call__(self) -> None:
+        try:
+            self._outcome["value"] = self._fn()
+        except BaseException as exc:  # pylint: disable=broad-except
+            self._outcome["error"] = exc
+        self._done.set()
+
+    def result(self, *, io_timeout: float, what: str) -> T:
+        """Wait for the job: return or raise what ``fn()`` did; ``Stalled``
+        naming ``what`` after ``io_timeout`` seconds without progress."""
         # the first sample at the first look: a write shorter than that reads nothing
-        sampler = _Sampler(worker.native_id)
         last_progress = time.monotonic()
         look = _LOOK_FIRST
-        while not done.wait(look):
+        while not self._done.wait(look):
             look = min(2 * look, _LOOK_MAX)
-            if sampler.advanced():
+            if self._sampler.advanced():
                 last_progress = time.monotonic()
             elif time.monotonic() - last_progress > io_timeout:
-                jobs.put(None)  # the worker ends once the stalled call returns
-                self._jobs = self._worker = None
+                self._watchdog._abandon()  # pylint: disable=protected-access
                 raise Stalled(
                     f"{what} made no progress for {io_timeout:.0f} s: nothing was read or "
                     "written (a hung or very slow filesystem?). It is left running in the "
                     "background; every rank stops here. io_timeout sets this limit."
                 )
-        if "error" in outcome:
-            raise outcome["error"]
+        if "error" in self._outcome:
+            raise self._outcome["error"]
         # set whenever fn returned
-        return cast(T, outcome.get("value"))
+        return cast(T, self._outcome.get("value"))

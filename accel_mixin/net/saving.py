@@ -42,11 +42,19 @@ if TYPE_CHECKING:
     from accel_mixin.distributed.control import Control
 
 
+def _named_files(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """The files (names or file objects) a save_params or load_params call
+    names, each with its label for messages."""
+    named = [(str(f), f) for f in args if f is not None and not isinstance(f, bool)]
+    named += [
+        (f"{key}={f}", f) for key, f in kwargs.items() if key.startswith("f_") and f is not None
+    ]
+    return named
+
+
 def _files_of(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str | None:
     """The files a save_params or load_params call names, for messages."""
-    names = [str(f) for f in args if f is not None]
-    names += [f"{key}={f}" for key, f in kwargs.items() if key.startswith("f_") and f is not None]
-    return ", ".join(names) or None
+    return ", ".join(label for label, _ in _named_files(args, kwargs)) or None
 
 
 class CheckpointingMixin(SafeParamsMixin):
@@ -96,6 +104,11 @@ class CheckpointingMixin(SafeParamsMixin):
                 files=_files_of(args, kwargs),
                 here=writes_files(self.accelerator),
                 io_timeout=self.io_timeout,
+                # files by name are replaced atomically: the write need not
+                # wait for the other ranks to arrive, as a file object's would
+                overlap=all(
+                    isinstance(f, (str, os.PathLike)) for _, f in _named_files(args, kwargs)
+                ),
             )
 
     def _gather_sharded(

@@ -6,6 +6,7 @@ Usage: torchrun --nproc_per_node 2 files_checks.py
 
 import os
 import subprocess
+import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -135,6 +136,22 @@ def one_machine_saves_one_state_together():
     finally:
         config.save_on_each_node = False
     return sorted(p.name for p in Path("together").iterdir() if p.suffix == ".distcp")
+
+
+@checks
+def named_files_are_written_while_the_others_arrive():
+    """A file given by name is replaced atomically, so the main process writes
+    it before the others arrive; a file object only once all have."""
+    if rank == 1:
+        time.sleep(1)  # the main process waits here
+        named_before = Path("early.pt").exists()
+    net.save_params(f_params="early.pt")
+    with open(f"object-{rank}.pt", "wb") as f:
+        if rank == 1:
+            time.sleep(1)
+            object_before = Path("object-0.pt").stat().st_size
+        net.save_params(f_params=f)
+    return {"named_before": named_before, "object_before": object_before} if rank == 1 else {}
 
 
 report({"rank": rank, "checks": checks.results})
