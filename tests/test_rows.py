@@ -10,7 +10,7 @@ from accelerate import Accelerator
 from common import AcceleratedNet
 from scipy import sparse
 from skorch.dataset import Dataset
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Subset
 
 from accel_mixin.training.rows import TensorRows, tensor_rows
 
@@ -58,6 +58,17 @@ def test_batches_equal_skorchs_own(name):
     assert isinstance(rows, TensorRows)
     assert len(rows) == 50
     assert_same(batches(rows), batches(Dataset(X, y)))
+
+
+@pytest.mark.parametrize("name", DATA)
+def test_a_batch_fetched_at_once_holds_the_samples_one_by_one(name):
+    # the DataLoader's fetcher asks for a batch's samples together, also
+    # through the Subset of a train split
+    rows = tensor_rows(Dataset(*DATA[name]))
+    indices = [3, 0, 49, 3, 17]
+    assert_same(rows.__getitems__(indices), [rows[i] for i in indices])
+    subset = Subset(rows, [5, 6, 7])
+    assert_same(subset.__getitems__([2, 0]), [rows[7], rows[5]])
 
 
 @pytest.mark.parametrize("name", ["float32 and labels", "no y", "a dict of arrays"])
