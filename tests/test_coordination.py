@@ -153,16 +153,25 @@ def _barrier_without_rank_2(coordinators):
     return [str(exc) for _, exc in results], time.monotonic() - start
 
 
-def test_main_only_failure_reaches_the_others():
+# a run on the ranks where ``here`` holds, or on one writer every rank knows,
+# which starts as the ranks meet and tells the others its outcome
+ON_RANK_0 = {
+    "here": lambda coordinator: {"here": coordinator.process_index == 0},
+    "writer": lambda coordinator: {"writer": 0},
+}
+
+
+@pytest.mark.parametrize("on", ON_RANK_0)
+def test_main_only_failure_reaches_the_others(on):
     rank0, rank1 = pair()
 
     def fail():
         raise OSError("disk full")
 
     results = run_ranks(
-        lambda: rank0.run(fail, what="save_params"),
+        lambda: rank0.run(fail, what="save_params", **ON_RANK_0[on](rank0)),
         lambda: rank1.run(
-            lambda: pytest.fail("not the main process"), what="save_params", here=False
+            lambda: pytest.fail("not the main process"), what="save_params", **ON_RANK_0[on](rank1)
         ),
     )
     assert isinstance(results[0][1], OSError)
@@ -241,7 +250,8 @@ def test_a_barrier_that_times_out_fails_on_every_rank():
     assert "neither arrived nor reported a failure" in str(exc0)
 
 
-def test_a_run_slower_than_the_timeout_succeeds_while_it_writes(tmp_path):
+@pytest.mark.parametrize("on", ON_RANK_0)
+def test_a_run_slower_than_the_timeout_succeeds_while_it_writes(tmp_path, on):
     # the process group's timeout, kept short so that errors surface fast,
     # must not cut a long save short while it makes progress
     rank0, rank1 = pair(timeout=0.3)
@@ -255,12 +265,13 @@ def test_a_run_slower_than_the_timeout_succeeds_while_it_writes(tmp_path):
                     time.sleep(0.15)
             return "saved"
 
-        return coordinator.run(save, what="save_params", here=coordinator.process_index == 0)
+        return coordinator.run(save, what="save_params", **ON_RANK_0[on](coordinator))
 
     assert run_ranks(lambda: body(rank0), lambda: body(rank1)) == [("ok", "saved"), ("ok", None)]
 
 
-def test_a_run_without_progress_fails_on_every_rank_after_its_io_timeout():
+@pytest.mark.parametrize("on", ON_RANK_0)
+def test_a_run_without_progress_fails_on_every_rank_after_its_io_timeout(on):
     # a write stuck in a hung filesystem: nothing read, written or computed
     rank0, rank1 = pair(timeout=30)
     stuck = threading.Event()
@@ -270,8 +281,8 @@ def test_a_run_without_progress_fails_on_every_rank_after_its_io_timeout():
             lambda: stuck.wait(20),  # bounded: a watch that never fires fails the test
             what="save_params",
             files="p.pt",
-            here=coordinator.process_index == 0,
             io_timeout=1,
+            **ON_RANK_0[on](coordinator),
         )
 
     start = time.monotonic()

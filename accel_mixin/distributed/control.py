@@ -10,6 +10,12 @@ as with ``monitored_barrier``, names a dead or missing peer: a closed
 connection rides on the outcome to every survivor, and a barrier that waited
 in vain ends in a census of who arrived, on the job's store.
 
+A run on one writer that every rank knows (``save_params``'s main process)
+starts writing as the ranks meet, and ends with the writer's message to each
+other rank, in place of a second barrier: N-1 sends on the writer and one
+receive on each other rank, one hop, where a barrier takes log2(N) rounds
+on every rank. A waiting rank learns at once if the writer's process ends.
+
 A rank whose section raised enters the barrier the others wait in, carrying
 its failure. Every rank marks the sections it learned the failure in, from
 the failing rank's depth down: their later barriers raise without a
@@ -96,6 +102,7 @@ _WRITER_CAP = timedelta(days=1)
 _CLOSED = re.compile(r"Connection (?:closed|reset) by peer")
 _PEER = re.compile(r"\[([^\]/][^\]]*)\]:(\d+)")
 _ARRIVAL = 1  # the tag of a barrier's outcomes
+_TOLD = 2  # the tag of a writer's outcome
 # how long a rank whose section raised waits for the others to meet its failure
 _CARRY = 10.0
 # a failure of the rank's own beats one that only echoes another's (a timeout)
@@ -509,7 +516,7 @@ class Control:
         here: Literal[True] = ...,
         io_timeout: float | None = ...,
         files: str | None = ...,
-        overlap: bool = ...,
+        writer: int | None = ...,
     ) -> T: ...
 
     @overload
@@ -521,7 +528,7 @@ class Control:
         here: bool,
         io_timeout: float | None = ...,
         files: str | None = ...,
-        overlap: bool = ...,
+        writer: int | None = ...,
     ) -> T | None: ...
 
     def run(
@@ -532,7 +539,7 @@ class Control:
         here: bool = True,
         io_timeout: float | None = None,
         files: str | None = None,
-        overlap: bool = False,
+        writer: int | None = None,
     ) -> T | None:
         """Run ``fn`` on the ranks where ``here`` is true, and agree on the outcome.
 
@@ -540,29 +547,88 @@ class Control:
         wherever it ran. If it failed anywhere, every rank raises: the failing
         one its exception, the others a ``DistributedError`` naming it.
         ``io_timeout`` (default: the timeout) bounds a stall of ``fn`` on the
-        rank that runs it; ``files`` names them in its error. With
-        ``overlap``, ``fn`` starts before the others arrived, while this rank
-        waits for them: for a write that replaces its files atomically, which
-        a rank still reading the previous ones does not see.
+        rank that runs it; ``files`` names them in its error.
+
+        With ``writer``, the one rank that runs ``fn`` (``here`` is ignored),
+        ``fn`` starts there before the others arrived, and the writer tells
+        each other rank its outcome: for a write that replaces its files
+        atomically, which a rank still reading the previous ones does not see.
         """
         io_timeout = self.timeout if io_timeout is None else io_timeout
+        name = what if files is None else f"{what} of {files}"
         with self.session(what):
-            if not (here and self.distributed):
-                self.barrier(what)
-                result = fn() if here else None
+            if writer is not None and self.distributed:
+                return self._run_on(writer, fn, what, name, io_timeout)
+            self.barrier(what)
+            if here and self.distributed:
+                result: T | None = self._watchdog.run(fn, io_timeout=io_timeout, what=name)
             else:
-                name = what if files is None else f"{what} of {files}"
-                if not overlap:
-                    self.barrier(what)
-                job = self._watchdog.start(fn)
-                try:
-                    if overlap:
-                        self.barrier(what)
-                finally:
-                    # a failed barrier too waits for the write: none outlives the call
-                    result = job.result(io_timeout=io_timeout, what=name)
+                result = fn() if here else None
             self.barrier(what, _WRITER_CAP.total_seconds())
         return result
+
+    def _run_on(
+        self, writer: int, fn: Callable[[], T], what: str, name: str, io_timeout: float
+    ) -> T | None:
+        """``run`` with one writer: it writes while the ranks meet, then sends
+        each other rank its outcome, where a second barrier would take every
+        rank through log2(N) rounds. A rank waits for the writer only, and
+        learns at once if its process ends."""
+        if self.process_index != writer:
+            self.barrier(what)
+            message = self._told(what, writer)
+            if message:
+                self._open[-1][2] = message  # learned here: the section raises no more
+                raise _agreed(message)
+            return None
+        job = self._watchdog.start(fn)
+        try:
+            self.barrier(what)
+        except BaseException:
+            # no write outlives the call; its outcome is moot, the others left
+            with contextlib.suppress(Exception):
+                job.result(io_timeout=io_timeout, what=name)
+            raise
+        try:
+            result = job.result(io_timeout=io_timeout, what=name)
+        except Exception as exc:
+            message = failure_message(what, self.process_index, exc)
+            self._tell(message)
+            self._open[-1][2] = message  # the others learned it: its section is done
+            raise
+        self._tell("")
+        return result
+
+    def _tell(self, message: str) -> None:
+        """Send ``message`` ('' for success) to every other rank. A peer whose
+        process ended meanwhile is skipped: the others may not wait on it,
+        and the next collective call names it."""
+        text, group, works = _encode(message), self.group(), []
+        for peer in range(self.num_processes):
+            if peer != self.process_index:
+                try:
+                    works.append(group.send([text], peer, _TOLD))
+                except RuntimeError as exc:
+                    if not _CLOSED.search(str(exc)):
+                        raise
+        for work in works:
+            try:
+                work.wait(timedelta(seconds=self.timeout))
+            except RuntimeError as exc:
+                if not _CLOSED.search(str(exc)):
+                    raise
+
+    def _told(self, what: str, writer: int) -> str:
+        """The writer's message, however long its write takes."""
+        text = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8)
+        try:
+            self.group().recv([text], writer, _TOLD).wait(_WRITER_CAP)
+        except RuntimeError as exc:
+            raise (
+                self._lost(what, exc)
+                or self._break(lambda later: self._timed_out(later, _WRITER_CAP, [writer]), what)
+            ) from exc
+        return _decode(text)
 
 
 class _Section:

@@ -22,7 +22,11 @@ from skorch.exceptions import DeviceWarning
 from accel_mixin.checkpoint.machine_copies import machine_copies
 from accel_mixin.checkpoint.params import SafeParamsMixin
 from accel_mixin.checkpoint.state_saves import save_state_folder
-from accel_mixin.distributed.process_layout import quiet_unless_main, writes_files
+from accel_mixin.distributed.process_layout import (
+    quiet_unless_main,
+    saves_on_each_node,
+    writes_files,
+)
 from accel_mixin.distributed.sharding import full_states, sharded
 from accel_mixin.internals import batch_sampler_owner, check_f_arguments
 from accel_mixin.net.local import NetLocal, net_local
@@ -104,12 +108,17 @@ class CheckpointingMixin(SafeParamsMixin):
                 files=_files_of(args, kwargs),
                 here=writes_files(self.accelerator),
                 io_timeout=self.io_timeout,
-                # files by name are replaced atomically: the write need not
-                # wait for the other ranks to arrive, as a file object's would
-                overlap=all(
-                    isinstance(f, (str, os.PathLike)) for _, f in _named_files(args, kwargs)
-                ),
+                writer=self._single_writer(args, kwargs),
             )
+
+    def _single_writer(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> int | None:
+        """The main process, where it alone writes files given by name: they
+        are replaced atomically, so the write need not wait for the others
+        to arrive, as a file object's would."""
+        if saves_on_each_node(self.accelerator):
+            return None
+        named = all(isinstance(f, (str, os.PathLike)) for _, f in _named_files(args, kwargs))
+        return 0 if named else None
 
     def _gather_sharded(
         self, what: str, args: Sequence[Any], kwargs: Mapping[str, Any]
