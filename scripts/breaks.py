@@ -1848,10 +1848,8 @@ BREAKS = [
         "control",
         "a round whose receive found a closed connection drops its send, so its target waits",
         "accel_mixin/distributed/control.py",
-        "                closed.append(peer)\n        for peer, work in works:",
-        "                closed.append(peer)\n"
-        "                return closed\n"
-        "        for peer, work in works:",
+        "            closed.append(peer)\n    for peer, work in works:",
+        "            closed.append(peer)\n            return closed\n    for peer, work in works:",
         (COORDINATION + "test_among_four_ranks_a_rank_that_ends_is_named_at_once_by_every_other",),
     ),
     Break(

@@ -174,6 +174,32 @@ def _decode(tensor: torch.Tensor) -> str:
     return bytes(tensor.tolist()).rstrip(b"\0").decode(errors="replace")
 
 
+def _unless_closed(
+    posts: Sequence[tuple[int, Callable[[], dist.Work]]], deadline: float
+) -> list[int]:
+    """Post each peer's operation, then wait for each until ``deadline``;
+    return the peers whose connection closed (gloo says so as an operation is
+    posted or waited for). Any other error of gloo's is raised, a timeout
+    past ``deadline`` among them."""
+    closed: list[int] = []
+    works: list[tuple[int, dist.Work]] = []
+    for peer, post in posts:
+        try:
+            works.append((peer, post()))
+        except RuntimeError as exc:
+            if not _CLOSED.search(str(exc)):
+                raise
+            closed.append(peer)
+    for peer, work in works:
+        try:
+            work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
+        except RuntimeError as exc:
+            if not _CLOSED.search(str(exc)):
+                raise
+            closed.append(peer)
+    return closed
+
+
 def _agreed(message: str) -> DistributedError:
     """A failure every rank learned in the same barrier: no more collectives."""
     exc = DistributedError(message)
@@ -436,28 +462,17 @@ class Control:
         deadline: float,
     ) -> list[int]:
         """One round: send ``held`` to ``target``, receive ``received`` from
-        ``source``; return the peers whose connection closed (gloo says so as
-        an operation is posted or waited for). The send is waited for even
-        after the receive failed: gloo drops the send of a Work nobody holds,
-        and its target would wait for it. Raise gloo's error past ``deadline``."""
+        ``source``; return the peers whose connection closed. The send is
+        waited for even after the receive failed: gloo drops the send of a
+        Work nobody holds, and its target would wait for it."""
         group = self.group()
-        closed: list[int] = []
-        works: list[tuple[int, dist.Work]] = []
-        for peer, post, tensor in ((source, group.recv, received), (target, group.send, held)):
-            try:
-                works.append((peer, post([tensor], peer, _ARRIVAL)))
-            except RuntimeError as exc:
-                if not _CLOSED.search(str(exc)):
-                    raise
-                closed.append(peer)
-        for peer, work in works:
-            try:
-                work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
-            except RuntimeError as exc:
-                if not _CLOSED.search(str(exc)):
-                    raise
-                closed.append(peer)
-        return closed
+        return _unless_closed(
+            [
+                (source, lambda: group.recv([received], source, _ARRIVAL)),
+                (target, lambda: group.send([held], target, _ARRIVAL)),
+            ],
+            deadline,
+        )
 
     def _census(self, wait: timedelta) -> Callable[[str], DistributedError]:
         """After a barrier waited in vain, name the ranks that did not arrive:
@@ -603,20 +618,15 @@ class Control:
         """Send ``message`` ('' for success) to every other rank. A peer whose
         process ended meanwhile is skipped: the others may not wait on it,
         and the next collective call names it."""
-        text, group, works = _encode(message), self.group(), []
-        for peer in range(self.num_processes):
-            if peer != self.process_index:
-                try:
-                    works.append(group.send([text], peer, _TOLD))
-                except RuntimeError as exc:
-                    if not _CLOSED.search(str(exc)):
-                        raise
-        for work in works:
-            try:
-                work.wait(timedelta(seconds=self.timeout))
-            except RuntimeError as exc:
-                if not _CLOSED.search(str(exc)):
-                    raise
+        text, group = _encode(message), self.group()
+        _unless_closed(
+            [
+                (peer, functools.partial(group.send, [text], peer, _TOLD))
+                for peer in range(self.num_processes)
+                if peer != self.process_index
+            ],
+            time.monotonic() + self.timeout,
+        )
 
     def _told(self, what: str, writer: int) -> str:
         """The writer's message, however long its write takes."""
