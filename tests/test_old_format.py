@@ -29,9 +29,17 @@ def _checked(tmp_path, layout, nproc):
 @pytest.mark.parametrize("layout, nproc", [("one", 1), ("ddp", 2), ("fsdp", 2)])
 def test_an_old_run_folder_resumes_exactly(tmp_path, layout, nproc):
     ranks = _checked(tmp_path, layout, nproc)
+    # weights, Adam's state, history: bit for bit where this machine's
+    # uninterrupted run reproduces the fixture's; where its CPU's float
+    # kernels differ (the fixture's own run differs here by about 1e-7),
+    # within round-off, far below what a wrong generator or batch gives
+    here = max(
+        value["difference"] for value in values(ranks, "this_machine_reproduces_the_reference")
+    )
+    bound = 0.0 if here == 0.0 else 1e-5
     for value in values(ranks, "resumed_from_the_run_folder"):
         # the newest state, inside epoch 2
         assert value["from"] == f"training-state-000001-batch-000002-ranks-{nproc}.pt"
-        assert value["difference"] == 0.0  # weights, Adam's state, history: bit for bit
+        assert value["difference"] <= bound
     for value in values(ranks, "loaded_at_an_epochs_end"):
-        assert value["difference"] == 0.0
+        assert value["difference"] <= bound
