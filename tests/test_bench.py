@@ -146,7 +146,12 @@ def test_benchmarks_run_and_report(tmp_path):
     for rank in control["ranks"]:
         # the process group's own sockets at least: one per peer
         assert rank["sockets_after_fit"] >= rank["sockets_group"] >= 1
-        assert set(rank["save_params"]) == {"hand-written", "hand-written, atomic", "save_params"}
+        assert set(rank["save_params"]) == {
+            "hand-written",
+            "hand-written, atomic",
+            "hand-written, atomic, watched",
+            "save_params",
+        }
         assert rank["wait"]["core_fraction"] >= 0 and rank["wait"]["wall_s"][0] > 0
     table = (results / "bench.md").read_text()
     assert "**Control plane**" in table and "| 2 | " in table

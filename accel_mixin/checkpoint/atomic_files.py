@@ -1,13 +1,18 @@
 """Checkpoint files written atomically, with errors that name the file.
 
-A file is written to a temporary file in its target directory, fsynced,
-renamed into place, and the directory fsynced: a crash or an error mid-write
-leaves the previous file as it was. Each save has a temporary file of its
-own, locked (``flock``) while the save lives: the next save of the same file
-removes what a killed save of it left (its lock went with its process), and a
-run folder's rotation (``remove_temporaries``) removes the rest; a live
-save's file is never taken for a leftover. Where the filesystem has no locks,
-leftovers stay.
+A file is written to a temporary file in its target directory, fsynced and
+renamed into place: a crash or an error mid-write leaves the previous file as
+it was. After a crash of the machine the name holds the previous file or the
+new one, each whole: the content is on disk before the rename. The directory
+is not fsynced, as DCP's commit of its ``.metadata`` is not: that would make
+the rename itself durable at once rather than at the filesystem's next commit
+(seconds), which no promise needs, for a tenth of a small save's time.
+
+Each save has a temporary file of its own, locked (``flock``) while the save
+lives: the next save of the same file removes what a killed save of it left
+(its lock went with its process), and a run folder's rotation
+(``remove_temporaries``) removes the rest; a live save's file is never taken
+for a leftover. Where the filesystem has no locks, leftovers stay.
 """
 
 from __future__ import annotations
@@ -139,13 +144,14 @@ def _concurrent(path: str) -> FileExistsError:
     )
 
 
-def _ours(tmp: str, fd: int) -> bool:
-    """Whether the name ``tmp`` is still the file ``fd`` (no other save replaced it)."""
+def _ours(tmp: str, created: os.stat_result) -> bool:
+    """Whether the name ``tmp`` is still the file created as ``created`` (no
+    other save replaced it)."""
     try:
-        st, mine = os.stat(tmp), os.fstat(fd)
+        st = os.stat(tmp)
     except FileNotFoundError:
         return False
-    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+    return (st.st_dev, st.st_ino) == (created.st_dev, created.st_ino)
 
 
 def _chmod(fd: int, mode: int) -> None:
@@ -163,45 +169,43 @@ def atomic_files(paths: Collection[Path]) -> Iterator[list[str]]:
     are written they are fsynced and renamed into place; an error before that
     leaves every target as it was.
     """
-    written: list[tuple[str, str, int, int]] = []  # (target, temporary, fd, mode)
+    # (target, temporary, fd, its status at creation, the mode it ends with)
+    written: list[tuple[str, str, int, os.stat_result, int]] = []
     try:
         for given in paths:
             path, target = _resolve_target(given)
             fd, tmp = _create_temporary(path)
+            created = os.fstat(fd)
             # the mode of the file it replaces, or a plain open's; meanwhile
             # writable by its owner, for torch.save opens it again by name
-            mode = stat.S_IMODE(os.fstat(fd).st_mode if target is None else target.st_mode)
-            written.append((path, tmp, fd, mode))
-            _chmod(fd, stat.S_IMODE(os.fstat(fd).st_mode) | stat.S_IWUSR)
-        yield [tmp for _, tmp, _, _ in written]
-        for _, _, fd, mode in written:
-            _chmod(fd, mode)
+            now = stat.S_IMODE(created.st_mode)
+            mode = now if target is None else stat.S_IMODE(target.st_mode)
+            written.append((path, tmp, fd, created, mode))
+            if not now & stat.S_IWUSR:
+                _chmod(fd, now | stat.S_IWUSR)
+        yield [tmp for _, tmp, *_ in written]
+        for _, _, fd, created, mode in written:
+            if mode != stat.S_IMODE(created.st_mode) or not mode & stat.S_IWUSR:
+                _chmod(fd, mode)
             os.fsync(fd)  # the same file, however it was written
-        for path, tmp, fd, _ in written:
-            if not _ours(tmp, fd):
+        for path, tmp, _, created, _ in written:
+            if not _ours(tmp, created):
                 raise _concurrent(path)
-        for path, tmp, _, _ in written:
+        for path, tmp, *_ in written:
             os.replace(tmp, path)
     except BaseException as exc:
         # before the temporary files go, which frees the space they took
         error = write_error([p for p, *_ in written] or list(paths), exc)
-        for _, tmp, fd, _ in written:
-            if _ours(tmp, fd):  # not a concurrent save's
+        for _, tmp, _, created, _ in written:
+            if _ours(tmp, created):  # not a concurrent save's
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
         if error is None:
             raise
         raise error from exc
     finally:
-        for _, _, fd, _ in written:
+        for _, _, fd, *_ in written:
             os.close(fd)
-    for directory in {_directory(path) for path, *_ in written}:
-        with contextlib.suppress(OSError):  # make the renames themselves durable
-            dir_fd = os.open(directory, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
 
 
 def atomic_write(path: Path, write: Callable[[Any], object], *, by_name: bool = False) -> None:

@@ -201,13 +201,16 @@ class _Saving:
     or the full state gathered from a sharded module or its optimizer."""
 
     def __init__(self, obj: Any, gathered: dict[str, Any] | None = None) -> None:
-        self._obj, self._gathered = obj, gathered
+        self._obj, self._state = obj, gathered
 
     def state_dict(self) -> dict[str, Any]:
-        obj = self._obj
-        if self._gathered is not None:
-            return self._gathered
-        return clean_state_dict(obj) if isinstance(obj, torch.nn.Module) else obj.state_dict()
+        # skorch asks twice per file: the second time gets the first's
+        if self._state is None:
+            obj = self._obj
+            self._state = (
+                clean_state_dict(obj) if isinstance(obj, torch.nn.Module) else obj.state_dict()
+            )
+        return self._state
 
 
 class _Loading:

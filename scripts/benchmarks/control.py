@@ -12,7 +12,9 @@
   ``torch.save`` plus fsync on the main process between two gloo barriers
   (the issue's baseline), and with the same written atomically (a temporary
   file renamed into place, the directory fsynced): what the promise that a
-  failed save leaves the previous file costs by itself.
+  failed save leaves the previous file costs by itself; and with that write
+  on a watchdog's worker thread as well, what a write bounded by
+  ``io_timeout`` adds. ``save_params`` keeps both promises.
 """
 
 import argparse
@@ -24,6 +26,8 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+
+from accel_mixin.distributed.io_watchdog import Watchdog
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # pylint: disable=wrong-import-position
@@ -85,18 +89,33 @@ def hand_written_atomic_save(net, path):
     rename over the target, fsync of the directory."""
     barrier()
     if is_main():
-        tmp = f"{path}.tmp"
-        with open(tmp, "wb") as f:
-            torch.save(net.accelerator.unwrap_model(net.module_).state_dict(), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        directory = os.open(os.path.dirname(path), os.O_RDONLY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
+        _atomic_write(net, path)
     barrier()
+
+
+def hand_written_watched_save(net, path, watchdog):
+    """``hand_written_atomic_save`` whose write runs on a watchdog's worker
+    thread (``io_watchdog``), as a write bounded by ``io_timeout`` must: what
+    that promise adds by itself."""
+    barrier()
+    if is_main():
+        write = lambda: _atomic_write(net, path)  # noqa: E731
+        watchdog.run(write, io_timeout=60, what=path)
+    barrier()
+
+
+def _atomic_write(net, path):
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        torch.save(net.accelerator.unwrap_model(net.module_).state_dict(), f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    directory = os.open(os.path.dirname(path), os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
 
 
 def waiting_cpu(net, path, repeats):
@@ -131,11 +150,13 @@ def main():
     y = torch.randint(0, 2, (256,), generator=generator)
     small.fit(X, y)
     path = str(workdir / "small.pt")
+    watchdog = Watchdog()
     small.save_params(f_params=path)
     result["sockets_after_fit"] = sockets()
     variants = {
         "hand-written": lambda: hand_written_save(small, path),
         "hand-written, atomic": lambda: hand_written_atomic_save(small, path),
+        "hand-written, atomic, watched": lambda: hand_written_watched_save(small, path, watchdog),
         "save_params": lambda: small.save_params(f_params=path),
     }
 

@@ -262,8 +262,9 @@ def control_table(results):
         "",
         "| processes | sockets: group | sockets: after fit | waiting rank, core fraction (max) "
         "| save_params / torch.save+fsync (paired) "
-        "| save_params / the same, atomic (medians) |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| save_params / the same, atomic (medians) "
+        "| save_params / the same, atomic, on a watched thread (paired) |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for result in results:
         ranks = result["ranks"]
@@ -274,10 +275,15 @@ def control_table(results):
         over_atomic = (
             f"{saves['save_params']['median_s'] / atomic['median_s']:.2f}" if atomic else "-"
         )
+        watched = saves.get("hand-written, atomic, watched")
+        over_watched = "-"
+        if watched:
+            pairs = zip(saves["save_params"]["runs_s"], watched["runs_s"])
+            over_watched = f"{statistics.median(o / w for o, w in pairs):.2f}"
         lines.append(
             f"| {result['processes']} | {max(r['sockets_group'] for r in ranks)} | "
             f"{max(r['sockets_after_fit'] for r in ranks)} | {waiting:.3f} | {ratio:.2f} "
-            f"| {over_atomic} |"
+            f"| {over_atomic} | {over_watched} |"
         )
     return lines
 
