@@ -92,7 +92,9 @@ def test_one_voice(launch):
     assert out1 == err1 == ""
 
 
-@pytest.mark.parametrize("hook", ["on_epoch_end", "on_epoch_begin", "on_train_begin"])
+@pytest.mark.parametrize(
+    "hook", ["on_epoch_end", "on_epoch_begin", "on_train_begin", "on_batch_end"]
+)
 def test_an_error_on_rank_1_reaches_rank_0_promptly(ranks, hook):
     rank0, rank1 = (value[hook] for value in values(ranks, "error_in_a_callback_on_rank_1"))
     assert rank1["error"] == "ValueError: boom from rank 1"

@@ -42,10 +42,13 @@ from accel_mixin.training.net_objects import (
 )
 from accel_mixin.training.notifications import (
     Notification,
+    batch_failed,
     callbacks_during_fit,
     callbacks_of_this_rank,
     main_process_pickles,
+    per_batch,
     progress_of_this_rank,
+    runs_everywhere,
 )
 from accel_mixin.training.portable import PortableAccelerator, settle_unpickled
 from accel_mixin.training.rows import tensor_rows
@@ -293,11 +296,10 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
     }
 
     def notify(self, method_name: str, **cb_kwargs: Any) -> None:
-        # every notification is a section (notifications.py)
-        if method_name == "on_grad_computed":
-            if not self._stepper.sync_gradients:
-                return  # partial sums of an accumulation window (stepping.py)
-            self._stepper.unscale(self._optimizers_now())
+        if per_batch(method_name):
+            self._notify_batch(method_name, **cb_kwargs)
+            return
+        # every other notification is a section (notifications.py)
         step = self._NOTIFIED.get(method_name)
         with Notification(self._coordinator, method_name):
             if step:
@@ -310,7 +312,23 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
         elif method_name == "on_epoch_begin":
             prepare_retrainable_modules(self._objects)  # after Freezer, Unfreezer and the like
 
+    def _notify_batch(self, method_name: str, **cb_kwargs: Any) -> None:
+        # kept lean: it runs three times per batch
+        if method_name == "on_grad_computed":
+            stepper = self._stepper
+            if not stepper.sync_gradients:
+                return  # partial sums of an accumulation window (stepping.py)
+            stepper.unscale(self._optimizers_now())
+        try:
+            self._notify_callbacks(method_name, **cb_kwargs)
+        except BaseException as exc:
+            batch_failed(self._coordinator, method_name, exc)
+            raise
+
     def _notify_callbacks(self, method_name: str, **cb_kwargs: Any) -> None:
+        if runs_everywhere(self.callbacks_):
+            super().notify(method_name, **cb_kwargs)
+            return
         with callbacks_of_this_rank(self, self._coordinator):
             super().notify(method_name, **cb_kwargs)
 

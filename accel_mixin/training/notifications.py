@@ -37,12 +37,15 @@ _Callbacks = Sequence[tuple[str, "Callback"]]
 
 __all__ = [
     "Notification",
+    "batch_failed",
     "callbacks_during_fit",
     "callbacks_of_this_rank",
     "hook",
     "main_process_only",
     "main_process_pickles",
+    "per_batch",
     "progress_of_this_rank",
+    "runs_everywhere",
     "stopped_early",
 ]
 
@@ -82,12 +85,8 @@ class Notification:
     ) -> bool:
         section = self._section
         if section is None:
-            if (
-                isinstance(exc, Exception)
-                and self._control.distributed
-                and not isinstance(exc, (DistributedError, Preempted))
-            ):
-                self._control.fail(self._name, exc)
+            if exc is not None:
+                batch_failed(self._control, self._name, exc)
             return False
         if exc is None and self._name in _BARRIER_AFTER:
             try:
@@ -96,6 +95,28 @@ class Notification:
                 section.__exit__(type(error), error, error.__traceback__)
                 raise
         return bool(section.__exit__(exc_type, exc, traceback))
+
+
+def batch_failed(control: Coordinator, method_name: str, exc: BaseException) -> None:
+    """The per-batch notification ``method_name`` raised ``exc`` here: fail
+    the enclosing section, which names it on the other ranks at their next
+    barrier (ranks may run different numbers of batches: no barrier per batch)."""
+    if (
+        isinstance(exc, Exception)
+        and control.distributed
+        and not isinstance(exc, (DistributedError, Preempted))
+    ):
+        control.fail(method_name, exc)
+
+
+def per_batch(method_name: str) -> bool:
+    """Whether ``method_name`` is notified per batch (no section of its own)."""
+    return method_name in _PER_BATCH
+
+
+def runs_everywhere(callbacks: _Callbacks) -> bool:
+    """Whether every rank runs all of ``callbacks``: none is a logger kept to the main process."""
+    return not any(main_process_only(cb) for _, cb in callbacks)
 
 
 def main_process_only(callback: object) -> bool:
@@ -120,7 +141,7 @@ def callbacks_of_this_rank(net: NeuralNet, coordinator: Coordinator) -> Iterator
     on the main process only, where a collective they make raises on every
     rank, naming the logger (``save_params`` writes alone)."""
     callbacks = net.callbacks_
-    if not any(main_process_only(cb) for _, cb in callbacks):
+    if runs_everywhere(callbacks):
         yield
         return
     main = net.accelerator.is_main_process

@@ -378,21 +378,24 @@ def pickle_made_on_each_rank():
 
 
 class FailOnRank1(Callback):
-    """Raises in one notification, in the second epoch, on rank 1 only."""
+    """Raises in one notification, in the second epoch, on rank 1 only; in
+    ``on_batch_end``, at a validation batch (no collective per batch there:
+    rank 0 meets the failure at the epoch's end, not DDP's next all-reduce)."""
 
     def __init__(self, hook):
         self.hook = hook
         setattr(self, hook, self.fail)
 
-    def fail(self, net, **kwargs):
-        if rank == 1 and len(net.history) == 2:
+    def fail(self, net, training=None, **kwargs):
+        per_batch = self.hook == "on_batch_end"
+        if rank == 1 and len(net.history) == 2 and (not per_batch or training is False):
             raise ValueError("boom from rank 1")
 
 
 @checks
 def error_in_a_callback_on_rank_1():
     results = {}
-    for hook in ("on_epoch_end", "on_epoch_begin", "on_train_begin"):
+    for hook in ("on_epoch_end", "on_epoch_begin", "on_train_begin", "on_batch_end"):
         # Checkpoint comes after the failing callback: rank 0 waits in save_params
         # ResumeTraining compares the ranks' files at train begin: after a
         # failed callback, only on the ranks that did not fail
