@@ -132,8 +132,8 @@ def waiting_cpu(net, path, repeats):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--wait-repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--wait-repeats", type=int, default=5)
     parser.add_argument("--write-mb", type=int, default=200, help="the waited-for file's size")
     args = parser.parse_args()
     accelerator = Accelerator()
