@@ -91,8 +91,10 @@ def test_benchmarks_run_and_report(tmp_path):
         "incumbent",
     }
 
-    stall = json.loads((results / "raw" / "stall_2.json").read_text())
-    assert set(stall["stall_s"]) == {"synchronous", "asynchronous"}
+    for name, kind in (("stall_2", "ddp"), ("stall_fsdp_2", "fsdp")):
+        stall = json.loads((results / "raw" / f"{name}.json").read_text())
+        assert stall["kind"] == kind
+        assert set(stall["stall_s"]) == {"synchronous", "asynchronous"}
     small = json.loads((results / "raw" / "checkpoint_small_2.json").read_text())
     assert small["params"] < checkpoint["params"] and "torch.save + fsync" in small["save"]
     replicas = json.loads((results / "raw" / "replicas_2.json").read_text())
@@ -163,7 +165,10 @@ def test_benchmarks_run_and_report(tmp_path):
     assert "history sync: at most 1.05" in table
     assert "**beside Lightning**" in table
     assert "fit, 2 processes, without validation: at most 1.0 x lightning" in table
-    assert "asynchronous checkpoint: stall" in table
+    assert "asynchronous checkpoint, DDP: stall" in table
+    assert "asynchronous checkpoint, FSDP2: stall" in table
+    assert "save_params, 2 processes: at most 1.2 x torch.save + fsync" in table
+    assert "a rank waiting for the main process's write, 2 processes: under 2%" in table
     assert "replica check: at most 1% of an epoch" in table
     assert "save_params, small model" in table
     assert "**FSDP2 against DDP**" in table

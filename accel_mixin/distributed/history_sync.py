@@ -138,10 +138,14 @@ def merge_epoch(net: NeuralNet) -> None:
 
 
 def agree_on_row(
-    net: NeuralNet, stop: bool, error: BaseException | None = None
-) -> tuple[bool, str | None]:
+    net: NeuralNet,
+    stop: bool,
+    error: BaseException | None = None,
+    fingerprints: list[int] | None = None,
+) -> tuple[bool, str | None, list[list[int] | None]]:
     """Take rank 0's epoch row everywhere (``dur`` differs); return whether any
-    rank stopped, and the first rank's failure, named, or None.
+    rank stopped, the first rank's failure, named, or None, and every rank's
+    ``fingerprints`` (a replica check's, which rides on this collective).
 
     One collective, which every rank joins even after an error in its callbacks.
     """
@@ -153,7 +157,11 @@ def agree_on_row(
         message = str(error)
     elif error is not None:
         message = failure_message("on_epoch_end", accelerator.process_index, error)
-    answers = gather_object([(mine, bool(stop), message)])
+    answers = gather_object([(mine, bool(stop), message, fingerprints)])
     row.update(answers[0][0])
-    failures = [message for _, _, message in answers if message]
-    return any(stop for _, stop, _ in answers), (failures[0] if failures else None)
+    failures = [message for _, _, message, _ in answers if message]
+    return (
+        any(stop for _, stop, _, _ in answers),
+        failures[0] if failures else None,
+        [prints for *_, prints in answers],
+    )

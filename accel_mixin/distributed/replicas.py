@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
-from accelerate.utils import gather
+from accelerate.utils import gather, gather_object
 from skorch.dataset import get_len
 from skorch.utils import multi_indexing
 
@@ -36,8 +36,10 @@ __all__ = [
     "check_replicas",
     "check_same_data",
     "check_same_steps",
+    "compare_replicas",
     "fingerprints",
     "named_parameters",
+    "replica_fingerprints",
 ]
 
 # integer views of the same width as each floating point type
@@ -192,30 +194,29 @@ def _words(flat: torch.Tensor) -> torch.Tensor:
     return flat
 
 
-def check_replicas(
-    accelerator: Accelerator, named_params: Sequence[tuple[str, torch.Tensor]], when: str
-) -> None:
-    """Raise ``DistributedError`` on every rank, naming the first parameter that
-    differs and when (``'after epoch 3'``), unless all ranks hold the same."""
-    names = [name for name, _ in named_params]
-    # the count first, in a gather of its own: a gather of tensors of other
-    # lengths aborts the process, and ranks with other architectures must
-    # not compare by position
-    count = torch.tensor([[len(names)]], dtype=torch.int64, device=accelerator.device)
-    counts = gather(count).cpu()[:, 0]
-    if (counts != counts[0]).any():
-        listed = ", ".join(f"rank {r}: {int(n)}" for r, n in enumerate(counts))
+def replica_fingerprints(named_params: Sequence[tuple[str, torch.Tensor]]) -> list[int]:
+    """This rank's part of a replica check: one fingerprint per parameter."""
+    return cast("list[int]", fingerprints([param for _, param in named_params]).tolist())
+
+
+def compare_replicas(everyone: Sequence[Sequence[int]], names: Sequence[str], when: str) -> None:
+    """Raise ``DistributedError`` naming the first parameter that differs and
+    when (``'after epoch 3'``), unless every rank's fingerprints (``everyone``,
+    in rank order; ``names`` are this rank's parameters) are the same."""
+    counts = [len(mine) for mine in everyone]
+    if any(count != counts[0] for count in counts):
+        # ranks with other architectures must not compare by position
+        listed = ", ".join(f"rank {r}: {n}" for r, n in enumerate(counts))
         raise DistributedError(
             f"Replica check {when}: the ranks hold different numbers of "
             f"parameters ({listed}); every rank must build the same model."
         )
-    mine = fingerprints([param for _, param in named_params])
-    everyone = gather(mine.to(accelerator.device)[None]).cpu()
-    if (everyone == everyone[0]).all():
+    table = torch.tensor(everyone, dtype=torch.int64).reshape(len(everyone), counts[0])
+    if (table == table[0]).all():
         return
-    differs = (everyone != everyone[0]).any(dim=0)
+    differs = (table != table[0]).any(dim=0)
     first = int(differs.nonzero()[0])
-    ranks = [r for r in range(1, len(everyone)) if everyone[r, first] != everyone[0, first]]
+    ranks = [r for r in range(1, len(table)) if table[r, first] != table[0, first]]
     raise DistributedError(
         f"Replica check {when}: parameter '{names[first]}' differs between "
         f"ranks (rank(s) {ranks} differ from rank 0; {int(differs.sum())} of {len(names)} "
@@ -226,3 +227,12 @@ def check_replicas(
         "data that differ between ranks. Set replica_check_every=0 to train without this "
         "check."
     )
+
+
+def check_replicas(named_params: Sequence[tuple[str, torch.Tensor]], when: str) -> None:
+    """Raise ``DistributedError`` on every rank, naming the first parameter that
+    differs and when (``'after epoch 3'``), unless all ranks hold the same.
+    One ``gather_object``: lists of other lengths gather whole, so ranks with
+    other models are named with their parameter counts."""
+    everyone = gather_object([replica_fingerprints(named_params)])
+    compare_replicas(everyone, [name for name, _ in named_params], when)

@@ -24,10 +24,14 @@ from skorch.dataset import get_len, unpack_data
 from accel_mixin.distributed.control import agreed_failure
 from accel_mixin.distributed.epoch_scores import score_on_main, share_predictions
 from accel_mixin.distributed.history_sync import agree_on_row, leading_samples, merge_epoch
-from accel_mixin.distributed.replicas import check_same_steps
+from accel_mixin.distributed.replicas import (
+    check_same_steps,
+    compare_replicas,
+    replica_fingerprints,
+)
 from accel_mixin.errors import DistributedError
 from accel_mixin.training.fit import Fit
-from accel_mixin.training.net_objects import NetObjects, check_net_replicas
+from accel_mixin.training.net_objects import NetObjects, replica_parameters
 from accel_mixin.training.notifications import hook, main_process_pickles, stopped_early
 from accel_mixin.training.resumed_order import skipping_batches, start_workers_without_draws
 from accel_mixin.training.rng import restore_rng
@@ -219,15 +223,22 @@ def epoch_end(
                 coordinator.barrier("on_epoch_end")
             except DistributedError as exc:
                 error = exc
-        stop, failure = agree_on_row(net, stop, error)
+        every = net.replica_check_every
+        # before a training state is saved: never save a divergence. The
+        # fingerprints ride on the row's collective; a rank that failed sends
+        # none, and every rank raises its failure before they are compared
+        checked = replica_parameters(objects) if every and len(net.history) % every == 0 else None
+        mine = replica_fingerprints(checked) if checked is not None and error is None else None
+        stop, failure, everyone = agree_on_row(net, stop, error, mine)
         if error is not None:
             raise error
         if failure is not None:
             raise DistributedError(failure)
-        every = net.replica_check_every
-        if every and len(net.history) % every == 0:
-            # before a training state is saved: never save a divergence
-            check_net_replicas(objects, f"after epoch {len(net.history)}")
+        if checked is not None:
+            prints = [mine for mine in everyone if mine is not None]
+            assert len(prints) == len(everyone), "a rank without fingerprints failed: raised above"
+            names = [name for name, _ in checked]
+            compare_replicas(prints, names, f"after epoch {len(net.history)}")
     stopped = stop and stopped_early(net.callbacks_)
     for _, cb in net.callbacks_:
         finished = hook(cb, "on_epoch_finished")

@@ -41,6 +41,7 @@ __all__ = [
     "check_params",
     "check_sharding",
     "prepare_retrainable_modules",
+    "replica_parameters",
     "shards_in_place",
 ]
 
@@ -217,8 +218,13 @@ def prepare_retrainable_modules(objects: NetObjects) -> None:
         prepared.prepare(accelerator, objects.slots(), refresh=refresh)
 
 
-def check_net_replicas(objects: NetObjects, when: str) -> None:
-    """``check_replicas`` on every parameter of the net's modules and criteria
-    that each rank holds whole: a sharded one (FSDP2) is no replica."""
+def replica_parameters(objects: NetObjects) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter of the net's modules and criteria that each rank holds
+    whole: a sharded one (FSDP2) is no replica."""
     modules = ((name + "_", module) for name, module in objects.named_modules())
-    check_replicas(objects.net.accelerator, replicated(named_parameters(modules)), when)
+    return replicated(named_parameters(modules))
+
+
+def check_net_replicas(objects: NetObjects, when: str) -> None:
+    """``check_replicas`` on the net's ``replica_parameters``."""
+    check_replicas(replica_parameters(objects), when)

@@ -184,10 +184,14 @@ def _paired(values, baselines):
     return statistics.median(v / b for v, b in zip(values, baselines))
 
 
+_KINDS = {"ddp": "DDP", "fsdp": "FSDP2"}
+
+
 def stall_table(result):
     stall = result["stall_s"]
     return [
-        f"**Checkpoint stall** ({result['processes']} processes, {result['params'] / 1e6:.1f}M "
+        f"**Checkpoint stall, {_KINDS[result['kind']]}** ({result['processes']} processes, "
+        f"{result['params'] / 1e6:.1f}M "
         f"parameters, {result['optimizer']}, {result['state_mb']:.0f} MB training state; "
         f"training runs {result['train_seconds_between']:.1f} s between checkpoints; the time "
         "save_state "
@@ -286,6 +290,36 @@ def control_table(results):
             f"| {over_atomic} | {over_watched} |"
         )
     return lines
+
+
+def control_targets(results):
+    """Issue 47's control-plane targets, per number of processes."""
+    rows = []
+    for result in results:
+        ranks, n = result["ranks"], result["processes"]
+        ratio = ranks[0]["save_params"]["save_params"]["paired_ratio"]
+        waiting = max(r["wait"]["core_fraction"] for r in ranks[1:])
+        sockets = max(r["sockets_after_fit"] for r in ranks)
+        rows += [
+            (
+                f"save_params, {n} processes: at most 1.2 x torch.save + fsync between two "
+                "gloo barriers (paired)",
+                f"{ratio:.2f}",
+                ratio <= 1.2,
+            ),
+            (
+                f"a rank waiting for the main process's write, {n} processes: under 2% of a core",
+                f"{100 * waiting:.1f}%",
+                waiting < 0.02,
+            ),
+            (
+                f"sockets per process after a fit, {n} processes: at most 2N+1 (the process "
+                "group's and one gloo group's)",
+                str(sockets),
+                sockets <= 2 * n + 1,
+            ),
+        ]
+    return rows
 
 
 def small_save_table(result):
@@ -391,11 +425,12 @@ def targets(
                 ratio <= 1.15,
             )
         )
-    if stall:
-        ratio = stall["ratio"]
+    for result in stall or ():
+        ratio = result["ratio"]
         rows.append(
             (
-                "asynchronous checkpoint: stall at most 1/4 of the synchronous save",
+                f"asynchronous checkpoint, {_KINDS[result['kind']]}: stall at most 1/4 of the "
+                "synchronous save",
                 f"{ratio:.2f}",
                 ratio <= 0.25,
             )
@@ -522,14 +557,13 @@ def main():
     parser.add_argument("--command", default="scripts/bench")
     args = parser.parse_args()
 
-    fit1, fit2, checkpoint, checkpoint_small, stall, replicas, midepoch, lightning, *resume = (
+    fit1, fit2, checkpoint, checkpoint_small, replicas, midepoch, lightning, *resume = (
         load(args.raw, n)
         for n in (
             "fit_1",
             "fit_2",
             "checkpoint_2",
             "checkpoint_small_2",
-            "stall_2",
             "replicas_2",
             "midepoch_2",
             "lightning_2",
@@ -547,8 +581,9 @@ def main():
         lines += checkpoint_tables(checkpoint) + [""]
     if checkpoint_small:
         lines += small_save_table(checkpoint_small) + [""]
-    if stall:
-        lines += stall_table(stall) + [""]
+    stall = [r for r in (load(args.raw, n) for n in ("stall_2", "stall_fsdp_2")) if r]
+    for result in stall:
+        lines += stall_table(result) + [""]
     if midepoch:
         lines += midepoch_table(midepoch) + [""]
     if replicas:
@@ -571,7 +606,9 @@ def main():
         checkpoint_small,
         midepoch,
         lightning,
-        more=memory_targets(fits, merges) + sharded_targets(sharded_memory, sharded_timing),
+        more=memory_targets(fits, merges)
+        + sharded_targets(sharded_memory, sharded_timing)
+        + control_targets(control),
     )
     if resume[0]:
         # with the targets, on the front page

@@ -165,6 +165,8 @@ def timing(raw, out, timeout, extra):
         timeout,
     )
     launch("stall.py", raw / "stall_2.json", 2, extra.get("stall", []), timeout)
+    stall_fsdp = [*extra.get("stall", []), "--kind", "fsdp"]
+    launch("stall.py", raw / "stall_fsdp_2.json", 2, stall_fsdp, timeout)
     launch("replicas.py", raw / "replicas_2.json", 2, extra.get("replicas", []), timeout)
     launch("midepoch.py", raw / "midepoch_2.json", 2, extra.get("midepoch", []), timeout)
 

@@ -89,7 +89,7 @@ def main():
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
     for name in ("lightning.pytorch", "lightning.fabric", "lightning_fabric", "pytorch_lightning"):
         logging.getLogger(name).setLevel(logging.ERROR)
