@@ -19,6 +19,17 @@ from accel_mixin.errors import DistributedError, Stalled
 from accel_mixin.training.notifications import Notification
 
 
+@pytest.fixture(autouse=True)
+def no_group_outlives_its_test():
+    """The gloo groups these tests make die with their test, here, where
+    their threads run. Left in a reference cycle (a traceback, a closure),
+    a group is torn down by whatever collects it: a DataLoader worker that a
+    later test of this process forks collected one and waited forever in
+    its teardown for threads that a child does not have."""
+    yield
+    gc.collect()
+
+
 def pair(timeout=30.0):
     return ranks(2, timeout)
 
@@ -579,3 +590,26 @@ def test_an_error_in_a_per_batch_notification_is_named_on_the_other_rank():
     assert isinstance(out1, ValueError), out1
     assert kind0 == "raised", out0
     assert "on_batch_end failed on rank 1: ValueError: boom on rank 1" in str(out0)
+
+
+def test_a_child_forked_after_these_tests_collects_its_garbage_at_once():
+    # last in the module, whose tests run in one process: a gloo group that
+    # an earlier test left in a reference cycle would be torn down by the
+    # child's collection, which then waits forever for the group's threads
+    # (or aborts)
+    import os
+
+    pid = os.fork()
+    if pid == 0:
+        gc.collect()
+        os._exit(0)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0, "the child failed collecting"
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("a forked child hung collecting what the tests of this module left")

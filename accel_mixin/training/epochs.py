@@ -235,7 +235,7 @@ def epoch_end(
         if failure is not None:
             raise DistributedError(failure)
         if checked is not None:
-            prints = [mine for mine in everyone if mine is not None]
+            prints = [theirs for theirs in everyone if theirs is not None]
             assert len(prints) == len(everyone), "a rank without fingerprints failed: raised above"
             names = [name for name, _ in checked]
             compare_replicas(prints, names, f"after epoch {len(net.history)}")
