@@ -258,6 +258,17 @@ def replicas_table(result):
     )
 
 
+def _control_figures(result):
+    """``(save_params' paired ratio, the waiting ranks' largest core
+    fraction, the most sockets after a fit)`` of one control.py result."""
+    ranks = result["ranks"]
+    return (
+        ranks[0]["save_params"]["save_params"]["paired_ratio"],
+        max(r["wait"]["core_fraction"] for r in ranks[1:]),
+        max(r["sockets_after_fit"] for r in ranks),
+    )
+
+
 def control_table(results):
     """Sockets, a waiting rank's CPU and ``save_params`` against a
     hand-written save, per number of processes (control.py)."""
@@ -272,9 +283,8 @@ def control_table(results):
     ]
     for result in results:
         ranks = result["ranks"]
-        waiting = max(r["wait"]["core_fraction"] for r in ranks[1:])
+        ratio, waiting, sockets = _control_figures(result)
         saves = ranks[0]["save_params"]
-        ratio = saves["save_params"]["paired_ratio"]
         atomic = saves.get("hand-written, atomic")
         over_atomic = (
             f"{saves['save_params']['median_s'] / atomic['median_s']:.2f}" if atomic else "-"
@@ -282,11 +292,10 @@ def control_table(results):
         watched = saves.get("hand-written, atomic, watched")
         over_watched = "-"
         if watched:
-            pairs = zip(saves["save_params"]["runs_s"], watched["runs_s"])
-            over_watched = f"{statistics.median(o / w for o, w in pairs):.2f}"
+            over_watched = f"{_paired(saves['save_params']['runs_s'], watched['runs_s']):.2f}"
         lines.append(
             f"| {result['processes']} | {max(r['sockets_group'] for r in ranks)} | "
-            f"{max(r['sockets_after_fit'] for r in ranks)} | {waiting:.3f} | {ratio:.2f} "
+            f"{sockets} | {waiting:.3f} | {ratio:.2f} "
             f"| {over_atomic} | {over_watched} |"
         )
     return lines
@@ -296,10 +305,8 @@ def control_targets(results):
     """Issue 47's control-plane targets, per number of processes."""
     rows = []
     for result in results:
-        ranks, n = result["ranks"], result["processes"]
-        ratio = ranks[0]["save_params"]["save_params"]["paired_ratio"]
-        waiting = max(r["wait"]["core_fraction"] for r in ranks[1:])
-        sockets = max(r["sockets_after_fit"] for r in ranks)
+        n = result["processes"]
+        ratio, waiting, sockets = _control_figures(result)
         rows += [
             (
                 f"save_params, {n} processes: at most 1.2 x torch.save + fsync between two "
