@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from accel_mixin.distributed.control import Control, agreed_failure
 from accel_mixin.distributed.io_watchdog import Watchdog
+from accel_mixin.distributed.object_gather import ObjectGather
 from accel_mixin.errors import DistributedError, Stalled
 from accel_mixin.training.notifications import Notification
 
@@ -346,7 +347,7 @@ def test_a_live_rank_keeps_the_others_waiting():
         rank1.barrier("b")
 
     results = run_ranks(lambda: rank0.barrier("b"), late)
-    assert results == [("ok", None), ("ok", None)]
+    assert results == [("ok", 0), ("ok", None)]
 
 
 def test_ranks_in_different_calls_raise_at_once_naming_both():
@@ -590,6 +591,69 @@ def test_an_error_in_a_per_batch_notification_is_named_on_the_other_rank():
     assert isinstance(out1, ValueError), out1
     assert kind0 == "raised", out0
     assert "on_batch_end failed on rank 1: ValueError: boom on rank 1" in str(out0)
+
+
+def test_a_barrier_gives_every_rank_the_largest_flag_any_rank_gave():
+    coordinators = warmed_up(3, 30)
+
+    def body(coordinator, flag):
+        with coordinator.session("on_epoch_begin"):
+            return coordinator.barrier("on_epoch_begin", flag=flag)
+
+    asked_by_one = run_ranks(
+        *[functools.partial(body, c, c.process_index == 1) for c in coordinators]
+    )
+    assert asked_by_one == [("ok", 1)] * 3
+    asked_by_none = run_ranks(*[functools.partial(body, c, 0) for c in coordinators])
+    assert asked_by_none == [("ok", 0)] * 3
+
+
+class CountingGroup:
+    """A control group that counts its all-gathers."""
+
+    def __init__(self, group):
+        self.group, self.allgathers = group, 0
+
+    def allgather(self, output_tensors, input_tensors):
+        self.allgathers += 1
+        return self.group.allgather(output_tensors, input_tensors)
+
+
+def test_a_gather_gives_every_rank_s_object_in_one_all_gather_once_its_room_is_known():
+    coordinators = warmed_up(3, 30)
+    counting = [CountingGroup(c.group()) for c in coordinators]
+    gathers = [ObjectGather() for _ in coordinators]
+
+    def payload(rank, epoch):
+        # rank 1's outgrows the first room: its remainder takes a second all-gather
+        return {"rank": rank, "epoch": epoch, "batches": list(range(3000 if rank == 1 else 10))}
+
+    def body(rank):
+        def gather(epoch):
+            before = counting[rank].allgathers
+            got = gathers[rank](counting[rank], 3, "history merge", payload(rank, epoch))
+            return got, counting[rank].allgathers - before
+
+        return [gather(epoch) for epoch in range(3)]
+
+    results = run_ranks(*[functools.partial(body, rank) for rank in range(3)])
+    assert [kind for kind, _ in results] == ["ok"] * 3, results
+    for _, epochs in results:
+        assert [got for got, _ in epochs] == [
+            [payload(rank, epoch) for rank in range(3)] for epoch in range(3)
+        ]
+        # the room grew to the largest payload after the first gather
+        assert [collectives for _, collectives in epochs] == [2, 1, 1]
+
+
+def test_a_gather_on_one_process_returns_its_object():
+    assert Control(1, 0).gather("epoch row", {"a": 1}) == [{"a": 1}]
+
+
+def test_a_gather_under_a_main_process_only_call_raises_at_once():
+    rank0, _ = pair()
+    with rank0.running_alone("a logger"), pytest.raises(DistributedError, match="a logger"):
+        rank0.gather("epoch row", 1)
 
 
 def test_a_child_forked_after_these_tests_collects_its_garbage_at_once():

@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from accel_mixin.distributed.io_watchdog import Watchdog
+from accel_mixin.distributed.object_gather import ObjectGather
 from accel_mixin.errors import DistributedError, Preempted
 from accel_mixin.internals import default_store
 
@@ -245,6 +246,7 @@ class Control:
         # this rank's failure that a barrier carried, and its message: (exc, message)
         self._carried: tuple[BaseException | None, str] = (None, "")
         self._watchdog = Watchdog()
+        self._gather = ObjectGather()
         self._barriers = 0  # the barriers this rank entered: the census's key
         # a barrier's outcome held and received, and each as a tensor
         self._rows: tuple[numpy.ndarray[Any, Any], list[torch.Tensor]] | None = None
@@ -337,6 +339,15 @@ class Control:
         rank = self.gone(exc)
         return None if rank is None else self._break(functools.partial(self._gone, rank=rank), what)
 
+    def _failed(
+        self, what: str, exc: RuntimeError, wait: timedelta, missing: Sequence[int] = ()
+    ) -> DistributedError:
+        """gloo's error ``exc`` in ``what``: a peer gone, or else a wait in vain
+        (for ``missing``, where known); every later call raises it too."""
+        return self._lost(what, exc) or self._break(
+            lambda later: self._timed_out(later, wait, missing), what
+        )
+
     def _gone(self, what: str, rank: int) -> DistributedError:
         who = f"rank {rank}" if rank >= 0 else "a rank"
         return _agreed(
@@ -351,23 +362,43 @@ class Control:
         session, call = self._met
         return f"in {call}" if self._open and session == self._sessions else f"after {call}"
 
+    def gather(self, site: str, obj: T) -> list[T]:
+        """Every rank's ``obj``, by rank, in one all-gather on the control
+        group (``object_gather``); ``site`` names the call."""
+        if not self.distributed:
+            return [obj]
+        self._refuse_alone(site)
+        if self._broken is not None:
+            raise self._broken(site)
+        try:
+            return self._gather(self.group(), self.num_processes, site, obj)
+        except RuntimeError as exc:
+            # named after the call it serves, which the user made
+            what = self._open[-1][0] if self._open else site
+            raise self._failed(what, exc, timedelta(seconds=self.timeout)) from exc
+
     # -- barriers -----------------------------------------------------------
 
     def barrier(
-        self, what: str, patience: float | None = None, failure: tuple[int, str] | None = None
-    ) -> None:
+        self,
+        what: str,
+        patience: float | None = None,
+        failure: tuple[int, str] | None = None,
+        flag: int = 0,
+    ) -> int:
         """Wait for every rank, or raise ``DistributedError`` if a rank failed
         in a section this rank is in, or did not arrive within ``patience``
-        seconds (default: the timeout)."""
+        seconds (default: the timeout). Return the largest ``flag`` (at least
+        0) any rank gave: a question every rank asks at the barrier rides on
+        it without a collective of its own."""
         if not self.distributed:
-            return
+            return flag
         self._refuse_alone(what)
         if self._broken is not None:
             raise self._broken(what)
         if not self._open:
             with self.session(what):
-                self.barrier(what, patience)
-            return
+                return self.barrier(what, patience, flag=flag)
         agreed = next((entry[2] for entry in self._open if entry[2] is not None), None)
         if agreed is not None and failure is None:
             raise _agreed(agreed)  # the others left this section: no collective
@@ -377,21 +408,19 @@ class Control:
             failure = (_OWN, message)  # its exception, raised later, is no news
         wait = timedelta(seconds=self.timeout if patience is None else patience)
         try:
-            outcome = self._agree(what, wait, failure)
+            outcome, flag = self._agree(what, wait, failure, flag)
         except RuntimeError as exc:
             if agreed_failure(exc):
                 raise
-            raise (
-                self._lost(what, exc)
-                or self._break(lambda later: self._timed_out(later, wait), what)
-            ) from exc
+            raise self._failed(what, exc, wait) from exc
         self._met = (self._sessions, self._open[0][0])
         if outcome is not None and failure is None:
             raise outcome
+        return flag
 
     def _agree(
-        self, what: str, wait: timedelta, failure: tuple[int, str] | None
-    ) -> DistributedError | None:
+        self, what: str, wait: timedelta, failure: tuple[int, str] | None, flag: int
+    ) -> tuple[DistributedError | None, int]:
         group = self.group()
         call = zlib.crc32(self._open[0][0].encode()) & 0x7FFFFFFF
         priority, message = failure or (0, "")
@@ -400,14 +429,15 @@ class Control:
             self.num_processes - self.process_index if priority else 0
         )
         depth = len(self._open) if priority else 0
-        outcome = self._arrive(what, wait, (rank_code, call, -call, depth))
+        outcome = self._arrive(what, wait, (rank_code, call, -call, depth, max(0, flag)))
+        flag = outcome[4]
         if outcome[1] != -outcome[2]:
             mismatch = self._mismatch(what)
             for entry in self._open:  # every rank leaves its call at once
                 entry[2] = str(mismatch)
-            return mismatch
+            return mismatch, flag
         if outcome[0] == 0:
-            return None
+            return None, flag
         root = self.num_processes - outcome[0] % (self.num_processes + 1)
         text = _encode(message if root == self.process_index else "")
         broadcast = dist.BroadcastOptions()
@@ -417,7 +447,7 @@ class Control:
         # fail the sections from the failing rank's down: see the module's docstring
         for entry in self._open[max(0, outcome[3] - 1) :]:
             entry[2] = message
-        return _agreed(message)
+        return _agreed(message), flag
 
     def _arrive(self, what: str, wait: timedelta, mine: tuple[int, ...]) -> list[int]:
         """Return the elementwise maximum of every rank's outcome (``mine``
@@ -634,10 +664,7 @@ class Control:
         try:
             self.group().recv([text], writer, _TOLD).wait(_WRITER_CAP)
         except RuntimeError as exc:
-            raise (
-                self._lost(what, exc)
-                or self._break(lambda later: self._timed_out(later, _WRITER_CAP, [writer]), what)
-            ) from exc
+            raise self._failed(what, exc, _WRITER_CAP, [writer]) from exc
         return _decode(text)
 
 

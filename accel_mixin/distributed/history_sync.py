@@ -13,12 +13,12 @@ the net records into the plain ``History`` inside it.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from accelerate.utils import gather_object, recursively_apply
+from accelerate.utils import recursively_apply
 from skorch.history import DistributedHistory
 
 from accel_mixin.distributed.control import failure_message
@@ -39,6 +39,9 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+# every rank's object, by rank: a coordinator's ``gather``, given the call's name
+Gather = Callable[[str, Any], list[Any]]
 
 NOTICE = (
     "accel_mixin shares the history across processes itself: the net records into "
@@ -118,16 +121,16 @@ def _padding_only(batch: dict[str, Any]) -> bool:
     )
 
 
-def merge_epoch(net: NeuralNet) -> None:
+def merge_epoch(net: NeuralNet, gather: Gather) -> None:
     """Give every rank the batch records of all ranks, in dataset order, in
-    one collective; batches of padding only are dropped."""
+    one ``gather``; batches of padding only are dropped."""
     row = net.history[-1]
     batches = row.get("batches", [])
     payload = {
         "batches": batches,
         "counts": {k: v for k, v in row.items() if k.endswith("_batch_count")},
     }
-    payloads = gather_object([payload])
+    payloads = gather("history merge", payload)
     # padding-only batches are the last of their rank: dropped after
     # interleaving, the dataset order stays
     row["batches"] = [
@@ -139,6 +142,7 @@ def merge_epoch(net: NeuralNet) -> None:
 
 def agree_on_row(
     net: NeuralNet,
+    gather: Gather,
     stop: bool,
     error: BaseException | None = None,
     fingerprints: list[int] | None = None,
@@ -147,7 +151,7 @@ def agree_on_row(
     rank stopped, the first rank's failure, named, or None, and every rank's
     ``fingerprints`` (a replica check's, which rides on this collective).
 
-    One collective, which every rank joins even after an error in its callbacks.
+    One ``gather``, which every rank joins even after an error in its callbacks.
     """
     accelerator = net.accelerator
     row = net.history[-1]
@@ -157,7 +161,7 @@ def agree_on_row(
         message = str(error)
     elif error is not None:
         message = failure_message("on_epoch_end", accelerator.process_index, error)
-    answers = gather_object([(mine, bool(stop), message, fingerprints)])
+    answers = gather("epoch row", (mine, bool(stop), message, fingerprints))
     row.update(answers[0][0])
     failures = [message for _, _, message, _ in answers if message]
     return (

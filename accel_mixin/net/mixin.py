@@ -38,6 +38,7 @@ from accel_mixin.training.net_objects import (
     check_params,
     check_sharding,
     prepare_retrainable_modules,
+    retrainable_modules,
     shards_in_place,
 )
 from accel_mixin.training.notifications import (
@@ -301,16 +302,20 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
             return
         # every other notification is a section (notifications.py)
         step = self._NOTIFIED.get(method_name)
-        with Notification(self._coordinator, method_name):
+        with Notification(self._coordinator, method_name) as notification:
             if step:
                 getattr(self, step)(**cb_kwargs)
             else:
                 self._notify_callbacks(method_name, **cb_kwargs)
+            if method_name == "on_epoch_begin":
+                # after Freezer, Unfreezer and the like; whether any rank's
+                # changed rides on the notification's barrier
+                notification.flag = bool(retrainable_modules(self._objects))
         if method_name == "on_train_begin":
             with self._coordinator.section("on_train_begin"):
                 self._begin_training(cb_kwargs.get("X"), cb_kwargs.get("y"))
-        elif method_name == "on_epoch_begin":
-            prepare_retrainable_modules(self._objects)  # after Freezer, Unfreezer and the like
+        elif method_name == "on_epoch_begin" and notification.flag:
+            prepare_retrainable_modules(self._objects)
 
     def _notify_batch(self, method_name: str, **cb_kwargs: Any) -> None:
         # kept lean: it runs three times per batch

@@ -199,7 +199,7 @@ def epoch_end(
     if distributed:
         coordinator.barrier("history sync")
         on_main = share_predictions(net, **cb_kwargs)  # reads this rank's own batch records
-        merge_epoch(net)
+        merge_epoch(net, coordinator.gather)
         scores = score_on_main(net, on_main, **cb_kwargs)
     stop = False
     interrupt: KeyboardInterrupt | None = None
@@ -229,7 +229,7 @@ def epoch_end(
         # none, and every rank raises its failure before they are compared
         checked = replica_parameters(objects) if every and len(net.history) % every == 0 else None
         mine = replica_fingerprints(checked) if checked is not None and error is None else None
-        stop, failure, everyone = agree_on_row(net, stop, error, mine)
+        stop, failure, everyone = agree_on_row(net, coordinator.gather, stop, error, mine)
         if error is not None:
             raise error
         if failure is not None:

@@ -30,6 +30,7 @@ from accel_mixin.training.stepping import takes_closures
 from accel_mixin.training.wrapping import PreparedObjects, Slot, requires_closure
 
 if TYPE_CHECKING:
+    from accelerate import Accelerator
     from skorch import NeuralNet
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "check_sharding",
     "prepare_retrainable_modules",
     "replica_parameters",
+    "retrainable_modules",
     "shards_in_place",
 ]
 
@@ -198,15 +200,26 @@ def check_optimizers(objects: NetObjects) -> None:
             )
 
 
+def _in_ddp(accelerator: Accelerator) -> bool:
+    """Whether prepared modules are DDP wrappers, which a change of trainable
+    parameters invalidates."""
+    return accelerator.distributed_type != DistributedType.NO and not sharded(accelerator)
+
+
+def retrainable_modules(objects: NetObjects) -> set[str]:
+    """The keys of the DDP-wrapped modules whose trainable parameters changed
+    on this rank (``Freezer``, ``requires_grad_``)."""
+    if not _in_ddp(objects.net.accelerator):
+        return set()
+    return objects.prepared.trainability_changed()
+
+
 def prepare_retrainable_modules(objects: NetObjects) -> None:
     """Give a new DDP wrapper to the modules whose trainable parameters changed
-    (``Freezer``, ``requires_grad_``) on any rank; one small all-reduce."""
-    accelerator = objects.net.accelerator
-    if accelerator.distributed_type == DistributedType.NO or sharded(accelerator):
-        return  # no DDP, so nothing to rebuild
-    prepared = objects.prepared
+    (``retrainable_modules``) on any rank; one small all-reduce."""
+    accelerator, prepared = objects.net.accelerator, objects.prepared
     keys = prepared.module_keys()
-    if not keys:
+    if not keys or not _in_ddp(accelerator):
         return
     changed = prepared.trainability_changed()
     flags = torch.tensor(

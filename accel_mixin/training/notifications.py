@@ -63,19 +63,22 @@ class Notification:
     Per-batch notifications (ranks may run different numbers of batches)
     fail the enclosing section on an error; the others are a section of
     their own, with a barrier at the end of ``on_train_begin`` and
-    ``on_epoch_begin``.
+    ``on_epoch_begin``, after which ``flag`` holds the largest any rank set.
     """
 
-    __slots__ = ("_control", "_name", "_section")
+    __slots__ = ("_control", "_name", "_section", "flag")
 
     def __init__(self, control: Coordinator, method_name: str) -> None:
         self._control, self._name = control, method_name
         self._section: AbstractContextManager[object] | None = None
+        # set in the block: the barrier after it gives every rank the largest
+        self.flag = 0
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> Notification:
         if self._control.distributed and self._name not in _PER_BATCH:
             self._section = section = self._control.section(self._name)
             section.__enter__()
+        return self
 
     def __exit__(
         self,
@@ -90,7 +93,7 @@ class Notification:
             return False
         if exc is None and self._name in _BARRIER_AFTER:
             try:
-                self._control.barrier(self._name)
+                self.flag = self._control.barrier(self._name, flag=self.flag)
             except BaseException as error:
                 section.__exit__(type(error), error, error.__traceback__)
                 raise

@@ -110,7 +110,7 @@ def fit_once(args):
     }
 
 
-def merge_records(args, rank, world):
+def merge_records(args, rank, world, gather):
     """Time the merge of an epoch of ``args.records`` batch records."""
     from types import SimpleNamespace  # pylint: disable=import-outside-toplevel
 
@@ -130,7 +130,7 @@ def merge_records(args, rank, world):
     torch.distributed.barrier()
     with PeakRSS() as sampled:
         start, cpu = time.perf_counter(), time.thread_time()
-        merge_epoch(net)
+        merge_epoch(net, gather)
         seconds, cpu = time.perf_counter() - start, time.thread_time() - cpu
     merged = len(history[-1]["batches"])
     assert merged == args.records, (merged, args.records)
@@ -155,8 +155,11 @@ def main():
     if args.records:
         from accelerate import Accelerator  # pylint: disable=import-outside-toplevel
 
-        Accelerator()  # the process group and the state, as a net makes them
-        result = merge_records(args, torch.distributed.get_rank(), world)
+        from accel_mixin.distributed.control import coordinator_for  # pylint: disable=import-outside-toplevel
+
+        # the process group, the state and the coordinator, as a net makes them
+        gather = coordinator_for(Accelerator()).gather
+        result = merge_records(args, torch.distributed.get_rank(), world, gather)
     else:
         result = fit_once(args)
     ranks = [result]
