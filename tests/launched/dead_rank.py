@@ -11,14 +11,13 @@ timeout (30 minutes): the surviving rank must not depend on it. It reports
 what each call raised and how long it waited.
 """
 
-import json
 import os
 import signal
 import sys
 
 import torch
 from accelerate import Accelerator
-from common import MLP, AcceleratedNet, Checks, error_and_seconds, make_data
+from common import MLP, AcceleratedNet, Checks, error_and_seconds, make_data, write_report
 
 mode = sys.argv[1]
 accelerator = Accelerator()
@@ -39,9 +38,9 @@ checks.run(lambda: error_and_seconds(lambda: net.save_params(f_params="params.pt
 checks.run(lambda: error_and_seconds(lambda: net.predict(X)), "inference")
 # no save in flight: the error names the load, not a wait for saves
 checks.run(lambda: error_and_seconds(lambda: net.load_params(f_params="params.pt")), "load_params")
-out = os.environ.get("ACCEL_RESULTS_DIR", ".")
 # the process group cannot be torn down with a peer gone: report, then end
-# as a script whose error nobody caught would (a job that failed)
-with open(os.path.join(out, "rank0.json"), "w") as f:
-    json.dump(checks.results, f)
+# as a script whose error nobody caught would (a job that failed). The
+# report is renamed into place: torchrun's agent may stop this rank at any
+# moment once rank 1 ended, and a half-written report read as empty
+write_report(checks.results)
 os._exit(1)

@@ -8,12 +8,11 @@ Rank 1 is SIGKILLed as ``TrainingCheckpoint`` saves after training batch 2;
 rank 0 reports what it raised, then ends as a failed job does.
 """
 
-import json
 import os
 import signal
 
 from accelerate import Accelerator
-from common import MLP, AcceleratedNet, make_data
+from common import MLP, AcceleratedNet, make_data, write_report
 
 from accel_mixin.callbacks import TrainingCheckpoint
 
@@ -42,8 +41,7 @@ try:
     error = None
 except Exception as exc:  # pylint: disable=broad-except
     error = f"{type(exc).__name__}: {exc}"
-out = os.environ.get("ACCEL_RESULTS_DIR", ".")
-# the process group cannot be torn down with a peer gone: report, then end
-with open(os.path.join(out, "rank0.json"), "w") as f:
-    json.dump({"error": error}, f)
+# the process group cannot be torn down with a peer gone: report (renamed
+# into place, as a launcher may stop this rank meanwhile), then end
+write_report({"error": error})
 os._exit(1)

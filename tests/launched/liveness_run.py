@@ -20,7 +20,6 @@ torchrun agent once it reported.
 """
 
 import ctypes
-import json
 import os
 import signal
 import subprocess
@@ -31,7 +30,7 @@ from datetime import timedelta
 
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs
-from common import MLP, AcceleratedNet, make_data, report
+from common import MLP, AcceleratedNet, make_data, report, write_report
 from skorch.callbacks import Callback
 
 from accel_mixin.callbacks import TrainingCheckpoint
@@ -130,10 +129,9 @@ if error is None:
     report(result)
 else:
     # the process group cannot be torn down with a peer gone: report, then
-    # end as a script whose error nobody caught would (a job that failed)
-    out = os.environ.get("ACCEL_RESULTS_DIR", ".")
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
+    # end as a script whose error nobody caught would (a job that failed);
+    # renamed into place, as a launcher may stop this rank meanwhile
+    write_report(result)
     sys.stdout.flush()
     if os.environ.get("LIVENESS_END_AGENT") == "1":
         # the test's agent looks at its workers seldom: end it now, as it would
