@@ -11,7 +11,7 @@
 - ``save_params`` of a 10k-parameter model, alternating with a hand-written
   ``torch.save`` plus fsync on the main process between two gloo barriers
   (the issue's baseline), and with the same written atomically (a temporary
-  file renamed into place, the directory fsynced): what the promise that a
+  file fsynced and renamed into place, as ``atomic_files`` does): what the promise that a
   failed save leaves the previous file costs by itself; and with that write
   on a watchdog's worker thread as well, what a write bounded by
   ``io_timeout`` adds. ``save_params`` keeps both promises.
@@ -86,7 +86,7 @@ def hand_written_save(net, path):
 def hand_written_atomic_save(net, path):
     """rank 0, between two barriers: what a save that never destroys the
     previous file costs at least: ``torch.save`` to a temporary file, fsync,
-    rename over the target, fsync of the directory."""
+    rename over the target (``atomic_files`` fsyncs no directory either)."""
     barrier()
     if is_main():
         _atomic_write(net, path)
@@ -111,11 +111,6 @@ def _atomic_write(net, path):
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    directory = os.open(os.path.dirname(path), os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
 
 
 def waiting_cpu(net, path, repeats):
