@@ -13,7 +13,7 @@ the net records into the plain ``History`` inside it.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -28,6 +28,8 @@ from accel_mixin.internals import wrapped_history
 if TYPE_CHECKING:
     from skorch import NeuralNet
 
+    from accel_mixin.distributed.object_gather import Gather
+
 __all__ = [
     "NOTICE",
     "adopt_history",
@@ -39,9 +41,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-
-# every rank's object, by rank: a coordinator's ``gather``, given the call's name
-Gather = Callable[[str, Any], list[Any]]
 
 NOTICE = (
     "accel_mixin shares the history across processes itself: the net records into "

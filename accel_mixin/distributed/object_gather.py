@@ -13,6 +13,7 @@ payload past the room sends its remainder in a second, and grows the room.
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy
@@ -21,7 +22,10 @@ import torch
 if TYPE_CHECKING:
     from accel_mixin.distributed.control import _Gloo
 
-__all__ = ["ObjectGather"]
+__all__ = ["Gather", "ObjectGather"]
+
+# every rank's object, by rank, given the call's name: a coordinator's ``gather``
+Gather = Callable[[str, Any], list[Any]]
 
 _HEADER = 8  # the payload's length, little-endian
 _FIRST_ROOM = 4096

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
-from accelerate.utils import gather, gather_object
+from accelerate.utils import gather
 from skorch.dataset import get_len
 from skorch.utils import multi_indexing
 
@@ -31,6 +31,8 @@ from accel_mixin.errors import DistributedError
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
+
+    from accel_mixin.distributed.object_gather import Gather
 
 __all__ = [
     "check_replicas",
@@ -229,10 +231,12 @@ def compare_replicas(everyone: Sequence[Sequence[int]], names: Sequence[str], wh
     )
 
 
-def check_replicas(named_params: Sequence[tuple[str, torch.Tensor]], when: str) -> None:
+def check_replicas(
+    named_params: Sequence[tuple[str, torch.Tensor]], when: str, gather: Gather
+) -> None:
     """Raise ``DistributedError`` on every rank, naming the first parameter that
     differs and when (``'after epoch 3'``), unless all ranks hold the same.
-    One ``gather_object``: lists of other lengths gather whole, so ranks with
-    other models are named with their parameter counts."""
-    everyone = gather_object([replica_fingerprints(named_params)])
+    One ``gather``: lists of other lengths gather whole, so ranks with other
+    models are named with their parameter counts."""
+    everyone = gather("replica check", replica_fingerprints(named_params))
     compare_replicas(everyone, [name for name, _ in named_params], when)

@@ -360,7 +360,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
             plan.once_prepared(self)
         if distributed and self.replica_check_every:
             # a load that worked on some ranks only (LoadInitState ignores errors)
-            check_net_replicas(objects, "when training begins")
+            check_net_replicas(objects, "when training begins", self._coordinator.gather)
         self._local.fit.stepper = Stepper(self.accelerator)
 
     def on_train_begin(self, net: NeuralNet, X: Any = None, y: Any = None, **kwargs: Any) -> None:

@@ -33,6 +33,8 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
     from skorch import NeuralNet
 
+    from accel_mixin.distributed.object_gather import Gather
+
 __all__ = [
     "NetObjects",
     "bare_modules",
@@ -238,6 +240,6 @@ def replica_parameters(objects: NetObjects) -> list[tuple[str, torch.Tensor]]:
     return replicated(named_parameters(modules))
 
 
-def check_net_replicas(objects: NetObjects, when: str) -> None:
+def check_net_replicas(objects: NetObjects, when: str, gather: Gather) -> None:
     """``check_replicas`` on the net's ``replica_parameters``."""
-    check_replicas(replica_parameters(objects), when)
+    check_replicas(replica_parameters(objects), when, gather)
