@@ -161,6 +161,25 @@ def test_tensorboard_records_each_value_once_from_the_main_process(ranks):
         assert len(recorded["dur"]) == 3  # the main process's own epoch times
 
 
+def test_accelerate_trackers_get_each_row_once_from_the_main_process(ranks):
+    main, other = values(ranks, "trackers_once")
+    assert main["runs"] == ["AcceleratedNet"]  # one writer: the main process's
+    for key, history in main["history"].items():
+        steps, logged = zip(*sorted(main["scalars"][key]))
+        assert steps == (1, 2, 3)
+        assert logged == pytest.approx(history, rel=1e-6)
+        assert history == other["history"][key]
+
+
+def test_profile_kwargs_profile_a_fit_on_every_rank(ranks):
+    for rank, value in enumerate(values(ranks, "profile_a_fit")):
+        # accelerate's trace file per rank, in the shared folder
+        assert value["traces"] == ["profile_0.json", "profile_1.json"]
+        assert value["linear"] and value["gloo"], value  # the module's ops and DDP's
+        # the schedule's 2 active batches of 2 linear layers, forward and back
+        assert value["scheduled"] and value["scheduled"][0] >= 4, (rank, value)
+
+
 def test_a_logger_saves_alone_and_a_collective_call_from_one_fails_fast(ranks):
     rank0, rank1 = values(ranks, "loggers_that_save_or_predict")
     # WandbLogger(save_model=True) and MlflowLogger save from the main process

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from accelerate.utils import DistributedType, parse_flag_from_env
 
+from accel_mixin.distributed.parallelism import check_parallelism
 from accel_mixin.distributed.sharding import sharded
 
 if TYPE_CHECKING:
@@ -131,8 +132,10 @@ def check_fsdp_selected(accelerator: Accelerator) -> None:
 
 def check_supported(accelerator: Accelerator) -> None:
     """Raise ``ValueError``, naming the backend, for the backends this mixin
-    cannot train with, and where FSDP was asked for but not selected."""
+    cannot train with, where FSDP was asked for but not selected, and for
+    the settings only accelerate's ``prepare()`` applies (``parallelism``)."""
     check_fsdp_selected(accelerator)
+    check_parallelism(accelerator)
     kind = accelerator.distributed_type
     if kind == DistributedType.FSDP and not sharded(accelerator):
         raise ValueError(

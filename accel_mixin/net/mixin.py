@@ -54,6 +54,7 @@ from accel_mixin.training.notifications import (
 from accel_mixin.training.portable import PortableAccelerator, settle_unpickled
 from accel_mixin.training.rows import tensor_rows
 from accel_mixin.training.stepping import Stepper, check_overrides, clear_gradients
+from accel_mixin.training.trackers import start_trackers
 from accel_mixin.training.wrapping import prepare_dataloader
 
 if TYPE_CHECKING:
@@ -362,6 +363,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
             # a load that worked on some ranks only (LoadInitState ignores errors)
             check_net_replicas(objects, "when training begins", self._coordinator.gather)
         self._local.fit.stepper = Stepper(self.accelerator)
+        start_trackers(self.accelerator, type(self).__name__)
 
     def on_train_begin(self, net: NeuralNet, X: Any = None, y: Any = None, **kwargs: Any) -> None:
         super().on_train_begin(net, X=X, y=y, **kwargs)

@@ -41,6 +41,7 @@ from accel_mixin.training.shares import (
     real_samples,
     warn_padding_trains,
 )
+from accel_mixin.training.trackers import log_row
 
 if TYPE_CHECKING:
     from skorch import NeuralNet
@@ -191,7 +192,8 @@ def epoch_end(
 
     EarlyStopping's KeyboardInterrupt on any rank stops all; a callback's error
     on any rank makes every rank raise (the failed rank still joins the final
-    exchange). ``on_epoch_finished(net, stopped)`` hooks then run, ``stopped``
+    exchange). The row then goes to accelerate's trackers (``log_with``),
+    and ``on_epoch_finished(net, stopped)`` hooks run, ``stopped``
     saying whether ``EarlyStopping`` ends training (a Ctrl-C does not count).
     """
     distributed = net.accelerator.num_processes > 1
@@ -239,6 +241,8 @@ def epoch_end(
             assert len(prints) == len(everyone), "a rank without fingerprints failed: raised above"
             names = [name for name, _ in checked]
             compare_replicas(prints, names, f"after epoch {len(net.history)}")
+    # the row is final here, also in the epoch that EarlyStopping ends
+    log_row(net.accelerator, net.history[-1])
     stopped = stop and stopped_early(net.callbacks_)
     for _, cb in net.callbacks_:
         finished = hook(cb, "on_epoch_finished")

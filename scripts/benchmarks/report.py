@@ -481,15 +481,13 @@ def targets(
         lines += [
             "",
             f"A small save_params costs {extra:.1f} ms more than a durable write "
-            "of the same state. What a coordinated atomic save adds to it, timed "
-            "per phase on this machine: the writer announces its arrival (one "
-            "round trip to the process group's store) and prepares the state "
-            "before writing; the rename is made durable with an fsync of the "
-            "directory (a second journal commit, which a plain write of a new "
-            "file skips); the other rank learns of the end of the write by "
-            "polling, and waking from a 0.1 ms sleep takes about 0.2 ms here. "
-            "The writer already prepares its file while the others arrive, and "
-            "the last rank at a barrier makes one round trip.",
+            "of the same state. What a coordinated atomic save adds to it: the "
+            "net is unwrapped; the main process writes its state to a "
+            "temporary file on its watched worker thread while the ranks meet in "
+            "a control barrier, and renames it into place; then it sends each "
+            "other rank the outcome, for which they wait in one receive "
+            "(docs/guide/architecture.md). The control bench times this save "
+            "against the same write done by hand (scripts/benchmarks/control.py).",
         ]
     if fit2 and POLLING in fit2["results"]:
         ratio = paired(fit2["results"], POLLING, "accel_mixin")

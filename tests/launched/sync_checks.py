@@ -328,6 +328,67 @@ def tensorboard_once():
     return out
 
 
+@checks
+def trackers_once():
+    """accelerate's trackers (log_with): the main process logs each row."""
+    logdir = Path("trackers").resolve()
+    tracked = make_accelerator(log_with="tensorboard", project_dir=logdir)
+    net = make_net(accelerator=tracked, max_epochs=3)
+    net.fit(X, y)
+    # as end_training does, which would also end the process group here
+    for tracker in tracked.trackers:  # the main process's only
+        tracker.finish()
+    tracked.wait_for_everyone()
+    keys = ("train_loss", "valid_loss", "valid_acc")
+    files = sorted(logdir.rglob("events.out.tfevents.*"))
+    return {
+        "runs": sorted(str(path.parent.relative_to(logdir)) for path in files),
+        "scalars": read_scalars(files),
+        "history": {key: net.history[:, key] for key in keys},
+    }
+
+
+class ProfilerSteps(Callback):
+    """Steps a profiler after each training batch, for its schedule."""
+
+    def __init__(self, profiler):
+        self.profiler = profiler
+
+    def on_batch_end(self, net, training=False, **kwargs):
+        if training:
+            self.profiler.step()
+
+
+@checks
+def profile_a_fit():
+    """accelerate's ProfileKwargs, through accelerator.profile() around fit:
+    the whole fit, then a schedule stepped per batch by a callback."""
+    from accelerate.utils import ProfileKwargs
+
+    traces = Path("traces").resolve()
+    handler = ProfileKwargs(activities=["cpu"], output_trace_dir=str(traces))
+    profiled = make_accelerator(kwargs_handlers=[handler])
+    with profiled.profile() as profiler:
+        make_net(accelerator=profiled, max_epochs=1).fit(X, y)
+    names = {event.key for event in profiler.key_averages()}
+    ready = []
+    scheduled = ProfileKwargs(
+        activities=["cpu"],
+        schedule_option={"wait": 1, "warmup": 1, "active": 2, "repeat": 1},
+        on_trace_ready=lambda p: ready.append(
+            sum(e.count for e in p.key_averages() if e.key == "aten::linear")
+        ),
+    )
+    with profiled.profile(scheduled) as profiler:
+        make_net(accelerator=profiled, max_epochs=1, callbacks=[ProfilerSteps(profiler)]).fit(X, y)
+    return {
+        "traces": sorted(path.name for path in traces.iterdir()),
+        "linear": "aten::linear" in names,
+        "gloo": sorted(name for name in names if "gloo" in name)[:3],
+        "scheduled": ready,
+    }
+
+
 class SavingLogger(Callback):
     """As WandbLogger(save_model=True) and MlflowLogger(create_artifact=True)
     do: a logger that saves the net's parameters."""
