@@ -629,18 +629,6 @@ BREAKS = [
         "    if not accelerator.is_main_process:\n        yield\n        return",
         ("tests/test_output.py",),
     ),
-    launched(
-        "process_layout-sink-everywhere",
-        "process_layout",
-        "the print sink prints on every rank: each rank prints the epoch log",
-        "accel_mixin/distributed/process_layout.py",
-        "    return print if accelerator.is_main_process else silent",
-        "    return print",
-        (
-            "tests/test_output.py",
-            "tests/test_notebook.py::test_notebook_launcher_fits_on_two_processes",
-        ),
-    ),
     Break(
         "skorch_callbacks-printlog-main-only",
         "notifications",
