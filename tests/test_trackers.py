@@ -18,16 +18,12 @@ class Recorder(GeneralTracker):
 
     def __init__(self):
         super().__init__()
-        self.started = 0
         self.config = None
         self.logged = []
 
     @property
     def tracker(self):
         return self.logged
-
-    def start(self):
-        self.started += 1
 
     def store_init_configuration(self, values):
         self.config = values
@@ -45,7 +41,7 @@ def test_every_epoch_row_reaches_the_trackers(data, mlp):
     accelerator = Accelerator(cpu=True, log_with=[recorder])
     net = AcceleratedNet(mlp, accelerator=accelerator, max_epochs=3, verbose=0)
     net.fit(X, y)
-    assert recorder.started == 1
+    assert accelerator.trackers == [recorder]  # started once
     assert [step for step, _ in recorder.logged] == [1, 2, 3]
     for (_, values), row in zip(recorder.logged, net.history):
         assert {key: values[key] for key in NUMBERS} == {key: row[key] for key in NUMBERS}
@@ -53,7 +49,7 @@ def test_every_epoch_row_reaches_the_trackers(data, mlp):
         assert not any(key.endswith("_best") or key in ("batches", "epoch") for key in values)
     # a second fit goes on with the same run, at the steps of its epochs
     net.partial_fit(X, y)
-    assert recorder.started == 1
+    assert accelerator.trackers == [recorder]
     assert [step for step, _ in recorder.logged] == [1, 2, 3, 4, 5, 6]
 
 
@@ -64,7 +60,7 @@ def test_the_scripts_own_start_is_kept(data, mlp):
     accelerator.init_trackers("my_project", config={"lr": 0.1})
     net = AcceleratedNet(mlp, accelerator=accelerator, max_epochs=2, verbose=0)
     net.fit(X, y)
-    assert recorder.started == 1 and recorder.config == {"lr": 0.1}
+    assert accelerator.trackers == [recorder] and recorder.config == {"lr": 0.1}
     assert [step for step, _ in recorder.logged] == [1, 2]
 
 
