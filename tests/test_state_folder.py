@@ -164,6 +164,27 @@ def test_an_asynchronous_save_keeps_the_state_of_its_call(data, tmp_path):
     assert all(torch.equal(read["modules"]["module"][k], v) for k, v in before.items())
 
 
+def test_asynchronous_saves_copy_into_the_kept_copy_and_each_keeps_its_call(data, tmp_path):
+    net = _fitted(data)
+    copies, states = [], []
+    for name in ("one", "two", "three"):
+        states.append({k: v.clone() for k, v in net.module_.state_dict().items()})
+        net.save_state(tmp_path / name, asynchronous=True)
+        stager = net._local.saves.kept  # pylint: disable=protected-access
+        if stager is not None:
+            # each parameter's storage maps to its CPU copy, the same one each save
+            kept = stager._state_dict_stager._cached_storage_mapping  # pylint: disable=protected-access
+            copies.append([id(kept[p.untyped_storage()]) for p in net.module_.parameters()])
+        net.partial_fit(*data)  # trains on while the save is in flight
+    net.wait_for_saves()
+    assert copies == [] or copies[0] == copies[1] == copies[2]
+    for name, before in zip(("one", "two", "three"), states):
+        read = read_full(tmp_path / name, keys={"modules"})
+        assert all(torch.equal(read["modules"]["module"][k], v) for k, v in before.items())
+    # training went on between the saves: each holds the state of its own call
+    assert any(not torch.equal(states[0][k], states[2][k]) for k in states[0])
+
+
 def test_a_failed_save_names_the_state_and_leaves_the_previous_one(data, tmp_path):
     net = _fitted(data)
     path = tmp_path / "state"

@@ -274,11 +274,14 @@ def save_folder(
     group: ProcessGroup | None = None,
     on_committed: Callable[[], object] | None = None,
     alone: bool = False,
+    stager: Any = None,
 ) -> concurrent.futures.Future[None] | None:
     """Save ``state`` (a dict of ``Stateful`` objects and values) as the
     DCP folder ``path``; every rank calls it, or with ``alone`` this process
     only, which then writes the whole folder by itself, with a token of its
     own and no collective (one machine's copy, ``save_on_each_node``).
+    ``stager``: DCP's ``AsyncStager`` of an asynchronous save (None: a new
+    one of DCP's, as ``dcp.async_save`` makes).
 
     Synchronous: returns once the folder is committed (on rank 0; the others
     once DCP's save ended, which waits for rank 0's ``.metadata``).
@@ -310,7 +313,13 @@ def save_folder(
         # a Future: DCP returns an AsyncSaveResponse only for an async_stager given it
         future = cast(
             "concurrent.futures.Future[Metadata]",
-            dcp.async_save(state, checkpoint_id=partial, process_group=group, no_dist=no_dist),
+            dcp.async_save(
+                state,
+                checkpoint_id=partial,
+                process_group=group,
+                no_dist=no_dist,
+                **({} if stager is None else {"async_stager": stager}),
+            ),
         )
 
     # the caller's future ends once committed: DCP's ends before its callbacks ran

@@ -80,6 +80,7 @@ def save_state_folder(
     group: ProcessGroup | None = None,
     on_committed: Callable[[], object] | None = None,
     alone: bool = False,
+    stager: Any = None,
 ) -> SaveInFlight | None:
     """``dcp_folder.save_folder`` whose failures raise ``CheckpointError``;
     asynchronous: a ``SaveInFlight``. Where the directory to save in is
@@ -94,6 +95,7 @@ def save_state_folder(
             group=group,
             on_committed=on_committed,
             alone=alone,
+            stager=stager,
         )
     except (OSError, checkpoint_exception()) as exc:
         raise _save_error(path, exc, alone) from None
@@ -134,6 +136,26 @@ class StateSaves:
     in_flight: SaveInFlight | None = None
     group: ProcessGroup | None = None
     own: ProcessGroup | None = None
+    kept: Any = None  # the stager of kept_stager()
+
+    def kept_stager(self) -> Any:
+        """DCP's stager for this net's asynchronous saves, kept between them:
+        it keeps the CPU copy of each tensor it staged, and the next save
+        copies into it. ``dcp.async_save`` makes a stager per save, which
+        allocates the whole copy anew: on this machine, page faults took three
+        quarters of staging 300 MB. The copy stays in memory as long as the
+        net's tensors do, as torchtitan's asynchronous saves keep theirs.
+        None where torch has no ``DefaultStager`` (older releases): DCP's own. One
+        save at a time uses it: a save waits for the one in flight first."""
+        if self.kept is None:
+            try:
+                # pylint: disable-next=import-outside-toplevel
+                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            except ImportError:
+                return None
+            # on the calling thread, without pinned or shared memory (CPU copies)
+            self.kept = DefaultStager(StagingOptions(False, False, False, False))
+        return self.kept
 
     def save_group(self) -> ProcessGroup | None:
         """The process group of asynchronous saves: the one made before, or

@@ -263,6 +263,7 @@ class CheckpointingMixin(SafeParamsMixin):
                     group=saves.own_group() if alone else group,
                     on_committed=on_written,
                     alone=alone,
+                    stager=saves.kept_stager() if asynchronous else None,
                 )
                 if alone:  # where another machine's copy fails, this one's is still waited for
                     self._local.saves.in_flight = in_flight
