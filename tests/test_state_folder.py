@@ -22,7 +22,7 @@ from accel_mixin.checkpoint.dcp_folder import (
     saved_keys,
     unplain,
 )
-from accel_mixin.checkpoint.state_saves import SaveInFlight
+from accel_mixin.checkpoint.state_saves import SaveInFlight, StateSaves
 from accel_mixin.checkpoint.weights import clean_state_dict
 from accel_mixin.errors import Stalled
 from accel_mixin.resume.contents import BEST_WEIGHTS, partial_epoch, shared_state
@@ -183,6 +183,21 @@ def test_asynchronous_saves_copy_into_the_kept_copy_and_each_keeps_its_call(data
         assert all(torch.equal(read["modules"]["module"][k], v) for k, v in before.items())
     # training went on between the saves: each holds the state of its own call
     assert any(not torch.equal(states[0][k], states[2][k]) for k in states[0])
+
+
+def test_a_stalled_save_keeps_the_copy_it_writes_from():
+    saves = StateSaves(kept=object())  # a stager whose copy the save writes from
+    saves.in_flight = SaveInFlight("state", concurrent.futures.Future())  # never ends
+    with pytest.raises(Stalled):
+        saves.wait(io_timeout=0.01)
+    # the next save stages into a copy of its own
+    assert saves.kept is None
+    done = concurrent.futures.Future()
+    done.set_result(None)
+    kept = saves.kept = object()
+    saves.in_flight = SaveInFlight("state", done)  # a save that ended keeps it
+    saves.wait(io_timeout=0.01)
+    assert saves.kept is kept
 
 
 def test_a_failed_save_names_the_state_and_leaves_the_previous_one(data, tmp_path):

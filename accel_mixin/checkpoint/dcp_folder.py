@@ -310,7 +310,8 @@ def save_folder(
             dcp.save(state, checkpoint_id=partial, process_group=group, no_dist=no_dist)
             commit()
             return None
-        # a Future: DCP returns an AsyncSaveResponse only for an async_stager given it
+        # a Future: DCP returns an AsyncSaveResponse only where the stager's
+        # staging is asynchronous itself; the kept stager stages on this thread
         future = cast(
             "concurrent.futures.Future[Metadata]",
             dcp.async_save(

@@ -157,6 +157,12 @@ class StateSaves:
             self.kept = DefaultStager(StagingOptions(False, False, False, False))
         return self.kept
 
+    def let_go_of_the_copy(self) -> None:
+        """Leave the kept copy to a save that stalled, which may still write
+        from it, or stage into it, in the background: the next save makes its
+        own, so that it cannot change what that save commits later."""
+        self.kept = None
+
     def save_group(self) -> ProcessGroup | None:
         """The process group of asynchronous saves: the one made before, or
         a new gloo group (a collective: every rank calls it); None without a
@@ -189,8 +195,13 @@ class StateSaves:
         """On this rank: wait for the save in flight, at most ``io_timeout``;
         raise what it raised. It is no longer in flight either way."""
         in_flight, self.in_flight = self.in_flight, None
-        if in_flight is not None:
+        if in_flight is None:
+            return
+        try:
             in_flight.wait(io_timeout)
+        finally:
+            if not in_flight.future.done():
+                self.let_go_of_the_copy()  # the stalled write still reads it
 
     @contextlib.contextmanager
     def finished_on_error(self, io_timeout: float | None) -> Iterator[None]:

@@ -28,6 +28,7 @@ from accel_mixin.distributed.process_layout import (
     writes_files,
 )
 from accel_mixin.distributed.sharding import full_states, sharded
+from accel_mixin.errors import Stalled
 from accel_mixin.internals import batch_sampler_owner, check_f_arguments
 from accel_mixin.net.local import NetLocal, net_local
 from accel_mixin.resume.contents import (
@@ -269,13 +270,17 @@ class CheckpointingMixin(SafeParamsMixin):
                     self._local.saves.in_flight = in_flight
                 return in_flight
 
-            self._local.saves.in_flight = self._coordinator.run(
-                save,
-                what="save_state",
-                files=str(path),
-                here=not alone or writes_files(self.accelerator),
-                io_timeout=self.io_timeout,
-            )
+            try:
+                self._local.saves.in_flight = self._coordinator.run(
+                    save,
+                    what="save_state",
+                    files=str(path),
+                    here=not alone or writes_files(self.accelerator),
+                    io_timeout=self.io_timeout,
+                )
+            except Stalled:
+                saves.let_go_of_the_copy()  # its staging goes on in the background
+                raise
 
     def _where_training_is(
         self, stopped: bool | None
