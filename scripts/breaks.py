@@ -2362,7 +2362,7 @@ BREAKS = [
         "parallelism",
         "FP8 trains in full precision without a word",
         "accel_mixin/distributed/parallelism.py",
-        '    if backend.upper() != "NO" or accelerator.mixed_precision == "fp8":\n',
+        '    if backend.upper() != "NO" or precision == "fp8":\n',
         "    if False:\n",
         ("tests/test_parallelism.py",),
     ),

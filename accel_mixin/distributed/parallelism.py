@@ -71,7 +71,8 @@ def check_parallelism(accelerator: Accelerator) -> None:
     # an enum in recent accelerate releases, a string in older ones
     backend = getattr(accelerator, "fp8_backend", None)
     backend = str(getattr(backend, "value", backend) or "NO")
-    if backend.upper() != "NO" or accelerator.mixed_precision == "fp8":
+    precision = getattr(accelerator, "mixed_precision", None)
+    if backend.upper() != "NO" or precision == "fp8":
         why = (
             "under FSDP2 its states, unwrapping and rewrapping are not proven with the "
             "modules FP8 converts"
