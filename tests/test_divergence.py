@@ -14,7 +14,6 @@ from harness import check_values as values
 from skorch.callbacks import Callback, GradientNormClipping
 
 from accel_mixin import AccelerateMixin
-from accel_mixin.distributed import replicas
 from accel_mixin.distributed.replicas import (
     _length,
     _sample_digest,
@@ -138,18 +137,17 @@ def test_data_without_a_length_or_rows_to_compare_is_compared_by_length_only():
     assert _sample_digest(object(), None, 3) == -1  # nothing skorch can index
 
 
-def test_without_even_batches_a_loader_without_a_length_is_not_counted(monkeypatch):
+def test_without_even_batches_a_loader_without_a_length_is_not_counted():
     gathered = []
 
-    def everyone(accelerator, values):
+    def everyone(site, values):
         gathered.append(values)
         return [values]
 
-    monkeypatch.setattr(replicas, "_everyone", everyone)
     accelerator = SimpleNamespace(even_batches=False)
-    check_same_steps(accelerator, iter([1, 2, 3]))  # an iterable: nothing to compare
+    check_same_steps(accelerator, iter([1, 2, 3]), everyone)  # an iterable: nothing to compare
     assert gathered == []
-    check_same_steps(accelerator, [1, 2, 3])
+    check_same_steps(accelerator, [1, 2, 3], everyone)
     assert gathered == [[3]]
 
 

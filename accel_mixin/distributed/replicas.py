@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
-from accelerate.utils import gather
 from skorch.dataset import get_len
 from skorch.utils import multi_indexing
 
@@ -104,18 +103,12 @@ def _sample_digest(X: Any, y: Any, n: int) -> int:
     return -1 if digest is None else digest
 
 
-def _everyone(accelerator: Accelerator, values: list[int]) -> list[list[int]]:
-    """Every rank's ``values`` (integers), by rank."""
-    mine = torch.tensor([values], dtype=torch.int64, device=accelerator.device)
-    return gather(mine).cpu().tolist()
-
-
-def check_same_data(accelerator: Accelerator, X: Any, y: Any = None) -> None:
+def check_same_data(X: Any, y: Any, gather: Gather) -> None:
     """Raise ``DistributedError`` on every rank, naming each rank's number of
     samples, unless all ranks fit on data of the same length, and unless the
-    same 64 rows hold the same values on every rank."""
+    same 64 rows hold the same values on every rank. One ``gather``."""
     n = _length(X)
-    everyone = _everyone(accelerator, [n, _length(y), _sample_digest(X, y, n)])
+    everyone = gather("same data", [n, _length(y), _sample_digest(X, y, n)])
     if any(lengths[:2] != everyone[0][:2] for lengths in everyone):
         described = ", ".join(
             f"rank {rank}: {x} samples" + (f" and {m} targets" if m != x and m >= 0 else "")
@@ -138,10 +131,11 @@ def check_same_data(accelerator: Accelerator, X: Any, y: Any = None) -> None:
         )
 
 
-def check_same_steps(accelerator: Accelerator, iterator: Iterable[Any]) -> None:
+def check_same_steps(accelerator: Accelerator, iterator: Iterable[Any], gather: Gather) -> None:
     """Raise ``DistributedError`` on every rank unless all take the same number
     of training batches: without even batches DDP would wait forever on the
-    rank with more. A no-op with even batches and for iterables."""
+    rank with more. A no-op with even batches and for iterables; else one
+    ``gather``."""
     if accelerator.even_batches:
         return
     try:
@@ -150,7 +144,7 @@ def check_same_steps(accelerator: Accelerator, iterator: Iterable[Any]) -> None:
 
     except TypeError:
         return
-    everyone = [n for (n,) in _everyone(accelerator, [mine])]
+    everyone = [n for (n,) in gather("same steps", [mine])]
     if len(set(everyone)) > 1:
         counts = ", ".join(f"rank {rank}: {n}" for rank, n in enumerate(everyone))
         raise DistributedError(

@@ -351,7 +351,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
         self.check_training_readiness()  # a net trimmed for prediction has no optimizer
         distributed = self.accelerator.num_processes > 1
         if distributed:
-            check_same_data(self.accelerator, X, y)
+            check_same_data(X, y, self._coordinator.gather)
         plan, objects = self._local.loaded, self._objects
         if plan is not None:
             plan.at_train_begin(self, objects)
@@ -398,7 +398,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
         even batches trains but is not counted (``epochs``)."""
         if iterator is None:
             return super().run_single_epoch(iterator, training, prefix, step_fn, **fit_params)
-        batches = EpochBatches(self, iterator, training, self._local.fit)
+        batches = EpochBatches(self, iterator, training, self._local.fit, self._coordinator.gather)
         super().run_single_epoch(batches, training, prefix, batches.step(step_fn), **fit_params)
         self.history.record(prefix + "_batch_count", batches.batch_count)
         return None

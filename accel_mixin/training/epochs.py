@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from skorch import NeuralNet
 
     from accel_mixin.distributed.control import Control
+    from accel_mixin.distributed.object_gather import Gather
 
 __all__ = ["EpochBatches", "epoch_end"]
 
@@ -62,10 +63,13 @@ class EpochBatches:
     ``on_batch_finished`` hooks run after each training batch.
     """
 
-    def __init__(self, net: NeuralNet, iterator: Any, training: bool, fit: Fit) -> None:
+    def __init__(
+        self, net: NeuralNet, iterator: Any, training: bool, fit: Fit, gather: Gather
+    ) -> None:
         # iterator: skorch's, a DataLoader that accelerate prepared
         assert fit.stepper is not None, "a fit's stepper is made before its epochs"
         self.net, self.iterator, self.training = net, iterator, training
+        self.gather = gather  # the coordinator's, for check_same_steps
         self.fit, self.stepper = fit, fit.stepper
         accelerator = net.accelerator
         self.processes, self.rank = accelerator.num_processes, accelerator.process_index
@@ -97,7 +101,7 @@ class EpochBatches:
     def __iter__(self) -> Iterator[Any]:
         net, accelerator = self.net, self.net.accelerator
         if self.training and self.processes > 1:
-            check_same_steps(accelerator, self.iterator)
+            check_same_steps(accelerator, self.iterator, self.gather)
         try:
             with skipping_batches(self.iterator, self.done):
                 if self.fit.plan is not None and len(net.history) > 1:
