@@ -241,9 +241,12 @@ def batch_sampler_owner(dataloader: DataLoader) -> BatchSamplerOwner:
     if owner.batch_sampler is None or isinstance(getattr(owner, "dataset", None), IterableDataset):
         raise ValueError(
             "Training states inside an epoch need map-style training data (a Dataset with "
-            "__getitem__ and __len__): the batches already trained are skipped by their "
-            "indices. With an IterableDataset, save at epoch ends only "
-            "(TrainingCheckpoint(every_n_batches=None))."
+            "__getitem__ and __len__), whose batches already trained are skipped by their "
+            "indices, or a stream that records where it stopped: an IterableDataset with "
+            "state_dict() and load_state_dict(state), trained with "
+            "TrainingCheckpoint(every_n_batches=...) or "
+            "DataLoaderConfiguration(use_stateful_dataloader=True). Otherwise save at epoch "
+            "ends only (TrainingCheckpoint(every_n_batches=None))."
         )
     return owner
 

@@ -2376,6 +2376,54 @@ BREAKS = [
         "        if False:\n",
         ("tests/test_parallelism.py",),
     ),
+    # --- issue 48: streams ---
+    launched(
+        "streams-split-shared-again",
+        "streams",
+        "a stream that splits itself by rank is shared again: all but one share is lost",
+        "accel_mixin/training/streams.py",
+        '    return "split" if len(set(found)) == len(found) else None\n',
+        '    return "plain" if len(set(found)) == len(found) else None\n',
+        ("tests/test_streams.py",),
+    ),
+    launched(
+        "streams-padding-weighs-as-real",
+        "streams",
+        "a rank whose stream ended trains its last batch again as real samples",
+        "accel_mixin/training/streams.py",
+        "                self.real, self.weight = real, real * self.processes / samples\n",
+        "                self.real, self.weight = real, 1.0\n",
+        ("tests/test_streams.py",),
+    ),
+    Break(
+        "streams-position-read-ahead",
+        "streams",
+        "the position recorded is the batch read ahead: a resume skips a batch",
+        "accel_mixin/training/streams.py",
+        "                    self._state = state\n",
+        "                    self._state = upcoming[1] or state\n",
+        (
+            "tests/test_streams.py::test_on_one_process_a_stream_resumes_inside_an_epoch_exactly_reading_on",
+        ),
+    ),
+    Break(
+        "streams-unstateful-saved-inside-epochs",
+        "streams",
+        "a stream without state_dict saves inside epochs, and a resume reads it all again",
+        "accel_mixin/training/streams.py",
+        "    if stateful and not keeps_state(dataset):\n",
+        "    if False:\n",
+        ("tests/test_mid_epoch.py",),
+    ),
+    launched(
+        "shares-dispatched-last-batch-counted-twice",
+        "shares",
+        "a dispatched stream's last batch, split between the ranks, counts on each",
+        "accel_mixin/training/shares.py",
+        "    return process_index * data_batch < step\n",
+        "    return True\n",
+        ("tests/test_streams.py",),
+    ),
 ]
 
 

@@ -108,6 +108,17 @@ def test_benchmarks_run_and_report(tmp_path):
     assert set(midepoch["stall_s"]) == {"synchronous", "asynchronous"}
     assert all(row["runs_s"] for row in midepoch["stall_s"].values())  # saves were made
     assert set(midepoch["first_batch_s"]) == {"indices 0", "indices 30", "loaded 0", "loaded 30"}
+    streams = json.loads((results / "raw" / "streams_2.json").read_text())
+    read = streams["read_by_rank"]
+    # the main process reads a dispatched stream; each rank its own share of one that splits itself
+    assert read["plain, dispatched"][1] <= 1 and read["plain, every rank reads"] == [641, 641]
+    assert read["splits itself"] == [321, 321]
+    assert set(streams["first_batch_s"]) == {
+        "recorded 0",
+        "recorded 10",
+        "read again 0",
+        "read again 10",
+    }
 
     memory = json.loads((results / "raw" / "epoch_memory_2000_2_0.json").read_text())
     plain = json.loads((results / "raw" / "epoch_memory_2000_1_0.json").read_text())
@@ -183,6 +194,7 @@ def test_benchmarks_run_and_report(tmp_path):
     assert "| loop FSDP2 / DDP |" in table
     assert "FSDP2 fit, 2 processes: at most 1.05 x a hand-written accelerate FSDP2 loop" in table
     assert "restart to the first batch: flat" in table and "**Inside an epoch**" in table
+    assert "**Streams**" in table and "read again (s)" in table
     assert (results / "bench.png").read_bytes()[:4] == b"\x89PNG"
     text = readme.read_text()
     assert "**Checkpoints beside Lightning**" in text and "**What each resumes exactly**" in text

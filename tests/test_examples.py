@@ -98,6 +98,32 @@ def test_preemption_example(tmp_path):
     assert "uninterrupted and the elastic run identical: True" in out.stdout
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_streaming_example_resumes_inside_an_epoch_after_sigkill_exactly(tmp_path, nproc):
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLES / "streaming.py"),
+            "--nproc",
+            str(nproc),
+            "--workdir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "exit status 1 (non-zero: the job failed)" in out.stdout
+    # the resumed run found a state saved inside epoch 2 (1 epoch done), before the kill
+    found = re.search(r"found training-state-000001-batch-(\d+)", out.stdout)
+    assert found and int(found.group(1)) < 20 * nproc, out.stdout
+    assert "History of the uninterrupted and the resumed run identical: True" in out.stdout
+    assert "Weights of the uninterrupted and the resumed run identical: True" in out.stdout
+
+
 def environment(**variables):
     """This environment with ``variables``, the checkout first on the path."""
     path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])

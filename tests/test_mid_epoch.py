@@ -181,9 +181,20 @@ def fit_with(tmp_path, callbacks, data=None, **kwargs):
     return net.fit(*(data or make_data(64)))
 
 
-def test_iterable_data_cannot_save_inside_epochs_and_says_so(tmp_path):
-    with pytest.raises(ValueError, match="need map-style training data"):
-        fit_with(tmp_path, [], data=(Iterable(), None))
+def test_a_stream_without_a_state_cannot_save_inside_epochs_and_says_so_before_training(
+    tmp_path,
+):
+    batches = []
+
+    class Counting(Callback):
+        def on_batch_end(self, net, **kwargs):
+            batches.append(1)
+
+    with pytest.raises(
+        ValueError, match=r"stream Iterable .* no state_dict\(\) and load_state_dict"
+    ):
+        fit_with(tmp_path, [Counting()], data=(Iterable(), None))
+    assert not batches  # refused as the fit began
 
 
 def test_the_newest_epoch_end_is_kept_beside_states_inside_epochs(tmp_path):

@@ -75,6 +75,8 @@ if TYPE_CHECKING:
             self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions
         ) -> dist.Work: ...
 
+        def allreduce(self, tensors: list[torch.Tensor]) -> dist.Work: ...
+
         def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int) -> dist.Work: ...
 
         def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int) -> dist.Work: ...
@@ -367,11 +369,25 @@ class Control:
         group (``object_gather``); ``site`` names the call."""
         if not self.distributed:
             return [obj]
+        return self._collective(
+            site, lambda: self._gather(self.group(), self.num_processes, site, obj)
+        )
+
+    def total(self, site: str, values: Sequence[int]) -> list[int]:
+        """The sums over the ranks of ``values``, in one all-reduce on the
+        control group: data that does not grow with the number of ranks."""
+        if not self.distributed:
+            return list(values)
+        tensor = torch.tensor(values, dtype=torch.int64)
+        self._collective(site, lambda: self.group().allreduce([tensor]).wait())
+        return [int(value) for value in tensor.tolist()]
+
+    def _collective(self, site: str, call: Callable[[], T]) -> T:
         self._refuse_alone(site)
         if self._broken is not None:
             raise self._broken(site)
         try:
-            return self._gather(self.group(), self.num_processes, site, obj)
+            return call()
         except RuntimeError as exc:
             # named after the call it serves, which the user made
             what = self._open[-1][0] if self._open else site

@@ -427,8 +427,16 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
         return tensor_rows(dataset)
 
     def get_iterator(self, dataset: Dataset, training: bool = False) -> DataLoader:
+        # a stream records where it stops where states are saved inside epochs
+        inside_epochs = training and any(
+            getattr(cb, "every_n_batches", None) for _, cb in self.callbacks_
+        )
         iterator = prepare_dataloader(
-            self.accelerator, super().get_iterator(dataset, training=training), training
+            self.accelerator,
+            super().get_iterator(dataset, training=training),
+            training,
+            self._coordinator,
+            inside_epochs,
         )
         if training:
             self._local.fit.train_iterator = weakref.ref(iterator)  # for save_state

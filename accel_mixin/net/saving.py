@@ -29,7 +29,7 @@ from accel_mixin.distributed.process_layout import (
 )
 from accel_mixin.distributed.sharding import full_states, sharded
 from accel_mixin.errors import Stalled
-from accel_mixin.internals import batch_sampler_owner, check_f_arguments
+from accel_mixin.internals import check_f_arguments
 from accel_mixin.net.local import NetLocal, net_local
 from accel_mixin.resume.contents import (
     train_iterator_state,
@@ -39,6 +39,8 @@ from accel_mixin.resume.load import read, restore_training, restore_weights
 from accel_mixin.resume.state_folder import folder_state, rank_entries
 from accel_mixin.training.net_objects import NetObjects
 from accel_mixin.training.notifications import stopped_early
+from accel_mixin.training.resumed_order import resumable_inside_epochs
+from accel_mixin.training.streams import stream_position
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -245,11 +247,20 @@ class CheckpointingMixin(SafeParamsMixin):
             self._finish_saves("save_state")
             # every rank arrived in _finish_saves: machine_copies' gather is safe here
             shuffling, stopped, position, epoch_rng = self._where_training_is(stopped)
-            ranks = machine_copies(
-                self.accelerator, lambda: rank_entries(self, position, epoch_rng), path
-            )
+            stream = stream_position(self._local.fit.train_iterator_now(), position)
+
+            def mine() -> dict[str, Any]:
+                return rank_entries(self, position, epoch_rng, stream)
+
+            ranks = machine_copies(self.accelerator, mine, path)
             state = folder_state(
-                self, self._objects, shuffling, stopped, position, epoch_rng, ranks=ranks
+                self,
+                self._objects,
+                shuffling,
+                stopped,
+                position,
+                epoch_rng,
+                ranks=mine() if ranks is None else ranks,
             )
             warn_if_inside_accumulation(self.accelerator)
             alone = ranks is not None  # each machine's main process writes its copy
@@ -292,7 +303,7 @@ class CheckpointingMixin(SafeParamsMixin):
         if fit.position is None:
             shuffling, epoch_rng = train_iterator_state(fit.train_iterator_now()), None
         else:  # inside an epoch: its order is replayed from its start
-            batch_sampler_owner(fit.running_train_iterator())
+            resumable_inside_epochs(fit.running_train_iterator(), explain=True)
             assert fit.epoch_start is not None, "begin_epoch keeps it before any batch"
             shuffling, epoch_rng = fit.epoch_start.shuffling, fit.epoch_start.rng
         if stopped is None:

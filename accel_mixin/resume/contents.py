@@ -84,15 +84,20 @@ def train_iterator_state(train_iterator: DataLoader | None) -> dict[str, Any]:
 
 
 def partial_epoch(
-    net: NeuralNet, batch_count: int, epoch_rng: dict[str, Any] | None
+    net: NeuralNet,
+    batch_count: int,
+    epoch_rng: dict[str, Any] | None,
+    stream: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """This rank's part of the unfinished epoch: its row, the predictions of
-    ``EpochScoring(on_train=True)`` and the generators the epoch began with
-    (``epoch_rng``)."""
+    ``EpochScoring(on_train=True)``, the generators the epoch began with
+    (``epoch_rng``) and where its stream stopped (``stream``: None where the
+    training data is no stream)."""
     return {
         "row": history_state([net.history[-1]])[0],
         "batch_count": batch_count,
         "epoch_rng": epoch_rng,
+        "stream": stream,
         "caches": {
             name: cpu_snapshot(as_plain([list(cb.y_preds_), list(cb.y_trues_)]))
             for name, cb in net.callbacks_

@@ -149,15 +149,19 @@ def rank_entries(
     net: NeuralNet,
     position: tuple[int, int] | None = None,
     epoch_rng: dict[str, Any] | None = None,
+    stream: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """This rank's own entries of a state: its generators and, inside an
     epoch (``position``, as ``contents.shared_state`` takes it, and
     ``epoch_rng``, this rank's generators as that epoch began), its part of
-    that epoch."""
+    that epoch, with where its stream stopped (``stream``, where the
+    training data is one)."""
     rank = net.accelerator.process_index
     entries = {rank_key("rng", rank): plain(rng_state())}
     if position is not None:
-        entries[rank_key("partial", rank)] = plain(partial_epoch(net, position[1], epoch_rng))
+        entries[rank_key("partial", rank)] = plain(
+            partial_epoch(net, position[1], epoch_rng, stream)
+        )
     return entries
 
 

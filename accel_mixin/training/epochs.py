@@ -36,11 +36,14 @@ from accel_mixin.training.notifications import hook, main_process_pickles, stopp
 from accel_mixin.training.resumed_order import skipping_batches, start_workers_without_draws
 from accel_mixin.training.rng import restore_rng
 from accel_mixin.training.shares import (
+    counts_as_batch,
     criterion_is_mean,
+    data_batch_size,
     loss_weight,
     real_samples,
     warn_padding_trains,
 )
+from accel_mixin.training.streams import SplitStream
 from accel_mixin.training.trackers import log_row
 
 if TYPE_CHECKING:
@@ -73,13 +76,17 @@ class EpochBatches:
         self.fit, self.stepper = fit, fit.stepper
         accelerator = net.accelerator
         self.processes, self.rank = accelerator.num_processes, accelerator.process_index
-        self.padded = self.processes > 1 and accelerator.even_batches
+        # a stream that splits itself pads its steps whatever even_batches says
+        self.split = isinstance(iterator, SplitStream)
+        self.padded = self.processes > 1 and (accelerator.even_batches or self.split)
+        self.data_batch = None if self.split else data_batch_size(iterator)
         self.resume: dict[str, Any] | None = None
         self.done, self.batch_count = 0, 0
         self.finished: list[Callable[..., Any]] = []
         self._batch: Any = None
         self._real = 0
         self._weight = 1.0
+        self._counted = False
         if training:
             plan = fit.plan
             self.resume = plan.resume_point() if plan is not None else None
@@ -103,7 +110,10 @@ class EpochBatches:
         if self.training and self.processes > 1:
             check_same_steps(accelerator, self.iterator, self.gather)
         try:
-            with skipping_batches(self.iterator, self.done):
+            if self.split and self.resume is not None:
+                # a stream goes on from where it stopped: nothing to skip
+                self.iterator.load_state_dict(self.resume["stream"])
+            with skipping_batches(self.iterator, 0 if self.split else self.done):
                 if self.fit.plan is not None and len(net.history) > 1:
                     # the uninterrupted run started them in its first epoch
                     start_workers_without_draws(self.iterator)
@@ -113,14 +123,22 @@ class EpochBatches:
                         restore_rng(self.resume["rng"])
                         self.resume = None
                     size = _size(batch)
-                    real = (
-                        real_samples(accelerator.gradient_state, self.processes, self.rank, size)
-                        if self.padded
-                        else size
-                    )
+                    gradient_state = accelerator.gradient_state
+                    if self.split:
+                        real, self._weight = self.iterator.real, self.iterator.weight
+                    elif self.padded:
+                        real = real_samples(gradient_state, self.processes, self.rank, size)
+                        self._weight = loss_weight(gradient_state, self.processes, real)
+                    else:
+                        real = size
                     self._batch, self._real = batch, real
-                    if self.padded:
-                        self._weight = loss_weight(accelerator.gradient_state, self.processes, real)
+                    self._counted = (
+                        self.iterator.counted
+                        if self.split
+                        else counts_as_batch(
+                            gradient_state, self.processes, self.rank, (size, real), self.data_batch
+                        )
+                    )
                     yield batch if real == size else leading_samples(batch, real)
                     for finish in self.finished:  # after skorch's on_batch_end
                         finish(net, training=True, batches=self.done)
@@ -148,7 +166,7 @@ class EpochBatches:
             else:
                 warn_padding_trains(self.net, self.net.criterion_)
                 step = step_fn(batch, **fit_params)
-            self.batch_count += bool(real)  # padding alone is no batch of the data
+            self.batch_count += self._counted  # padding alone is no batch of the data
             if self.training:
                 self.done += 1
                 self.fit.position = (self.done, self.batch_count)

@@ -86,6 +86,8 @@ def resumable_inside_epochs(train_iterator: DataLoader, explain: bool = False) -
     """Whether the training data of ``train_iterator`` (a running fit's) has
     batch indices to skip (map-style data); ``explain`` raises the
     ``ValueError`` that says why not."""
+    if getattr(train_iterator, "keeps_state", False):
+        return True  # a stream that records where it stops (streams.SplitStream)
     try:
         batch_sampler_owner(train_iterator)
     except ValueError:

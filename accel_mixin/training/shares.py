@@ -20,13 +20,16 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
+from accelerate.data_loader import IterableDatasetShard
 
 if TYPE_CHECKING:
     from accelerate.state import GradientState
     from skorch import NeuralNet
 
 __all__ = [
+    "counts_as_batch",
     "criterion_is_mean",
+    "data_batch_size",
     "loss_weight",
     "real_samples",
     "scale_gradient",
@@ -55,6 +58,45 @@ def real_samples(
     if remainder is None:
         return batch_size
     return min(max(remainder - process_index * batch_size, 0), batch_size)
+
+
+def data_batch_size(dataloader: Any) -> int | None:
+    """The batch size of the data, before accelerate shared its batches among
+    the ranks (a prepared ``dataloader``'s), or None where none is known."""
+    sampler = getattr(dataloader, "batch_sampler", None)
+    dataset = getattr(dataloader, "dataset", None)
+    sources = (
+        getattr(sampler, "batch_sampler", None),  # BatchSamplerShard's
+        dataset if isinstance(dataset, IterableDatasetShard) else None,
+        dataloader,  # DataLoaderDispatcher: a stream's
+        sampler,  # DataLoaderDispatcher: a Dataset's
+    )
+    for source in sources:
+        size = getattr(source, "batch_size", None)
+        if isinstance(size, int) and size > 0:
+            return size
+    return None
+
+
+def counts_as_batch(
+    gradient_state: GradientState,
+    num_processes: int,
+    process_index: int,
+    sizes: tuple[int, int],
+    data_batch: int | None,
+) -> bool:
+    """Whether this rank's batch (``sizes``: its samples, and how many are
+    real) counts as one of the data's batches in the history, so that N
+    processes count what one does: the step's ``G`` real samples hold
+    ``ceil(G / data_batch)`` batches of the data, which the first ranks count.
+    accelerate splits a batch of the data among the ranks with
+    ``split_batches``, and a last one when it dispatches a stream."""
+    size, real = sizes
+    if not real or data_batch is None:
+        return bool(real)
+    remainder = _partial_remainder(gradient_state, num_processes)
+    step = num_processes * size if remainder is None else remainder
+    return process_index * data_batch < step
 
 
 def loss_weight(gradient_state: GradientState, num_processes: int, real: int) -> float:

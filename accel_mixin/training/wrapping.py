@@ -15,7 +15,7 @@ import gc
 import inspect
 import weakref
 from collections.abc import Collection, Iterable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 from accelerate.scheduler import AcceleratedScheduler
@@ -39,9 +39,12 @@ from accel_mixin.training.shuffling import (
     keeping_global_draws,
     shuffles_without_generator,
 )
+from accel_mixin.training.streams import prepare_stream
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
+
+    from accel_mixin.distributed.control import Control
 
 __all__ = ["PreparedObjects", "Slot", "prepare_dataloader", "requires_closure"]
 
@@ -91,10 +94,19 @@ def requires_closure(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def prepare_dataloader(
-    accelerator: Accelerator, dataloader: DataLoader, training: bool
+    accelerator: Accelerator,
+    dataloader: DataLoader,
+    training: bool,
+    control: Control,
+    inside_epochs: bool = False,
 ) -> DataLoader:
     """``accelerator.prepare_data_loader``, left off the accelerator's list:
-    skorch builds dataloaders for every fit and predict, which would pile up."""
+    skorch builds dataloaders for every fit and predict, which would pile up.
+    A stream runs as ``streams.prepare_stream`` says (``inside_epochs``:
+    training states are saved inside epochs)."""
+    stream = prepare_stream(accelerator, dataloader, control, training, inside_epochs)
+    if stream is not None:
+        return cast(DataLoader, stream)
     own_generator = shuffles_without_generator(dataloader) and accelerator.num_processes > 1
     with keeping_global_draws(own_generator):
         prepared = accelerator.prepare_data_loader(dataloader)

@@ -234,6 +234,54 @@ def midepoch_table(result):
     return lines
 
 
+def streams_table(result):
+    epoch, read, first = result["epoch_s"], result["read_by_rank"], result["first_batch_s"]
+    n, baseline = result["processes"], epoch["dataset"]["median_s"]
+    lines = [
+        f"**Streams** ({n} processes, {result['samples']} samples of {result['load_us']:.0f} µs "
+        f"to read, batches of {result['batch_size']}; one epoch of fit; the samples each rank "
+        "read)",
+        "",
+        "| training data | epoch (s) | x the Dataset | samples read, by rank |",
+        "|---|---:|---:|---|",
+    ] + [
+        f"| {kind} | {row['median_s']:.3f} | {row['median_s'] / baseline:.2f} | "
+        f"{', '.join(map(str, read[kind]))} |"
+        for kind, row in epoch.items()
+    ]
+    lines += [
+        "",
+        "**A stream resumed inside an epoch, to its first batch** (from the position the stream "
+        "records, through SplitStream, against torchdata's StatefulDataLoader over the same "
+        "stream without state_dict, which reads the samples before the position again)",
+        "",
+        "| batches before the position | recorded position (s) | read again (s) |",
+        "|---:|---:|---:|",
+    ] + [
+        f"| {p} | {first[f'recorded {p}']['median_s']:.4f} | "
+        f"{first[f'read again {p}']['median_s']:.4f} |"
+        for p in result["positions"]
+    ]
+    return lines
+
+
+def streams_targets(result):
+    if not result:
+        return []
+    first = result["first_batch_s"]
+    positions = [p for p in result["positions"] if p]
+    low, high = min(positions), max(positions)
+    ratio = first[f"recorded {high}"]["median_s"] / first[f"recorded {low}"]["median_s"]
+    return [
+        (
+            f"a stream resumed inside an epoch, to its first batch: flat in the position "
+            f"({high} batches against {low}: at most 2 x)",
+            f"{ratio:.2f}",
+            ratio <= 2,
+        )
+    ]
+
+
 def replicas_table(result):
     times = result["times_s"]
     return (
@@ -591,6 +639,9 @@ def main():
         lines += stall_table(result) + [""]
     if midepoch:
         lines += midepoch_table(midepoch) + [""]
+    streams = load(args.raw, "streams_2")
+    if streams:
+        lines += streams_table(streams) + [""]
     if replicas:
         lines += replicas_table(replicas) + [""]
     control = [c for c in (load(args.raw, f"control_{n}") for n in (2, 4, 8)) if c]
@@ -613,7 +664,8 @@ def main():
         lightning,
         more=memory_targets(fits, merges)
         + sharded_targets(sharded_memory, sharded_timing)
-        + control_targets(control),
+        + control_targets(control)
+        + streams_targets(streams),
     )
     if resume[0]:
         # with the targets, on the front page

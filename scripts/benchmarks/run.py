@@ -23,6 +23,7 @@ QUICK = {
     "checkpoint_small": ["--width", "64", "--depth", "1", "--repeats", "2"],
     "stall": ["--width", "256", "--depth", "2", "--repeats", "2", "--train-seconds", "0.2"],
     "replicas": ["--width", "256", "--depth", "2", "--repeats", "2"],
+    "streams": ["--samples", "640", "--positions", "0", "10", "--repeats", "2"],
     "midepoch": [
         "--width",
         "256",
@@ -169,6 +170,7 @@ def timing(raw, out, timeout, extra):
     launch("stall.py", raw / "stall_fsdp_2.json", 2, stall_fsdp, timeout)
     launch("replicas.py", raw / "replicas_2.json", 2, extra.get("replicas", []), timeout)
     launch("midepoch.py", raw / "midepoch_2.json", 2, extra.get("midepoch", []), timeout)
+    launch("streams.py", raw / "streams_2.json", 2, extra.get("streams", []), timeout)
 
 
 def sharded(raw, timeout, settings, allocators):
