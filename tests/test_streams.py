@@ -26,7 +26,7 @@ from accel_mixin.training.streams import _EMPTY, _first_sample_print, _kind, fin
 
 FP32 = 1e-6  # measured: at most 9e-8
 
-KINDS = ["plain", "plain-each-reads", "plain-each-reads-split-batches", "split"]
+KINDS = ["plain", "plain-each-reads", "plain-each-reads-split-batches", "split", "split-fsdp2"]
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def test_every_kind_of_stream_trains_as_one_process_on_the_same_samples(launched
     yielded = [rank["yielded"] for rank in ours]
     if kind == "plain":  # accelerate's default: the main process reads, and sends
         assert yielded == [n, 0]
-    elif kind == "split":  # each rank reads its own share, once
+    elif kind.startswith("split"):  # each rank reads its own share, once
         assert yielded == [_rows(0, n), _rows(1, n)]
     else:  # dispatch_batches=False: every rank reads the whole stream
         assert yielded == [n, n]

@@ -30,6 +30,7 @@ from common import (
     fresh_state,
     make_accelerator,
     make_data,
+    make_fsdp_accelerator,
     outcome,
     report,
 )
@@ -144,7 +145,11 @@ def net_for(accelerator, steps=1, batch=BATCH):
 def outcomes(net, stream=None):
     module = net.accelerator.unwrap_model(net.module_)
     return {
-        "weights": [p.detach().tolist() for p in module.parameters()],
+        # FSDP2 holds each rank's shard: the whole tensors, gathered
+        "weights": [
+            (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().tolist()
+            for p in module.parameters()
+        ],
         "train_loss": net.history[:, "train_loss"],
         "train_batch_count": net.history[:, "train_batch_count"],
         "yielded": None if stream is None else stream.yielded // 2,  # per epoch
@@ -220,6 +225,7 @@ def streams(checks):
         ("plain-each-reads", {"dispatch_batches": False}),
         ("plain-each-reads-split-batches", {"dispatch_batches": False, "split_batches": True}),
         ("split", {}),
+        ("split-fsdp2", {}),
     ):
         for case in CASES:
             size, steps = case.split("-accum")
@@ -227,10 +233,9 @@ def streams(checks):
             def fit(kind=kind, config=config, size=size, steps=int(steps)):
                 fresh_state()
                 X, y = make_data(SIZES[size], seed=4)
-                stream = (BlockSplit if kind == "split" else Plain)(X, y)
-                accelerator = make_accelerator(
-                    cpu=True, dataloader_config=DataLoaderConfiguration(**config)
-                )
+                stream = (BlockSplit if kind.startswith("split") else Plain)(X, y)
+                make = make_fsdp_accelerator if kind.endswith("fsdp2") else make_accelerator
+                accelerator = make(cpu=True, dataloader_config=DataLoaderConfiguration(**config))
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # accelerate's on dispatching
                     # split_batches: the batch size is the global batch's
