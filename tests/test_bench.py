@@ -111,8 +111,8 @@ def test_benchmarks_run_and_report(tmp_path):
     streams = json.loads((results / "raw" / "streams_2.json").read_text())
     read = streams["read_by_rank"]
     # the main process reads a dispatched stream; each rank its own share of one that splits itself
-    assert read["plain, dispatched"][1] <= 1 and read["plain, every rank reads"] == [641, 641]
-    assert read["splits itself"] == [321, 321]
+    assert read["plain, dispatched"] == [640, 0] and read["plain, every rank reads"] == [640, 640]
+    assert read["splits itself"] == [320, 320]
     assert set(streams["first_batch_s"]) == {
         "recorded 0",
         "recorded 10",

@@ -18,7 +18,7 @@ import torch
 from accelerate.state import GradientState
 from common import fresh_state, make_accelerator, make_data
 from harness import check_values, run_plain, run_processes
-from streams_run import BATCH, CASES, SIZES, Positioned, Stop, StopAt, net_for, outcomes
+from streams_run import BATCH, CASES, SIZES, Plain, Positioned, Stop, StopAt, net_for, outcomes
 
 from accel_mixin.callbacks import ResumeTraining, TrainingCheckpoint
 from accel_mixin.training.shares import counts_as_batch
@@ -93,13 +93,14 @@ def test_what_a_stream_that_splits_itself_cannot_do_is_refused_on_every_rank(
 def _read_after_resume(kind, rank):
     """What rank ``rank``'s stream yields in the resumed fit of
     ``streams_run.resumes``: from where the state saved after step 2 of epoch
-    2 left it, then epoch 3, and the sample the kind is seen by."""
+    2 left it, then epoch 3 (the sample the kind is seen by is read from a
+    copy of the stream)."""
     n = SIZES["partial"]
     if kind == "split":  # its own share, from its third batch on
-        return _rows(rank, n) - 2 * BATCH + _rows(rank, n) + 1
+        return _rows(rank, n) - 2 * BATCH + _rows(rank, n)
     if kind == "plain":  # the whole stream, after its second batch: 2 + rank
-        return n - (2 + rank + 1) * BATCH + n + 1
-    return n - 2 * 2 * BATCH + n + 1  # parts: two global batches read
+        return n - (2 + rank + 1) * BATCH + n
+    return n - 2 * 2 * BATCH + n  # parts: two global batches read
 
 
 @pytest.mark.multiprocess
@@ -194,6 +195,12 @@ def test_the_first_sample_is_drawn_alike_and_leaves_every_state_as_it_was():
     np.testing.assert_array_equal(np.random.get_state()[1], before[1])
     assert random.getstate() == before[2]
     assert _first_sample_print(iter_of([])) == _EMPTY
+
+
+def test_the_first_sample_is_read_from_a_copy_of_a_stream_without_state_dict():
+    stream = Plain(*make_data(40))  # counts what it yields, on itself
+    _first_sample_print(stream)
+    assert stream.yielded == 0  # the count went to the copy
 
 
 def iter_of(items):

@@ -373,14 +373,21 @@ class Control:
             site, lambda: self._gather(self.group(), self.num_processes, site, obj)
         )
 
-    def total(self, site: str, values: Sequence[int]) -> list[int]:
-        """The sums over the ranks of ``values``, in one all-reduce on the
-        control group: data that does not grow with the number of ranks."""
+    def total(self, site: str, values: Sequence[int]) -> Callable[[], list[int]]:
+        """Start summing ``values`` over the ranks, in one all-reduce on the
+        control group (data that does not grow with the number of ranks);
+        return what waits for the sums. Until then the caller may compute:
+        the transport sums meanwhile."""
         if not self.distributed:
-            return list(values)
+            return lambda: list(values)
         tensor = torch.tensor(values, dtype=torch.int64)
-        self._collective(site, lambda: self.group().allreduce([tensor]).wait())
-        return [int(value) for value in tensor.tolist()]
+        work = self._collective(site, lambda: self.group().allreduce([tensor]))
+
+        def sums() -> list[int]:
+            self._collective(site, work.wait)
+            return [int(value) for value in tensor.tolist()]
+
+        return sums
 
     def _collective(self, site: str, call: Callable[[], T]) -> T:
         self._refuse_alone(site)

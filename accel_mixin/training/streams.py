@@ -11,7 +11,7 @@ own samples. Shared again, it would lose all but one rank's share: it is used
 as it is, each rank reading its own.
 
 Which kind a stream is, is seen rather than declared: when a fit (or a
-prediction) begins, each rank takes its stream's first sample, with every
+prediction) begins, each rank takes its stream's first sample (from a copy), with every
 random generator seeded alike so that random augmentation draws alike, and
 the ranks compare fingerprints in one gather. All alike: plain. All
 different: it splits itself. Some alike and some not: refused, naming the
@@ -19,8 +19,9 @@ ranks, since two ranks would train on the same samples.
 
 A stream that splits itself may give the ranks different numbers of batches,
 and DDP needs every rank to take every step. Each step the ranks sum, in one
-all-reduce of three integers on the control group, whether they hold a batch,
-its samples, and whether one follows. A rank whose stream ended trains its
+all-reduce of a few integers on the control group, whether they hold a batch,
+its samples, and whether one follows; each rank reads two batches ahead, so
+that the next step's sum runs while this one trains. A rank whose stream ended trains its
 last batch again with weight 0 until the others end, and each rank weighs
 its loss by its share of the step's samples (``shares.py``), so that a
 partial step trains on the mean over its real samples. A plain stream
@@ -39,7 +40,7 @@ import inspect
 import random
 import warnings
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, cast
 
@@ -68,6 +69,7 @@ __all__ = [
 
 _EMPTY = -1  # the fingerprint of a stream without samples
 _NOTHING = object()
+_ENDED = (None, None)  # after a stream's last batch (a batch is never None)
 _STEP = "a step of a stream that splits itself by rank"
 
 
@@ -122,10 +124,16 @@ def _alike_everywhere() -> Iterator[None]:
 
 
 def _first_sample_print(dataset: IterableDataset) -> int:
-    """The fingerprint of the first sample ``dataset`` yields on this rank;
-    a dataset that keeps a state (``state_dict``) gets it back afterwards."""
+    """The fingerprint of the first sample ``dataset`` yields on this rank,
+    read from a shallow copy, so that what its iterator sets on the dataset
+    (a position, a counter) stays on the copy; a dataset that keeps a state
+    (``state_dict``) gets it back afterwards too."""
     kept = copy.deepcopy(dataset.state_dict()) if keeps_state(dataset) else None  # type: ignore[attr-defined]
-    samples = iter(dataset)
+    try:
+        probe = copy.copy(dataset)
+    except Exception:  # pylint: disable=broad-except
+        probe = dataset  # one that cannot be copied is read itself
+    samples = iter(probe)
     try:
         with _alike_everywhere():
             return fingerprint(next(samples, _NOTHING))
@@ -263,17 +271,15 @@ class SplitStream(DataLoaderStateMixin):
     def __iter__(self) -> Iterator[Any]:
         self.begin()
         self.set_epoch(self.iteration)
-        ended = (None, None)  # a batch is never None: skorch's batches hold tensors
         batches = self._batches()
-        (current, state), last = next(batches, ended), None
+        # this rank's batches k, k + 1 and k + 2 with their positions: the
+        # ranks sum step k + 1's counts while step k trains
+        window = [next(batches, _ENDED), next(batches, _ENDED)]
+        counts = self._counts(window, first=True)()
+        last = None
         try:
             while True:
-                has = current is not None
-                upcoming = next(batches, ended) if has else ended
-                real = _size(current) if has else 0
-                holding, samples, more, stuck = self.control.total(
-                    _STEP, [has, real, upcoming[0] is not None, not has and last is None]
-                )
+                holding, samples, more, stuck = counts
                 if not holding:
                     break
                 if stuck:
@@ -283,21 +289,39 @@ class SplitStream(DataLoaderStateMixin):
                         "some: a rank needs a batch of its own to take the others' steps. Give "
                         "every rank a share of at least one sample."
                     )
-                if has:
+                (current, state), real = window[0], 0
+                if current is not None:
                     last = send_to_device(current, self.device, non_blocking=self.non_blocking)
-                    self._state = state
+                    real, self._state = _size(current), state
+                following = None
+                if more:  # the next step's counts, summed while this one trains
+                    window.append(next(batches, _ENDED) if window[1][0] is not None else _ENDED)
+                    following = self._counts(window[1:])
                 self.real, self.weight = real, real * self.processes / samples
                 # with split_batches a batch of the data is every rank's part
                 self.counted = bool(real) and (self.kept != "parts" or self.rank == 0)
                 self.end_of_dataloader = not more
                 yield last
-                if not more:
+                if following is None:
                     break
-                current, state = upcoming
+                counts, window = following(), window[1:]
             self.iteration += 1
         finally:
             self._state = None
             self.end()
+
+    def _counts(
+        self, window: list[tuple[Any, Any]], first: bool = False
+    ) -> Callable[[], list[int]]:
+        """Start summing, over the ranks, whether each holds the batch
+        ``window[0]``, its samples, whether ``window[1]`` follows, and, at an
+        epoch's first step, whether it holds none: after that step every
+        rank has held a batch to run again."""
+        (batch, _), (following, _) = window[0], window[1]
+        held = batch is not None
+        return self.control.total(
+            _STEP, [held, _size(batch) if held else 0, following is not None, first and not held]
+        )
 
     def _batches(self) -> Iterator[tuple[Any, dict[str, Any] | None]]:
         """This rank's batches, each with where it leaves the stream."""

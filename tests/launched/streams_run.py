@@ -152,7 +152,7 @@ def outcomes(net, stream=None):
         ],
         "train_loss": net.history[:, "train_loss"],
         "train_batch_count": net.history[:, "train_batch_count"],
-        "yielded": None if stream is None else stream.yielded // 2,  # per epoch
+        "yielded": None if stream is None else stream.yielded / 2,  # per epoch
     }
 
 
