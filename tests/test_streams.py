@@ -115,7 +115,13 @@ def test_a_stream_that_keeps_its_position_resumes_inside_an_epoch_exactly_readin
         assert got["yielded"] == _read_after_resume(kind, rank)
 
 
-def test_on_one_process_a_stream_resumes_inside_an_epoch_exactly_reading_on(tmp_path):
+@pytest.mark.filterwarnings("ignore:.set_vital. is deprecated")  # torchdata on torch 2.13
+@pytest.mark.parametrize("loader", ["DataLoader", "StatefulDataLoader"])
+def test_on_one_process_a_stream_resumes_inside_an_epoch_exactly_reading_on(tmp_path, loader):
+    """The stream keeps its position; the net reads it through torchdata's
+    StatefulDataLoader, or the user's own (``iterator_train``)."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
     X, y = make_data(SIZES["partial"], seed=4)
 
     def fit(stream, folder, *callbacks):
@@ -123,6 +129,8 @@ def test_on_one_process_a_stream_resumes_inside_an_epoch_exactly_reading_on(tmp_
         net = net_for(make_accelerator(cpu=True))
         checkpoint = TrainingCheckpoint(tmp_path / folder, every_n_batches=2)
         net.set_params(max_epochs=3, callbacks=[checkpoint, *callbacks])
+        if loader == "StatefulDataLoader":
+            net.set_params(iterator_train=StatefulDataLoader)
         return outcomes(net.fit(stream, None))
 
     uninterrupted = fit(Positioned(X, y), "uninterrupted")
