@@ -12,7 +12,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["PeakRSS", "Timer", "alternate", "barrier", "is_main", "summarize", "write_result"]
+__all__ = [
+    "PeakRSS",
+    "Timer",
+    "alternate",
+    "barrier",
+    "is_main",
+    "spin",
+    "summarize",
+    "write_result",
+]
 
 
 def is_main():
@@ -90,6 +99,13 @@ def alternate(variants, repeats, measure):
         for name in names[shift:] + names[:shift]:
             times[name].append(measure(name))
     return times
+
+
+def spin(microseconds):
+    """Keep the CPU busy for ``microseconds``: the cost of reading a sample."""
+    deadline = time.perf_counter() + microseconds * 1e-6
+    while time.perf_counter() < deadline:
+        pass
 
 
 def summarize(times, baseline):

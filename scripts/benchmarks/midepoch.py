@@ -27,7 +27,7 @@ from accelerate import Accelerator
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # pylint: disable=wrong-import-position
 from checkpoint import OursNet, Stack, n_params
-from common import alternate, barrier, write_result
+from common import alternate, barrier, spin, write_result
 
 from accel_mixin.callbacks import TrainingCheckpoint
 from accel_mixin.training.resumed_order import skipping_batches
@@ -57,9 +57,7 @@ class SlowDataset(torch.utils.data.Dataset):
         return len(self.X)
 
     def __getitem__(self, i):
-        deadline = time.perf_counter() + self.load_us * 1e-6
-        while time.perf_counter() < deadline:
-            pass
+        spin(self.load_us)
         return self.X[i]
 
 

@@ -34,7 +34,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # pylint: disable=wrong-import-position
 from checkpoint import OursNet, Stack
-from common import alternate, barrier, write_result
+from common import alternate, barrier, spin, summarize, write_result
 
 from accel_mixin.distributed.control import coordinator_for
 from accel_mixin.training.streams import SplitStream
@@ -60,9 +60,7 @@ class Rows(torch.utils.data.IterableDataset):
     def __iter__(self):
         rows = self.rows()
         for k in range(self.next, len(rows)):
-            deadline = time.perf_counter() + self.load_us * 1e-6
-            while time.perf_counter() < deadline:
-                pass
+            spin(self.load_us)
             self.next = k + 1
             self.yielded += 1
             yield self.X[rows[k]], self.y[rows[k]]
@@ -79,9 +77,7 @@ class SlowRows(torch.utils.data.Dataset):
         return len(self.X)
 
     def __getitem__(self, i):
-        deadline = time.perf_counter() + self.load_us * 1e-6
-        while time.perf_counter() < deadline:
-            pass
+        spin(self.load_us)
         self.yielded += 1
         return self.X[i], self.y[i]
 
@@ -205,15 +201,11 @@ def main():
             "batch_size": BATCH,
             "load_us": args.load_us,
             "positions": args.positions,
-            "epoch_s": {kind: _summary(values) for kind, values in times.items()},
+            "epoch_s": summarize(times, "dataset"),
             "read_by_rank": {kind: [rank[kind] for rank in gathered] for kind in KINDS},
-            "first_batch_s": {name: _summary(values) for name, values in first.items()},
+            "first_batch_s": summarize(first, f"recorded {max(args.positions)}"),
         },
     )
-
-
-def _summary(values):
-    return {"median_s": float(np.median(values)), "runs_s": [float(v) for v in values]}
 
 
 if __name__ == "__main__":
