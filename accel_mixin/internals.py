@@ -45,6 +45,7 @@ import torch.distributed.distributed_c10d as c10d
 from skorch import utils as skorch_utils
 from skorch.callbacks import EpochScoring, ProgressBar
 from skorch.callbacks import scoring as skorch_scoring
+from accelerate.data_loader import DataLoaderDispatcher
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from accel_mixin.errors import InternalsChanged
@@ -64,6 +65,7 @@ __all__ = [
     "check_accelerator",
     "check_dataloader",
     "check_f_arguments",
+    "dispatches",
     "check_prepared_module",
     "compiled_inner",
     "copy_state_dict",
@@ -200,12 +202,21 @@ def check_prepared_module(
     )
 
 
+def dispatches(dataloader: DataLoader) -> bool:
+    """Whether ``dataloader`` is accelerate's ``DataLoaderDispatcher``: the
+    main process reads every batch and sends each rank its part."""
+    # type(): accelerate's loaders report their base DataLoader's __class__
+    return issubclass(type(dataloader), DataLoaderDispatcher)
+
+
 def check_dataloader(dataloader: DataLoader) -> None:
     """Raise unless a prepared training dataloader exposes its shuffling state
-    (iterable data has none)."""
+    (iterable data has none; a dispatching one draws it on the main process
+    alone, in its own sampler)."""
     if isinstance(getattr(dataloader, "dataset", None), IterableDataset):
         return
-    for name in ("synchronized_generator", "iteration"):
+    names = ("iteration",) if dispatches(dataloader) else ("synchronized_generator", "iteration")
+    for name in names:
         what = "to save and restore the shuffling of the training data"
         _require(
             hasattr(dataloader, name), "accelerate", f"{type(dataloader).__name__}.{name}", what
@@ -238,6 +249,13 @@ def batch_sampler_owner(dataloader: DataLoader) -> BatchSamplerOwner:
         f"{type(dataloader).__name__}.base_dataloader.batch_sampler",
         "to resume an epoch without loading the batches already trained",
     )
+    if dispatches(dataloader):
+        raise ValueError(
+            "Training states inside an epoch need each rank to skip the batches it "
+            "trained, and with DataLoaderConfiguration(dispatch_batches=True) the main "
+            "process reads the batches of every rank. Leave dispatch_batches at its "
+            "default, or save at epoch ends only (TrainingCheckpoint(every_n_batches=None))."
+        )
     if owner.batch_sampler is None or isinstance(getattr(owner, "dataset", None), IterableDataset):
         raise ValueError(
             "Training states inside an epoch need map-style training data (a Dataset with "

@@ -111,3 +111,35 @@ def test_the_lifecycle_diagram_names_modules_that_exist():
     diagram = page.split("## The lifecycle", 1)[1].split("```")[1]
     named = set(re.findall(r"([\w/]+\.py)", diagram))
     assert named and all((ROOT / "accel_mixin" / name).is_file() for name in named)
+
+
+def settings_tables():
+    """The launching guide's tables of accelerate settings: their rows'
+    first cells and their tests (``file::name``, or a whole ``file``)."""
+    text = (GUIDE / "launching.md").read_text(encoding="utf-8")
+    section = text.split("## Every accelerate setting", 1)[1]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    settings = " ".join(row.split("|")[1] for row in rows)
+    tests = [
+        ("tests/" + match[0], match[1])
+        for row in rows
+        for match in re.findall(r"`(test_\w+\.py)(?:::(\w+))?", row.split("|")[3])
+    ]
+    return settings, tests
+
+
+def test_the_settings_table_has_every_accelerate_setting_and_each_row_a_test():
+    import dataclasses
+    import inspect
+
+    from accelerate import Accelerator, DataLoaderConfiguration
+
+    settings, tests = settings_tables()
+    names = [p for p in inspect.signature(Accelerator.__init__).parameters if p != "self"]
+    names += [f.name for f in dataclasses.fields(DataLoaderConfiguration)]
+    missing = [name for name in names if f"`{name}" not in settings and f"{name}`" not in settings]
+    assert not missing, missing
+    assert tests
+    for path, name in tests:
+        source = (ROOT / path).read_text(encoding="utf-8")
+        assert not name or f"def {name}(" in source, (path, name)

@@ -174,14 +174,24 @@ def test_stale_marks_do_not_skip_preparation():
     assert "_original_forward" in vars(owner.module_)
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of .lr_scheduler.step\(\).")
 @pytest.mark.parametrize("step_once", [True, False])
 def test_schedulers_step_once_per_call_when_asked(step_once):
-    # what this does in several processes: test_multiprocess.py
+    """An epoch's scheduler steps once per call, also where the optimizers
+    did not step (inside a window of accumulation); a batch's waits for
+    them. What this does in several processes: test_multiprocess.py."""
     accelerator = Accelerator(cpu=True)
     _, callback, slots = make_owner()
     slots[3] = slots[3]._replace(step_once=step_once)
     PreparedObjects().prepare(accelerator, slots)
-    assert callback.lr_scheduler_.split_batches is step_once
+    scheduler = callback.lr_scheduler_
+    accelerator.gradient_state._set_sync_gradients(False)  # pylint: disable=protected-access
+    try:
+        before = scheduler.scheduler.last_epoch
+        scheduler.step()
+        assert scheduler.scheduler.last_epoch == before + step_once
+    finally:
+        accelerator.gradient_state._set_sync_gradients(True)  # pylint: disable=protected-access
 
 
 def test_plateau_scheduler_still_passes_for_one():

@@ -356,9 +356,12 @@ def _prepare_one(accelerator: Accelerator, obj: NetObject, slot: Slot) -> NetObj
     if plateau:
         prepared = _as_plateau(accelerator, prepared)
     if slot.step_once or plateau:
-        # accelerate steps once per process per call, right for per-batch
-        # schedules; epochs and plateaus are shared by every process
-        prepared.split_batches = True
+        # accelerate steps once per process per call, and only where the
+        # optimizers stepped: right for per-batch schedules. Epochs and
+        # plateaus are shared by every process, and step once per epoch as
+        # in skorch, also where the epoch ends inside a window of gradient
+        # accumulation (sync_with_dataloader=False) or the scaler skipped a step
+        prepared.step_with_optimizer = False
     return prepared
 
 
