@@ -143,6 +143,26 @@ def test_on_one_process_a_stream_resumes_inside_an_epoch_exactly_reading_on(tmp_
     assert stream.yielded == len(X) - 2 * BATCH + len(X)
 
 
+def test_a_state_from_inside_an_epoch_of_a_dataset_does_not_resume_a_stream(tmp_path):
+    X, y = make_data(SIZES["partial"], seed=4)
+    fresh_state()
+    saved = net_for(make_accelerator(cpu=True))
+    inside = TrainingCheckpoint(tmp_path, every_n_batches=2)
+    saved.set_params(max_epochs=3, callbacks=[inside, StopAt(2, 3)])
+    with pytest.raises(Stop):
+        saved.fit(X, y)  # a Dataset: saved inside epoch 2
+    (state,) = tmp_path.glob("run-*/training-state-000001-batch-*")
+    fresh_state()
+    resumed = net_for(make_accelerator(cpu=True))
+    # ResumeTraining would start afresh: other data make another run
+    resumed.set_params(
+        max_epochs=3, callbacks=[TrainingCheckpoint(tmp_path / "b", every_n_batches=2)]
+    )
+    resumed.initialize().load_state(state)
+    with pytest.raises(ValueError, match="recorded no stream position"):
+        resumed.partial_fit(Positioned(X, y), None)
+
+
 @pytest.mark.multiprocess
 def test_saves_inside_epochs_of_a_dispatched_stream_are_refused_on_every_rank(launched):
     ranks, _ = launched

@@ -112,6 +112,13 @@ class EpochBatches:
         try:
             if self.split and self.resume is not None:
                 # a stream goes on from where it stopped: nothing to skip
+                if self.resume.get("stream") is None:
+                    raise ValueError(
+                        "The training state resumed from was saved inside an epoch of data "
+                        "that recorded no stream position, and this fit's training data is a "
+                        "stream: it cannot go on from the middle of that epoch. Resume with "
+                        "the data the state was saved with, or from an epoch's end."
+                    )
                 self.iterator.load_state_dict(self.resume["stream"])
             with skipping_batches(self.iterator, 0 if self.split else self.done):
                 if self.fit.plan is not None and len(net.history) > 1:
