@@ -42,10 +42,10 @@ import accelerate.optimizer
 import skorch
 import torch
 import torch.distributed.distributed_c10d as c10d
+from accelerate.data_loader import DataLoaderDispatcher
 from skorch import utils as skorch_utils
 from skorch.callbacks import EpochScoring, ProgressBar
 from skorch.callbacks import scoring as skorch_scoring
-from accelerate.data_loader import DataLoaderDispatcher
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from accel_mixin.errors import InternalsChanged
@@ -65,11 +65,11 @@ __all__ = [
     "check_accelerator",
     "check_dataloader",
     "check_f_arguments",
-    "dispatches",
     "check_prepared_module",
     "compiled_inner",
     "copy_state_dict",
     "default_store",
+    "dispatches",
     "drop_dataloader",
     "missing",
     "pop_marks",

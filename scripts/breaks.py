@@ -2429,7 +2429,8 @@ BREAKS = [
         "internals",
         "a Dataset dispatched from the main process cannot train",
         "accel_mixin/internals.py",
-        '    names = ("iteration",) if dispatches(dataloader) else ("synchronized_generator", "iteration")\n',
+        '    names = ("iteration",) if dispatches(dataloader) else ("synchronized_generator", '
+        '"iteration")\n',
         '    names = ("synchronized_generator", "iteration")\n',
         ("tests/test_settings.py",),
     ),

@@ -174,7 +174,7 @@ def test_stale_marks_do_not_skip_preparation():
     assert "_original_forward" in vars(owner.module_)
 
 
-@pytest.mark.filterwarnings("ignore:Detected call of .lr_scheduler.step\(\).")
+@pytest.mark.filterwarnings("ignore:Detected call of .lr_scheduler.step")
 @pytest.mark.parametrize("step_once", [True, False])
 def test_schedulers_step_once_per_call_when_asked(step_once):
     """An epoch's scheduler steps once per call, also where the optimizers
