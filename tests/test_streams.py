@@ -90,6 +90,14 @@ def test_what_a_stream_that_splits_itself_cannot_do_is_refused_on_every_rank(
     assert check_values(ranks, "fit_after_refusals") == [[7, 7], [7, 7]]
 
 
+@pytest.mark.multiprocess
+def test_a_plain_stream_every_rank_reads_is_read_in_one_order(launched):
+    ranks, _ = launched
+    first, second = check_values(ranks, "shuffled_read_by_every_rank")
+    assert first == second  # each epoch's order, alike on both ranks
+    assert first[0] != first[1]  # drawn anew each epoch
+
+
 def _read_after_resume(kind, rank):
     """What rank ``rank``'s stream yields in the resumed fit of
     ``streams_run.resumes``: from where the state saved after step 2 of epoch
@@ -98,13 +106,15 @@ def _read_after_resume(kind, rank):
     n = SIZES["partial"]
     if kind == "split":  # its own share, from its third batch on
         return _rows(rank, n) - 2 * BATCH + _rows(rank, n)
+    if kind == "uneven":  # rank 0: 45 rows, 4 batches done; rank 1: its one batch again
+        return [45 - 4 * BATCH + 45, 2 * BATCH][rank]
     if kind == "plain":  # the whole stream, after its second batch: 2 + rank
         return n - (2 + rank + 1) * BATCH + n
     return n - 2 * 2 * BATCH + n  # parts: two global batches read
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("kind", ["plain", "split", "parts"])
+@pytest.mark.parametrize("kind", ["plain", "split", "parts", "uneven"])
 def test_a_stream_that_keeps_its_position_resumes_inside_an_epoch_exactly_reading_on(
     launched, kind
 ):
@@ -182,7 +192,20 @@ def test_a_stream_is_plain_where_every_rank_agrees_and_split_where_each_differs(
     assert _kind([1, 1, _EMPTY]) is None
 
 
+class _Opaque:
+    """A sample type without a value repr, as PIL's Image is."""
+
+    def __init__(self, data):
+        self.data = data
+
+
 def test_fingerprints_follow_values_not_objects():
+    # an object's repr names its address, a set's order its process's hash seed
+    assert fingerprint(_Opaque([1, 2])) == fingerprint(_Opaque([1, 2]))
+    assert fingerprint(_Opaque([1, 2])) != fingerprint(_Opaque([2, 1]))
+    assert fingerprint({"b", "a"}) == fingerprint({"a", "b"})
+    with pytest.raises(TypeError, match="neither pickles"):
+        fingerprint(lambda: None)
     sample = (torch.arange(4.0), np.int64(3), {"mask": torch.ones(2, dtype=torch.bool)})
     same = (torch.arange(4.0), np.int64(3), {"mask": torch.ones(2, dtype=torch.bool)})
     assert fingerprint(sample) == fingerprint(same)

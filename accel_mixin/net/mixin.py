@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from accel_mixin.callbacks import TrainingCheckpoint
 from accel_mixin.distributed.epoch_scores import notify_scored
 from accel_mixin.distributed.fork_guard import guard_forks
 from accel_mixin.distributed.history_sync import adopt_history
@@ -429,7 +430,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
     def get_iterator(self, dataset: Dataset, training: bool = False) -> DataLoader:
         # a stream records where it stops where states are saved inside epochs
         inside_epochs = training and any(
-            getattr(cb, "every_n_batches", None) for _, cb in self.callbacks_
+            isinstance(cb, TrainingCheckpoint) and cb.every_n_batches for _, cb in self.callbacks_
         )
         iterator = prepare_dataloader(
             self.accelerator,

@@ -248,19 +248,11 @@ class CheckpointingMixin(SafeParamsMixin):
             # every rank arrived in _finish_saves: machine_copies' gather is safe here
             shuffling, stopped, position, epoch_rng = self._where_training_is(stopped)
             stream = stream_position(self._local.fit.train_iterator_now(), position)
-
-            def mine() -> dict[str, Any]:
-                return rank_entries(self, position, epoch_rng, stream)
-
-            ranks = machine_copies(self.accelerator, mine, path)
+            ranks = machine_copies(
+                self.accelerator, lambda: rank_entries(self, position, epoch_rng, stream), path
+            )
             state = folder_state(
-                self,
-                self._objects,
-                shuffling,
-                stopped,
-                position,
-                epoch_rng,
-                ranks=mine() if ranks is None else ranks,
+                self, self._objects, shuffling, stopped, position, epoch_rng, ranks, stream
             )
             warn_if_inside_accumulation(self.accelerator)
             alone = ranks is not None  # each machine's main process writes its copy

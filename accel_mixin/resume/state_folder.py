@@ -173,13 +173,14 @@ def folder_state(
     position: tuple[int, int] | None = None,
     epoch_rng: dict[str, Any] | None = None,
     ranks: dict[str, Any] | None = None,
+    stream: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The training state of ``net`` as the keys of one DCP folder; every
     rank calls it (no collective). The arguments are ``rank_entries``'s and
     ``contents.shared_state``'s; ``ranks``: every rank's ``rank_entries``,
     where this process writes the whole folder alone (each rank's entries
-    and every tensor); without it, this rank's own entries and its share of
-    the tensors."""
+    and every tensor); without it, this rank's own entries (with
+    ``stream``, where its stream stopped) and its share of the tensors."""
     accelerator = net.accelerator
     rank = accelerator.process_index
     named = objects.sharded_module() if sharded(accelerator) else None
@@ -231,7 +232,7 @@ def folder_state(
     }
     for key in ("schedulers", "scaler", "history", "loop"):
         state[key] = plain(shared[key])
-    state.update(rank_entries(net, position, epoch_rng) if ranks is None else ranks)
+    state.update(rank_entries(net, position, epoch_rng, stream) if ranks is None else ranks)
     return state
 
 

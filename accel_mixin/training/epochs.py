@@ -30,6 +30,7 @@ from accel_mixin.distributed.replicas import (
     replica_fingerprints,
 )
 from accel_mixin.errors import DistributedError
+from accel_mixin.internals import dispatches
 from accel_mixin.training.fit import Fit
 from accel_mixin.training.net_objects import NetObjects, replica_parameters
 from accel_mixin.training.notifications import hook, main_process_pickles, stopped_early
@@ -76,9 +77,12 @@ class EpochBatches:
         self.fit, self.stepper = fit, fit.stepper
         accelerator = net.accelerator
         self.processes, self.rank = accelerator.num_processes, accelerator.process_index
-        # a stream that splits itself pads its steps whatever even_batches says
+        # a stream that splits itself, and accelerate's dispatching loader, pad
+        # their steps whatever even_batches says
         self.split = isinstance(iterator, SplitStream)
-        self.padded = self.processes > 1 and (accelerator.even_batches or self.split)
+        self.padded = self.processes > 1 and (
+            accelerator.even_batches or self.split or dispatches(iterator)
+        )
         self.data_batch = None if self.split else data_batch_size(iterator)
         self.resume: dict[str, Any] | None = None
         self.done, self.batch_count = 0, 0
@@ -112,12 +116,14 @@ class EpochBatches:
         try:
             if self.split and self.resume is not None:
                 # a stream goes on from where it stopped: nothing to skip
-                if self.resume.get("stream") is None:
+                if self.resume.get("stream") is None or not self.iterator.keeps_state:
                     raise ValueError(
-                        "The training state resumed from was saved inside an epoch of data "
-                        "that recorded no stream position, and this fit's training data is a "
-                        "stream: it cannot go on from the middle of that epoch. Resume with "
-                        "the data the state was saved with, or from an epoch's end."
+                        "The training state resumed from was saved inside an epoch, and this "
+                        "fit's stream cannot go on from there: the state recorded no stream "
+                        "position, or the stream is not read to record one. Resume with the "
+                        "data the state was saved with and TrainingCheckpoint(every_n_batches="
+                        "...) or DataLoaderConfiguration(use_stateful_dataloader=True), or "
+                        "from an epoch's end."
                     )
                 self.iterator.load_state_dict(self.resume["stream"])
             with skipping_batches(self.iterator, 0 if self.split else self.done):
@@ -165,8 +171,9 @@ class EpochBatches:
             trained = batch
             if not self.training or weight == 1:
                 step = step_fn(batch, **fit_params)
-            elif criterion_is_mean(self.net.criterion_):
-                # padding alone still runs, for DDP, with weight 0
+            elif not real or criterion_is_mean(self.net.criterion_):
+                # padding alone still runs, for DDP, with weight 0, which leaves
+                # nothing of it whatever the loss's reduction
                 trained = view if real else batch
                 with self.stepper.weighting(weight):
                     step = step_fn(trained, **fit_params)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import pickle
 import random
 import warnings
 import zlib
@@ -48,7 +49,7 @@ import numpy as np
 import torch
 from accelerate.data_loader import _PYTORCH_DATALOADER_KWARGS, DataLoaderStateMixin
 from accelerate.state import GradientState
-from accelerate.utils import send_to_device, slice_tensors
+from accelerate.utils import send_to_device, slice_tensors, synchronize_rng_states
 from skorch.dataset import get_len
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -69,7 +70,7 @@ __all__ = [
 
 _EMPTY = -1  # the fingerprint of a stream without samples
 _NOTHING = object()
-_ENDED = (None, None)  # after a stream's last batch (a batch is never None)
+_ENDED = (None, None, None)  # after a stream's last batch (a batch is never None)
 _STEP = "a step of a stream that splits itself by rank"
 
 
@@ -87,10 +88,14 @@ def keeps_state(dataset: object) -> bool:
 
 
 def fingerprint(sample: Any) -> int:
-    """A checksum of ``sample``'s values (tensors, arrays, nested in tuples,
-    lists and dicts; anything else by its ``repr``)."""
+    """A checksum of ``sample``'s values, the same in every process: tensors
+    and arrays by their bytes, nested in tuples, lists, dicts and sets;
+    numbers, strings and bytes by value; anything else by its pickle.
+    ``TypeError`` for a value that has none of these the same everywhere."""
     if sample is _NOTHING:
         return _EMPTY
+    if sample is None or isinstance(sample, (bool, int, float, complex, str, bytes)):
+        return zlib.crc32(repr(sample).encode())
     if isinstance(sample, torch.Tensor):
         sample = (
             sample.detach().cpu().numpy()
@@ -104,23 +109,39 @@ def fingerprint(sample: Any) -> int:
         return zlib.crc32(repr([(repr(k), fingerprint(v)) for k, v in sample.items()]).encode())
     if isinstance(sample, (tuple, list)):
         return zlib.crc32(repr([fingerprint(value) for value in sample]).encode())
-    return zlib.crc32(repr(sample).encode())
+    if isinstance(sample, (set, frozenset)):  # in an order each process's hash seed picks
+        return zlib.crc32(repr(sorted(fingerprint(value) for value in sample)).encode())
+    try:
+        return zlib.crc32(pickle.dumps(sample, protocol=4))
+    except Exception as exc:  # pylint: disable=broad-except
+        raise TypeError(
+            f"A sample of the stream holds a {type(sample).__name__}, which neither pickles "
+            "nor compares by value, so the ranks cannot see whether they read the same "
+            "samples. Yield tensors, arrays, numbers or strings."
+        ) from exc
 
 
 @contextmanager
-def _alike_everywhere() -> Iterator[None]:
-    """torch's, numpy's and Python's global generators seeded alike, and put
-    back afterwards."""
+def _alike_everywhere(dataset: object) -> Iterator[None]:
+    """torch's, numpy's and Python's global generators, and the dataset's own
+    ``generator`` (which accelerate synchronizes), seeded alike, and put back
+    afterwards."""
     python, legacy = random.getstate(), np.random.get_state()
+    own = getattr(dataset, "generator", None)
+    own_state = own.get_state() if isinstance(own, torch.Generator) else None
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         random.seed(0)
         np.random.seed(0)
+        if own_state is not None:
+            own.manual_seed(0)  # type: ignore[union-attr]
         try:
             yield
         finally:
             random.setstate(python)
             np.random.set_state(legacy)
+            if own_state is not None:
+                own.set_state(own_state)  # type: ignore[union-attr]
 
 
 def _first_sample_print(dataset: IterableDataset) -> int:
@@ -135,7 +156,7 @@ def _first_sample_print(dataset: IterableDataset) -> int:
         probe = dataset  # one that cannot be copied is read itself
     samples = iter(probe)
     try:
-        with _alike_everywhere():
+        with _alike_everywhere(probe):
             return fingerprint(next(samples, _NOTHING))
     finally:
         # a generator's own cleanup runs now, not when it is collected later
@@ -246,7 +267,9 @@ class SplitStream(DataLoaderStateMixin):
         self.iteration = 0
         self.real, self.weight, self.counted = 0, 1.0, False
         self._state: dict[str, Any] | None = None  # after the batch just yielded
+        self._before: dict[str, Any] | None = None  # before the last batch held
         self._pending: dict[str, Any] | None = None  # where the next iteration goes on
+        self.rng_types = list(accelerator.rng_types or [])
 
     def state_dict(self) -> dict[str, Any] | None:
         """Where the batch just yielded leaves this rank's stream (None
@@ -271,12 +294,26 @@ class SplitStream(DataLoaderStateMixin):
     def __iter__(self) -> Iterator[Any]:
         self.begin()
         self.set_epoch(self.iteration)
-        batches = self._batches()
+        if self.kept is not None:
+            # every rank reads the whole stream: its order drawn alike, as
+            # accelerate's own loaders draw it (rng_types, the dataset's generator)
+            generator = getattr(self.dataset, "generator", None)
+            # as prepare_data_loader does: "generator" only where there is one
+            types = [t for t in self.rng_types if str(t) != "generator" or generator is not None]
+            synchronize_rng_states(types, generator)
+        resumed, batches = self._pending, self._batches()
+        last = None
+        if resumed is not None and resumed.get("ended"):
+            # this rank's stream had ended: its last batch, read again, pads;
+            # read to its end, as the uninterrupted run's stream was
+            last = send_to_device(next(batches)[0], self.device, non_blocking=self.non_blocking)
+            for _ in batches:
+                pass
+            self._state = resumed
         # this rank's batches k, k + 1 and k + 2 with their positions: the
         # ranks sum step k + 1's counts while step k trains
         window = [next(batches, _ENDED), next(batches, _ENDED)]
-        counts = self._counts(window, first=True)()
-        last = None
+        counts = self._counts(window, first=last is None)()
         try:
             while True:
                 holding, samples, more, stuck = counts
@@ -289,10 +326,15 @@ class SplitStream(DataLoaderStateMixin):
                         "some: a rank needs a batch of its own to take the others' steps. Give "
                         "every rank a share of at least one sample."
                     )
-                (current, state), real = window[0], 0
+                (current, after, before), real = window[0], 0
                 if current is not None:
                     last = send_to_device(current, self.device, non_blocking=self.non_blocking)
-                    real, self._state = _size(current), state
+                    real, self._state = _size(current), after
+                elif self._state is not None and not self._state.get("ended"):
+                    # a resume reads the last batch again, to pad with it
+                    self._state = dict(self._before or {}, ended=True)
+                if current is not None:
+                    self._before = before
                 following = None
                 if more:  # the next step's counts, summed while this one trains
                     window.append(next(batches, _ENDED) if window[1][0] is not None else _ENDED)
@@ -311,25 +353,28 @@ class SplitStream(DataLoaderStateMixin):
             self.end()
 
     def _counts(
-        self, window: list[tuple[Any, Any]], first: bool = False
+        self, window: list[tuple[Any, Any, Any]], first: bool = False
     ) -> Callable[[], list[int]]:
         """Start summing, over the ranks, whether each holds the batch
         ``window[0]``, its samples, whether ``window[1]`` follows, and, at an
         epoch's first step, whether it holds none: after that step every
-        rank has held a batch to run again."""
-        (batch, _), (following, _) = window[0], window[1]
+        rank has a batch to run again."""
+        batch, following = window[0][0], window[1][0]
         held = batch is not None
         return self.control.total(
             _STEP, [held, _size(batch) if held else 0, following is not None, first and not held]
         )
 
-    def _batches(self) -> Iterator[tuple[Any, dict[str, Any] | None]]:
-        """This rank's batches, each with where it leaves the stream."""
+    def _batches(self) -> Iterator[tuple[Any, dict[str, Any] | None, dict[str, Any] | None]]:
+        """This rank's batches, each with where it leaves the stream and
+        where the stream was before it (where it keeps state)."""
         loader, start, self._pending = self.base_dataloader, self._pending, None
         index = 0  # of the batch read next, in the stream's whole order
-        if start is not None:
+        if start is not None and start["loader"] is not None:
             loader.load_state_dict(start["loader"])  # type: ignore[attr-defined]
+        if start is not None:
             index = start["next"]
+        before: dict[str, Any] | None = {"loader": None, "next": index} if start is None else start
         part = slice(
             self.rank * (self.batch_size or 0) // self.processes,
             (self.rank + 1) * (self.batch_size or 0) // self.processes,
@@ -342,11 +387,12 @@ class SplitStream(DataLoaderStateMixin):
                 batch = slice_tensors(batch, part)
                 if not _size(batch):
                     continue
-            state = None
+            after = None
             if self.keeps_state:
                 where = loader.state_dict()  # type: ignore[attr-defined]
-                state = {"loader": copy.deepcopy(where), "next": index}
-            yield batch, state
+                after = {"loader": copy.deepcopy(where), "next": index}
+            yield batch, after, before
+            before = after
 
     def __getattr__(self, name: str) -> Any:
         # what a DataLoader has and this lacks (num_workers, collate_fn, ...)
@@ -381,6 +427,13 @@ def _stateful(dataloader: DataLoader) -> DataLoader:
         ) from exc
     if isinstance(dataloader, StatefulDataLoader):
         return dataloader
+    if type(dataloader) is not DataLoader:
+        raise TypeError(
+            f"The stream {type(dataloader.dataset).__name__} is read by "
+            f"{type(dataloader).__name__}, and recording where it stopped needs torchdata's "
+            "StatefulDataLoader, which would drop what that class adds. Give "
+            "iterator_train=StatefulDataLoader (or a subclass of it), or torch's DataLoader."
+        )
     # the DataLoader's settings that this torchdata takes (torch's in_order came later)
     takes = inspect.signature(StatefulDataLoader.__init__).parameters
     settings = {
@@ -443,6 +496,13 @@ def prepare_stream(
             "DataLoaderConfiguration(dispatch_batches=True) the main process reads it ahead "
             "for every rank, so no rank can record where it stopped. Leave dispatch_batches "
             "at its default: every rank then reads the stream and keeps its own batches."
+        )
+    if accelerator.split_batches and not dataloader.batch_size:
+        raise ValueError(
+            f"With DataLoaderConfiguration(split_batches=True) each rank takes its part of "
+            f"every batch of the stream {type(dataset).__name__}, whose DataLoader has no "
+            "batch_size (batch_size=None: the stream yields whole batches), so the parts "
+            "are unknown. Give the DataLoader a batch_size, or leave split_batches off."
         )
     kept = "parts" if accelerator.split_batches else "batches"
     return SplitStream(loader, accelerator, control, kept)

@@ -355,13 +355,16 @@ def _prepare_one(accelerator: Accelerator, obj: NetObject, slot: Slot) -> NetObj
     plateau = isinstance(obj, ReduceLROnPlateau)
     if plateau:
         prepared = _as_plateau(accelerator, prepared)
-    if slot.step_once or plateau:
+    if slot.step_once:
         # accelerate steps once per process per call, and only where the
-        # optimizers stepped: right for per-batch schedules. Epochs and
-        # plateaus are shared by every process, and step once per epoch as
+        # optimizers stepped: right for per-batch schedules. An epoch's
+        # schedule is shared by every process and steps once per epoch, as
         # in skorch, also where the epoch ends inside a window of gradient
         # accumulation (sync_with_dataloader=False) or the scaler skipped a step
         prepared.step_with_optimizer = False
+    elif plateau:
+        # stepped with a score per batch: once per call, with the optimizers
+        prepared.split_batches = True
     return prepared
 
 

@@ -84,6 +84,9 @@ class Positioned(Plain):
         self.split, self.next = split, 0
 
     def rows(self):
+        if self.split == "uneven":  # rank 1 the batches 3, 7, ...; rank 0 the others
+            rank, _ = _split()
+            return [i for i in range(len(self.X)) if ((i // BATCH) % 4 == 3) == (rank == 1)]
         return BlockSplit.rows(self) if self.split else super().rows()
 
     def __iter__(self):
@@ -119,6 +122,22 @@ class StopAt(Callback):
             self.batch,
         ):
             raise Stop()
+
+
+class Shuffled(Plain):
+    """A plain stream in an order drawn from its own generator, seeded apart
+    on each rank: accelerate synchronizes a dataset's ``generator`` as each
+    epoch begins. Records the order it read."""
+
+    def __init__(self, X, y):
+        super().__init__(X, y)
+        self.generator = torch.Generator().manual_seed(_split()[0])
+        self.orders = []
+
+    def rows(self):
+        order = torch.randperm(len(self.X), generator=self.generator).tolist()
+        self.orders.append(order)
+        return order
 
 
 class FirstRankOnly(Plain):
@@ -157,7 +176,17 @@ def outcomes(net, stream=None):
 
 
 # where a resumed fit stops and saves: after batch 3 of epoch 2, every 2 batches
-RESUMED = {"plain": {}, "split": {}, "parts": {"dispatch_batches": False, "split_batches": True}}
+RESUMED = {
+    "plain": {},
+    "split": {},
+    "parts": {"dispatch_batches": False, "split_batches": True},
+    # rank 1's one batch is over at the save, after step 4: it pads
+    "uneven": {},
+}
+
+
+SPLITS = {"split": True, "uneven": "uneven"}
+STOPS = {"uneven": (2, 5)}  # after the save at step 4, where rank 1 pads
 
 
 def resumes(checks, dirname):
@@ -182,13 +211,16 @@ def resumes(checks, dirname):
             # the same layout, saving elsewhere: a plain stream saved inside epochs
             # is read by every rank, where without saves the main process dispatches it
             alone = TrainingCheckpoint(dirname / f"{kind}-uninterrupted", every_n_batches=2)
-            plain = fit(Positioned(X, y, split=kind == "split"), [alone])
+            plain = fit(Positioned(X, y, split=SPLITS.get(kind, False)), [alone])
             checkpoint = TrainingCheckpoint(folder, every_n_batches=2)
             try:
-                fit(Positioned(X, y, split=kind == "split"), [checkpoint, StopAt(2, 3)])
+                fit(
+                    Positioned(X, y, split=SPLITS.get(kind, False)),
+                    [checkpoint, StopAt(*STOPS.get(kind, (2, 3)))],
+                )
             except Stop:
                 pass
-            stream = Positioned(X, y, split=kind == "split")
+            stream = Positioned(X, y, split=SPLITS.get(kind, False))
             again = fit(
                 stream, [TrainingCheckpoint(folder, every_n_batches=2), ResumeTraining(folder)]
             )
@@ -265,6 +297,15 @@ def streams(checks):
         fresh_state()
         net = net_for(make_accelerator(cpu=True))
         return outcome(lambda: net.fit(FirstRankOnly(X, y), None))
+
+    @checks
+    def shuffled_read_by_every_rank():
+        """dispatch_batches=False: every rank reads the stream, in one order."""
+        fresh_state()
+        config = DataLoaderConfiguration(dispatch_batches=False)
+        stream = Shuffled(X, y)
+        net_for(make_accelerator(cpu=True, dataloader_config=config)).fit(stream, None)
+        return stream.orders[-2:]  # each epoch's (the first one read is the probe's copy's)
 
     @checks
     def fit_after_refusals():
