@@ -2400,8 +2400,10 @@ BREAKS = [
         "streams",
         "the position recorded is the batch read ahead: a resume skips a batch",
         "accel_mixin/training/streams.py",
-        "                    real, self._state = _size(current), after\n",
-        "                    real, self._state = _size(current), window[1][1] or after\n",
+        "                    real, self._state, self._before = samples_in(current), after,"
+        " before\n",
+        "                    real, self._state, self._before = samples_in(current),"
+        " window[1][1] or after, before\n",
         (
             "tests/test_streams.py::test_on_one_process_a_stream_resumes_inside_an_epoch_exactly_reading_on",
         ),

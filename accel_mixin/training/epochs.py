@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
-from skorch.dataset import get_len, unpack_data
+from skorch.dataset import unpack_data
 
 from accel_mixin.distributed.control import agreed_failure
 from accel_mixin.distributed.epoch_scores import score_on_main, share_predictions
@@ -42,6 +42,7 @@ from accel_mixin.training.shares import (
     data_batch_size,
     loss_weight,
     real_samples,
+    samples_in,
     warn_padding_trains,
 )
 from accel_mixin.training.streams import SplitStream
@@ -135,7 +136,7 @@ class EpochBatches:
                         # the generators as they were after the last batch trained
                         restore_rng(self.resume["rng"])
                         self.resume = None
-                    size = _size(batch)
+                    size = samples_in(batch)
                     gradient_state = accelerator.gradient_state
                     if self.split:
                         real, self._weight = self.iterator.real, self.iterator.weight
@@ -189,10 +190,6 @@ class EpochBatches:
             return _real_step(self.net, step, view, real, self.training, self.stepper.autocast)
 
         return real_step
-
-
-def _size(batch: Any) -> int:
-    return get_len(batch[0]) if isinstance(batch, (tuple, list)) else get_len(batch)
 
 
 def _real_step(

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from accelerate.data_loader import IterableDatasetShard
+from skorch.dataset import get_len
 
 if TYPE_CHECKING:
     from accelerate.state import GradientState
@@ -32,6 +33,7 @@ __all__ = [
     "data_batch_size",
     "loss_weight",
     "real_samples",
+    "samples_in",
     "scale_gradient",
     "warn_padding_trains",
 ]
@@ -58,6 +60,11 @@ def real_samples(
     if remainder is None:
         return batch_size
     return min(max(remainder - process_index * batch_size, 0), batch_size)
+
+
+def samples_in(batch: Any) -> int:
+    """The samples of a batch: those of its first part, for a tuple or list."""
+    return get_len(batch[0]) if isinstance(batch, (tuple, list)) else get_len(batch)
 
 
 def data_batch_size(dataloader: Any) -> int | None:

@@ -38,11 +38,9 @@ from __future__ import annotations
 import copy
 import inspect
 import pickle
-import random
 import warnings
 import zlib
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -50,8 +48,10 @@ import torch
 from accelerate.data_loader import _PYTORCH_DATALOADER_KWARGS, DataLoaderStateMixin
 from accelerate.state import GradientState
 from accelerate.utils import send_to_device, slice_tensors, synchronize_rng_states
-from skorch.dataset import get_len
 from torch.utils.data import DataLoader, IterableDataset
+
+from accel_mixin.distributed.sample_rows import fixed_random_state, generators_in
+from accel_mixin.training.shares import samples_in
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -121,29 +121,6 @@ def fingerprint(sample: Any) -> int:
         ) from exc
 
 
-@contextmanager
-def _alike_everywhere(dataset: object) -> Iterator[None]:
-    """torch's, numpy's and Python's global generators, and the dataset's own
-    ``generator`` (which accelerate synchronizes), seeded alike, and put back
-    afterwards."""
-    python, legacy = random.getstate(), np.random.get_state()
-    own = getattr(dataset, "generator", None)
-    own_state = own.get_state() if isinstance(own, torch.Generator) else None
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        random.seed(0)
-        np.random.seed(0)
-        if own_state is not None:
-            own.manual_seed(0)  # type: ignore[union-attr]
-        try:
-            yield
-        finally:
-            random.setstate(python)
-            np.random.set_state(legacy)
-            if own_state is not None:
-                own.set_state(own_state)  # type: ignore[union-attr]
-
-
 def _first_sample_print(dataset: IterableDataset) -> int:
     """The fingerprint of the first sample ``dataset`` yields on this rank,
     read from a shallow copy, so that what its iterator sets on the dataset
@@ -156,7 +133,7 @@ def _first_sample_print(dataset: IterableDataset) -> int:
         probe = dataset  # one that cannot be copied is read itself
     samples = iter(probe)
     try:
-        with _alike_everywhere(probe):
+        with fixed_random_state(generators_in(probe)):
             return fingerprint(next(samples, _NOTHING))
     finally:
         # a generator's own cleanup runs now, not when it is collected later
@@ -194,7 +171,7 @@ def stream_kind(
             "and other ranks other samples: it neither yields the same samples on every rank "
             "(a plain stream, which accelerate shares) nor splits itself by rank (each rank "
             "its own), so two ranks would train on the same samples. Split it by "
-            "torch.distributed.get_rank() and get_world_size() on every rank, or not at all."
+            "torch.distributed.get_rank() and get_worldsamples_in() on every rank, or not at all."
         )
     if kind == "plain":
         return kind
@@ -219,10 +196,6 @@ def stream_kind(
                 + f"Leave {setting} at its default with a stream that splits itself."
             )
     return kind
-
-
-def _size(batch: Any) -> int:
-    return get_len(batch[0]) if isinstance(batch, (tuple, list)) else get_len(batch)
 
 
 class SplitStream(DataLoaderStateMixin):
@@ -329,12 +302,10 @@ class SplitStream(DataLoaderStateMixin):
                 (current, after, before), real = window[0], 0
                 if current is not None:
                     last = send_to_device(current, self.device, non_blocking=self.non_blocking)
-                    real, self._state = _size(current), after
+                    real, self._state, self._before = samples_in(current), after, before
                 elif self._state is not None and not self._state.get("ended"):
                     # a resume reads the last batch again, to pad with it
                     self._state = dict(self._before or {}, ended=True)
-                if current is not None:
-                    self._before = before
                 following = None
                 if more:  # the next step's counts, summed while this one trains
                     window.append(next(batches, _ENDED) if window[1][0] is not None else _ENDED)
@@ -362,7 +333,8 @@ class SplitStream(DataLoaderStateMixin):
         batch, following = window[0][0], window[1][0]
         held = batch is not None
         return self.control.total(
-            _STEP, [held, _size(batch) if held else 0, following is not None, first and not held]
+            _STEP,
+            [held, samples_in(batch) if held else 0, following is not None, first and not held],
         )
 
     def _batches(self) -> Iterator[tuple[Any, dict[str, Any] | None, dict[str, Any] | None]]:
@@ -385,7 +357,7 @@ class SplitStream(DataLoaderStateMixin):
                 continue
             if self.kept == "parts":
                 batch = slice_tensors(batch, part)
-                if not _size(batch):
+                if not samples_in(batch):
                     continue
             after = None
             if self.keeps_state:
