@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from accelerate.utils import gather_object
 from skorch.callbacks import Callback
 
+from accel_mixin.checkpoint import storage
 from accel_mixin.checkpoint.atomic_files import remove_temporaries
 from accel_mixin.checkpoint.dcp_folder import remove_partial_folders
 from accel_mixin.checkpoint.folder_claim import claim, release
@@ -132,7 +133,7 @@ class TrainingCheckpoint(_RunCallback):
     (``training-state-000012``) and renamed into place when complete, so
     ``ResumeTraining`` never picks a half-written one; the partial folders of
     killed saves are removed at the next save. Every rank must see the run
-    folder: on several machines, a filesystem they share.
+    folder: on several machines, a filesystem they share, or an object store.
 
     One job at a time writes a run folder: while its fit runs, the main
     process holds a lock on ``.accel_mixin-writer`` in it (the kernel drops
@@ -152,7 +153,10 @@ class TrainingCheckpoint(_RunCallback):
     Parameters
     ----------
     dirname : str
-      Folder of the run folders; created if needed.
+      Folder of the run folders; created if needed. An fsspec URL
+      (``s3://bucket/runs``) puts them on an object store, which machines
+      without a shared filesystem all reach; there no lock keeps a second
+      job out of a run folder (``docs/guide/object-storage.md``).
 
     every_n_epochs : int (default=1)
       Save after every ``every_n_epochs``-th epoch.
@@ -247,8 +251,9 @@ class TrainingCheckpoint(_RunCallback):
     ) -> None:
         self._check_net(net)
         self.run_ = _fit_identity(net, X, y, self._running)
-        run_folders(self.dirname)  # a clear error where dirname is a file
-        self.run_folder_ = os.path.join(self.dirname, self.run_.folder)
+        dirname = storage.local(self.dirname)
+        run_folders(dirname)  # a clear error where dirname is a file
+        self.run_folder_ = storage.join(dirname, self.run_.folder)
         self._folder_due = True
 
     def on_epoch_begin(self, net: AccelerateMixin, **kwargs: Any) -> None:
@@ -260,7 +265,7 @@ class TrainingCheckpoint(_RunCallback):
             return
         self._folder_due = False
         try:
-            os.makedirs(self._folder, exist_ok=True)
+            storage.makedirs(self._folder)
         except OSError as exc:
             raise CheckpointError(
                 f"Cannot create the run folder {self.run_folder_} ({type(exc).__name__}: {exc}); "
@@ -375,7 +380,7 @@ class TrainingCheckpoint(_RunCallback):
         stopped: bool = False,
     ) -> None:
         name = checkpoint_name(epoch, batch, net.accelerator.num_processes)
-        path = os.path.join(self._folder, name)
+        path = storage.join(self._folder, name)
         net.save_state(path, asynchronous=asynchronous, on_written=self._written, stopped=stopped)
 
     def _preempted(self, net: AccelerateMixin, where: str) -> None:
@@ -435,7 +440,7 @@ class TrainingCheckpoint(_RunCallback):
     def _record_end(self, net: AccelerateMixin) -> None:
         if self.run_ is None or not writes_files(net.accelerator):
             return
-        if self._folder_due and not os.path.isdir(self._folder):
+        if self._folder_due and not storage.isdir(self._folder):
             return  # no epoch began and nothing resumed: no run to record
         if stopped_early(net.callbacks_):
             status = "stopped early"
@@ -514,8 +519,9 @@ class ResumeTraining(_RunCallback):
     ) -> None:
         self._check_net(net)
         identity = _fit_identity(net, X, y, self._running)
-        runs = run_folders(self.dirname)
-        own = os.path.join(self.dirname, identity.folder)
+        dirname = storage.local(self.dirname)
+        runs = run_folders(dirname)
+        own = storage.join(dirname, identity.folder)
         if identity.key in runs:
             read_manifest(own)  # a clear error where it was edited
         source = None  # the other run this one continues, if any
@@ -570,7 +576,7 @@ class ResumeTraining(_RunCallback):
             )
         # not for a fit that is never resumed: a warning said why
         if self._speaks(net) and not identity.described.get("unique"):
-            line = _fresh_start(identity, self.dirname, runs)
+            line = _fresh_start(identity, dirname, runs)
             if line:
                 self.sink(line)
 
@@ -597,6 +603,9 @@ class ResumeTraining(_RunCallback):
 
 
 def _same_folder(dirname: str | os.PathLike[str]) -> str:
+    dirname = storage.local(dirname)
+    if storage.is_url(dirname):
+        return str(dirname).rstrip("/")
     return os.path.normcase(os.path.realpath(os.fspath(dirname)))
 
 

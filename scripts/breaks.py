@@ -69,6 +69,7 @@ MP = "tests/test_multiprocess.py::"
 SYNC = "tests/test_sync.py::"
 DIV = "tests/test_divergence.py::"
 SCORES = "tests/test_epoch_scores.py::"
+OS = "tests/test_object_store.py::"
 FSDP = "tests/test_fsdp.py::"
 COORDINATION = "tests/test_coordination.py::"
 FSDP_STATE = "tests/test_fsdp_resume.py::"
@@ -952,9 +953,9 @@ BREAKS = [
         "the run folder is created at train begin: a fit that fails there leaves an empty "
         "run folder, one more run of its name",
         "accel_mixin/callbacks.py",
-        "        self.run_folder_ = os.path.join(self.dirname, self.run_.folder)\n",
-        "        self.run_folder_ = os.path.join(self.dirname, self.run_.folder)\n"
-        "        os.makedirs(self.run_folder_, exist_ok=True)\n",
+        "        self.run_folder_ = storage.join(dirname, self.run_.folder)\n",
+        "        self.run_folder_ = storage.join(dirname, self.run_.folder)\n"
+        "        storage.makedirs(self.run_folder_)\n",
         ("tests/test_runs.py", "-m", "not multiprocess"),
     ),
     Break(
@@ -2038,8 +2039,8 @@ BREAKS = [
         "positions",
         "ResumeTraining finds old .pt files only, never a state folder",
         "accel_mixin/checkpoint/positions.py",
-        "        if is_file != os.path.isfile(path) or",
-        "        if not is_file or",
+        "        elif is_file != os.path.isfile(path) or",
+        "        elif not is_file or",
         ("tests/test_resume.py::test_resumed_run_repeats_the_uninterrupted_one_bit_for_bit",),
     ),
     launched(
@@ -2471,6 +2472,52 @@ BREAKS = [
         "    return process_index * data_batch < step\n",
         "    return True\n",
         ("tests/test_streams.py",),
+    ),
+    # --- issue 48: object storage ---
+    Break(
+        "object-states-commit-removes-its-own-version",
+        "object_states",
+        "a save on an object store removes every version once committed, its own too",
+        "accel_mixin/checkpoint/object_states.py",
+        "    _remove_versions(url, keep=version)\n",
+        "    _remove_versions(url, keep=None)\n",
+        (OS + "test_save_state_commits_a_new_version_and_removes_the_old",),
+    ),
+    Break(
+        "object-states-uncommitted-taken-as-state",
+        "object_states",
+        "a state on an object store counts as saved without its commit marker",
+        "accel_mixin/checkpoint/dcp_folder.py",
+        "        return object_states.committed_version(str(path)) is not None\n",
+        "        return storage.exists(str(path))\n",
+        (OS + "test_a_state_without_a_commit_is_no_state",),
+    ),
+    Break(
+        "object-states-killed-saves-left",
+        "object_states",
+        "what a killed save left on an object store stays there for good",
+        "accel_mixin/checkpoint/object_states.py",
+        "        if keep is None:\n            storage.remove(url)\n",
+        "        if keep is None:\n            pass\n",
+        (OS + "test_a_state_without_a_commit_is_no_state",),
+    ),
+    Break(
+        "remote-files-named-by-the-local-copy",
+        "remote_files",
+        "an error about a file at a URL names its temporary local copy",
+        "accel_mixin/checkpoint/remote_files.py",
+        "        if text == said:\n            raise\n",
+        "        raise\n",
+        (OS + "test_a_damaged_file_at_a_url_is_named_by_its_url",),
+    ),
+    launched(
+        "storage-stale-listings",
+        "storage",
+        "fsspec's cached listings are trusted: a rank misses what another rank wrote",
+        "accel_mixin/checkpoint/storage.py",
+        "    fs.invalidate_cache(path)\n    return fs, path\n",
+        "    return fs, path\n",
+        ("tests/test_object_store.py",),
     ),
 ]
 

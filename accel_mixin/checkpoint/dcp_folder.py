@@ -10,6 +10,10 @@ values, generators) travel as one DCP item per key (``plain``) and load with
 ``weights_only=False``, and its reader unpickles ``.metadata`` without
 restriction, so both are replaced here.
 
+At an fsspec URL (an object store, where nothing renames) the folder is a
+new version of the state and a marker uploaded last is the commit
+(``object_states``); DCP's fsspec writer and reader do the rest.
+
 ``save_state`` writes training states with it (``state_saves``); see
 ``docs/guide/architecture.md``, "Checkpoint format".
 """
@@ -28,8 +32,12 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint._nested_dict import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+from accel_mixin.checkpoint import object_states, storage
+from accel_mixin.errors import CheckpointError
 
 if TYPE_CHECKING:
     import io
@@ -129,21 +137,49 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
-class SafeReader(FileSystemReader):
-    """DCP's reader of a folder, whose ``.metadata`` unpickles DCP's own
-    classes only."""
+class _SafeMetadata:
+    """A DCP reader whose ``.metadata`` unpickles DCP's own classes only."""
+
+    fs: Any
+    path: Any
+    load_id: str
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = os.path.join(os.fspath(self.path), METADATA)
-        with open(path, "rb") as file:
+        path = self.fs.concat_path(self.path, METADATA)
+        with self.fs.create_stream(path, "rb") as file:
             metadata = _MetadataUnpickler(file).load()
         if getattr(metadata, "storage_meta", None) is not None:
             metadata.storage_meta.load_id = self.load_id
         return metadata
 
 
+class SafeReader(_SafeMetadata, FileSystemReader):
+    """DCP's reader of a local folder, whose ``.metadata`` is read safely."""
+
+
+class SafeFsspecReader(_SafeMetadata, FsspecReader):
+    """DCP's reader of a folder of fsspec's, whose ``.metadata`` is read safely."""
+
+
+def reader(path: str | os.PathLike[str]) -> FileSystemReader:
+    """The safe DCP reader of the training state ``path``: a local folder,
+    or the committed version of a state on an object store."""
+    if not storage.is_url(path):
+        return SafeReader(os.fspath(path))
+    folder = object_states.committed_version(str(path))
+    if folder is None:
+        raise CheckpointError(
+            f"{path} is not a training state: no save of it committed there (no "
+            f"{object_states.MARKER}). Load a complete one (ResumeTraining finds the newest)."
+        )
+    return SafeFsspecReader(folder)
+
+
 def is_state_folder(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a committed DCP folder (``.metadata`` inside)."""
+    """Whether ``path`` is a committed DCP folder (``.metadata`` inside; on
+    an object store, a commit marker)."""
+    if storage.is_url(path):
+        return object_states.committed_version(str(path)) is not None
     return os.path.isfile(os.path.join(os.fspath(path), METADATA))
 
 
@@ -228,6 +264,8 @@ def _remove(path: str) -> None:
 def set_aside(path: str | os.PathLike[str]) -> list[str]:
     """The committed folders that replacing ``path`` renamed aside and a
     crash left there (``commit_folder``), newest first."""
+    if storage.is_url(path):
+        return []  # an object store's state keeps its previous version until committed
     directory, name = os.path.split(os.path.abspath(os.fspath(path)))
     try:
         entries = os.listdir(directory)
@@ -245,6 +283,9 @@ def remove_partial_folders(directory: str | os.PathLike[str], name: str | None =
     """Remove the partial and aside folders in ``directory`` (of ``name``
     only, if given): what killed saves left. Only where no save into
     ``directory`` is in flight."""
+    if storage.is_url(directory):
+        object_states.remove_uncommitted(str(directory), name)
+        return
     with contextlib.suppress(OSError):
         for entry in os.listdir(directory):
             if not entry.startswith("."):
@@ -294,12 +335,26 @@ def save_folder(
     """
     import torch.distributed.checkpoint as dcp  # pylint: disable=import-outside-toplevel
 
-    partial = partial_folder(path, secrets.token_hex(6) if alone else new_token(group))
+    token = secrets.token_hex(6) if alone else new_token(group)
     commits = alone or not _distributed() or torch.distributed.get_rank() == 0
+    # on an object store: a new version of the state, committed by its marker
+    remote = storage.is_url(path)
+    partial = (
+        object_states.version_folder(str(path), token) if remote else partial_folder(path, token)
+    )
+    target: dict[str, Any] = (
+        # uploads are durable once closed: no fsync, which would sync the machine's disks
+        {"storage_writer": FsspecWriter(partial, sync_files=False)}
+        if remote
+        else {"checkpoint_id": partial}
+    )
 
     def commit() -> None:
         if commits:
-            commit_folder(partial, path)
+            if remote:
+                object_states.commit(str(path), token)
+            else:
+                commit_folder(partial, path)
             if on_committed is not None:
                 on_committed()
 
@@ -307,7 +362,7 @@ def save_folder(
     no_dist = not _distributed() or (alone and group is None)
     with one_process_quietly(no_dist):
         if not asynchronous:
-            dcp.save(state, checkpoint_id=partial, process_group=group, no_dist=no_dist)
+            dcp.save(state, **target, process_group=group, no_dist=no_dist)
             commit()
             return None
         # a Future: DCP returns an AsyncSaveResponse only where the stager's
@@ -316,7 +371,7 @@ def save_folder(
             "concurrent.futures.Future[Metadata]",
             dcp.async_save(
                 state,
-                checkpoint_id=partial,
+                **target,
                 process_group=group,
                 no_dist=no_dist,
                 **({} if stager is None else {"async_stager": stager}),
@@ -342,7 +397,7 @@ def save_folder(
 def saved_keys(path: str | os.PathLike[str]) -> dict[str, list[str]]:
     """The top-level keys of the DCP folder ``path`` and, for each, the
     flattened keys under it (``.metadata`` read safely)."""
-    metadata = SafeReader(os.fspath(path)).read_metadata()
+    metadata = reader(path).read_metadata()
     keys: dict[str, list[str]] = {}
     for fqn in metadata.state_dict_metadata:
         keys.setdefault(fqn.split(".", 1)[0], []).append(fqn)
@@ -365,7 +420,7 @@ def load_folder(
     with one_process_quietly():
         dcp.load(
             state,
-            storage_reader=SafeReader(os.fspath(path)),
+            storage_reader=reader(path),
             planner=WeightsOnlyPlanner(torch_load_kwargs, allow_partial_load=partial),
             process_group=group,
             no_dist=not _distributed(),
@@ -388,8 +443,7 @@ def read_full(
         TensorStorageMetadata,
     )
 
-    reader = SafeReader(os.fspath(path))
-    metadata = reader.read_metadata()
+    metadata = reader(path).read_metadata()
     paths = metadata.planner_data or {}
     flat: dict[str, Any] = {}
     for fqn, item in metadata.state_dict_metadata.items():
@@ -405,7 +459,7 @@ def read_full(
         import torch.distributed.checkpoint as dcp  # pylint: disable=import-outside-toplevel
 
         planner = WeightsOnlyPlanner(torch_load_kwargs, flatten_state_dict=False)
-        dcp.load(flat, storage_reader=SafeReader(os.fspath(path)), planner=planner, no_dist=True)
+        dcp.load(flat, storage_reader=reader(path), planner=planner, no_dist=True)
     # DCP loads into a shallow copy: tensors are filled in place, plain values
     # are in the planner's dict only
     flat.update((fqn, value) for fqn, value in planner.state_dict.items() if flat[fqn] is None)

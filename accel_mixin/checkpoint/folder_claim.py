@@ -12,7 +12,7 @@ On shared filesystems: Linux's NFS client turns ``flock`` into a lock on the
 whole file that the server holds across machines (a machine that dies loses
 it once its lease ends, about 90 s on NFSv4); Lustre has it when mounted with
 ``-o flock``. Where the filesystem has no locks, ``flock`` fails and nothing
-is refused.
+is refused; so on an object store (an fsspec URL), which has none.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import os
 import socket
 import time
 from types import ModuleType
+
+from accel_mixin.checkpoint import storage
 
 fcntl: ModuleType | None
 try:
@@ -49,6 +51,8 @@ def _who() -> str:
 def claim(folder: str | os.PathLike[str]) -> str | None:
     """Claim ``folder`` for this process; None once it holds it, or what
     the marker says of the live process that holds it instead."""
+    if storage.is_url(folder):
+        return None
     key = os.path.realpath(folder)
     if key in _HELD:
         _HELD[key][1] += 1

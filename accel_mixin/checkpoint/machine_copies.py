@@ -6,7 +6,8 @@ gathered first; the other ranks wait for it in ``save_state``'s run. Each
 rank then reads its own machine's copy, and ``ResumeTraining`` resumes from
 the newest one every rank has (``positions.agreed_checkpoint``).
 
-On one machine, where every rank sees the folder, the ranks write one state
+On one machine, where every rank sees the folder, and on an object store
+(an fsspec URL), which every machine sees, the ranks write one state
 together whatever ``save_on_each_node`` says.
 """
 
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from accelerate.utils import gather_object
 
+from accel_mixin.checkpoint import storage
 from accel_mixin.distributed.process_layout import saves_on_each_node, writes_files
 from accel_mixin.distributed.sharding import sharded
 from accel_mixin.errors import CheckpointError
@@ -38,7 +40,11 @@ def machine_copies(
     A collective where ``save_on_each_node`` is set on several processes:
     the ranks learn there how many processes write files (one per machine).
     """
-    if accelerator.num_processes == 1 or not saves_on_each_node(accelerator):
+    if (
+        accelerator.num_processes == 1
+        or not saves_on_each_node(accelerator)
+        or storage.is_url(path)  # every machine sees an object store
+    ):
         return None
     gathered = gather_object([(writes_files(accelerator), entries())])
     if sum(writes for writes, _ in gathered) < 2:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from accel_mixin.checkpoint import atomic_files as _files
+from accel_mixin.checkpoint import remote_files, storage
 from accel_mixin.checkpoint.weights import (
     File,
     check_readable,
@@ -49,6 +50,9 @@ class SafeParamsMixin(_Net):
       names in their target directories; once all of them are complete they
       are fsynced and renamed into place together. A crash or an error
       during a save leaves the previous files as they were.
+    - A file name may be an fsspec URL (``s3://bucket/params.pt``): the file
+      is written locally and uploaded once complete, in one upload, and
+      read from a local copy (``checkpoint.remote_files``).
     - Module keys are saved without the ``module.`` and ``_orig_mod.``
       prefixes of DDP and ``torch.compile``; loading strips such prefixes
       when every key of the file carries them.
@@ -89,6 +93,7 @@ class SafeParamsMixin(_Net):
             f_history=f_history,
             **kwargs,
         )
+        files = {key: storage.local(f) for key, f in files.items()}
         for attr, f in check_f_arguments("save_params", **files)[0].items():
             obj = self.__dict__.get(attr)  # a missing one: skorch's error
             if use_safetensors and obj is not None and not isinstance(obj, torch.nn.Module):
@@ -100,6 +105,8 @@ class SafeParamsMixin(_Net):
         named = {key: f for key, f in files.items() if isinstance(f, (str, os.PathLike))}
         gathered = self.__dict__.get(_GATHERED, {})
         with (
+            # a URL's file is written here, then uploaded (remote_files)
+            remote_files.uploaded(named) as named,
             _files.atomic_files(named.values()) as temporaries,
             ExitStack() as opened,
             self._accessing(lambda attr, obj: _Saving(obj, gathered.get(attr))),
@@ -127,6 +134,21 @@ class SafeParamsMixin(_Net):
         safe and tolerant of wrapper prefixes, and errors name the file.
 
         """
+        given = dict(
+            kwargs,
+            f_params=f_params,
+            f_optimizer=f_optimizer,
+            f_criterion=f_criterion,
+            f_history=f_history,
+        )
+        if any(isinstance(f, str) and "://" in f for f in given.values()):
+            # file:// as a path; other URLs read from local copies, errors naming the URLs
+            given = {key: storage.local(f) for key, f in given.items()}
+            with remote_files.fetched(given) as fetched:
+                SafeParamsMixin.load_params(
+                    self, checkpoint=checkpoint, use_safetensors=use_safetensors, **fetched
+                )
+            return
         explicit = dict(kwargs, f_params=f_params, f_optimizer=f_optimizer, f_criterion=f_criterion)
 
         def files() -> dict[str, File]:

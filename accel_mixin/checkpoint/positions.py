@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from accelerate.utils import gather_object
 
+from accel_mixin.checkpoint import storage
 from accel_mixin.checkpoint.dcp_folder import is_state_folder
 from accel_mixin.errors import CheckpointError
 
@@ -80,17 +81,21 @@ _Found = tuple[str, "int | None", bool]
 def _states(dirname: Path) -> dict[Position, list[_Found]]:
     """``{(epoch, batch): [(path, processes, folder), ...]}``: files before folders."""
     try:
-        names = sorted(os.listdir(dirname))
+        names = sorted(storage.listdir(dirname))
     except FileNotFoundError:
         return {}
+    remote = storage.is_url(dirname)
     found: dict[Position, list[_Found]] = {}
     for name in names:
         match = _CHECKPOINT_RE.match(name)
         if match is None:
             continue
-        path = os.path.join(dirname, name)
+        path = storage.join(dirname, name)
         is_file = match.group("file") is not None
-        if is_file != os.path.isfile(path) or not (is_file or is_state_folder(path)):
+        if remote:  # states only, no earlier release's files
+            if is_file or not is_state_folder(path):
+                continue
+        elif is_file != os.path.isfile(path) or not (is_file or is_state_folder(path)):
             continue  # a folder without .metadata, a file named as a folder
         position = (int(match.group(1)), int(match.group(2) or 0))
         processes = int(match.group(3)) if match.group(2) else None

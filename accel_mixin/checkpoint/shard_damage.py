@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from accel_mixin.checkpoint import storage
 from accel_mixin.checkpoint.dcp_folder import SafeReader
 from accel_mixin.checkpoint.positions import checkpoint_files
 
@@ -109,6 +110,12 @@ def damaged_message(source: str, folder: str, detail: str) -> str:
     """What to say of ``source``, whose folder of shards ``folder`` (for a
     training-state folder, itself) is damaged (``detail``: what failed), and
     what to do."""
+    if storage.is_url(source):
+        return (
+            f"{source} cannot be loaded: its files are damaged or unreadable ({detail}); "
+            "they were deleted or overwritten since it was saved, or the store failed. Load "
+            "another state, or train afresh."
+        )
     found = _problems(folder) if os.path.isdir(folder) else ["it is missing"]
     if found:
         detail = f"{'; '.join(found)}; {detail}"

@@ -15,9 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from accel_mixin.checkpoint import storage
 from accel_mixin.checkpoint.atomic_files import check_directory, without_name, write_cause
 from accel_mixin.checkpoint.dcp_folder import (
     checkpoint_exception,
+    is_state_folder,
     remove_partial_folders,
     save_folder,
 )
@@ -59,17 +61,26 @@ def _save_error(
 ) -> CheckpointError:
     """``CheckpointError`` for the save of ``path`` that ``exc`` ended; rank 0
     (or a process that saved ``alone``) removes the save's partial folder first."""
-    directory, name = os.path.split(os.path.abspath(os.fspath(path)))
+    directory, name = storage.split(path)
     rank = torch.distributed.get_rank() if _distributed() else 0
     # the cause looked up before the partial folder frees the space
     failed = _failed_writes(directory, exc, rank)
     if alone or rank == 0:
         remove_partial_folders(directory, name)
-    before = "the state saved there before is intact" if os.path.exists(path) else "none was"
+    before = "the state saved there before is intact" if _saved_before(path) else "none was"
     return CheckpointError(
         f"Cannot save the training state {path}: writing it failed on {failed}. "
         f"{path} was not written ({before}); its partial folder is removed."
     )
+
+
+def _saved_before(path: str | os.PathLike[str]) -> bool:
+    if not storage.is_url(path):
+        return os.path.exists(path)
+    try:
+        return is_state_folder(path)
+    except (OSError, CheckpointError):  # the store unreachable: none that this save knows of
+        return False
 
 
 def save_state_folder(
@@ -85,8 +96,9 @@ def save_state_folder(
     """``dcp_folder.save_folder`` whose failures raise ``CheckpointError``;
     asynchronous: a ``SaveInFlight``. Where the directory to save in is
     missing, every rank raises before anything is written (DCP would create
-    it)."""
-    check_directory(path)
+    it; an object store has no folders to check)."""
+    if not storage.is_url(path):
+        check_directory(path)
     try:
         future = save_folder(
             state,

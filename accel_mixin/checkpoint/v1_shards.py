@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from accel_mixin.checkpoint import object_states, storage
 from accel_mixin.checkpoint.dcp_folder import (
     checkpoint_exception,
     failures,
@@ -202,6 +203,9 @@ def load_sharded_best_weights(
 def remove_training_state(path: str | os.PathLike[str]) -> None:
     """Remove the training state ``path``: a folder, or an earlier release's
     file and its folders of shards."""
+    if storage.is_url(path):
+        object_states.remove_state(str(path))
+        return
     if os.path.isdir(path) and not os.path.islink(path):
         # renamed aside first: a crash halfway leaves no folder under its name
         # that looks whole and is not

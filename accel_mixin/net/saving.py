@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from skorch.exceptions import DeviceWarning
 
+from accel_mixin.checkpoint import storage
 from accel_mixin.checkpoint.machine_copies import machine_copies
 from accel_mixin.checkpoint.params import SafeParamsMixin
 from accel_mixin.checkpoint.state_saves import save_state_folder
@@ -88,7 +89,8 @@ class CheckpointingMixin(SafeParamsMixin):
     def save_params(self, *args: Any, **kwargs: Any) -> None:
         """Save the parameters of the net's modules, optimizers and history.
 
-        Accepts the arguments of ``skorch.net.NeuralNet.save_params``. Keys
+        Accepts the arguments of ``skorch.net.NeuralNet.save_params``; file
+        names may be fsspec URLs (``s3://bucket/params.pt``). Keys
         carry no DDP prefix, so the files load into accelerated and plain
         skorch nets alike. Only the main process writes; every process returns
         once the files are complete, and raises if the write failed.
@@ -153,7 +155,8 @@ class CheckpointingMixin(SafeParamsMixin):
     def load_params(self, *args: Any, **kwargs: Any) -> None:
         """Load the parameters of the net's modules, optimizers and history.
 
-        Accepts the arguments of ``skorch.net.NeuralNet.load_params``. Every
+        Accepts the arguments of ``skorch.net.NeuralNet.load_params``; file
+        names may be fsspec URLs. Every
         process loads into the unwrapped objects; with ``device=None`` files
         are mapped to the CPU and the accelerator places the objects. If
         loading fails on any process, every process raises.
@@ -218,7 +221,9 @@ class CheckpointingMixin(SafeParamsMixin):
         Parameters
         ----------
         path : str or os.PathLike
-          The folder to write.
+          The folder to write, or an fsspec URL (``s3://bucket/state``),
+          where a commit marker uploaded last stands for the rename
+          (``docs/guide/object-storage.md``).
 
         asynchronous : bool (default=False)
           If True, copy the state to CPU memory and write it with
@@ -238,6 +243,7 @@ class CheckpointingMixin(SafeParamsMixin):
           decided to stop.
 
         """
+        path = storage.local(path)
         with (
             self._unwrapped(),
             quiet_unless_main(self.accelerator),
@@ -341,7 +347,7 @@ class CheckpointingMixin(SafeParamsMixin):
         Parameters
         ----------
         path : str or os.PathLike
-          A folder that ``save_state`` wrote (or a file that an earlier
+          A folder or fsspec URL that ``save_state`` wrote (or a file that an earlier
           release's ``save_state`` wrote).
 
         Raises
@@ -356,7 +362,7 @@ class CheckpointingMixin(SafeParamsMixin):
             self._wait_for_writes_in_flight("load_state")
             if not self.initialized_:
                 self.initialize()
-            self._resume(os.fspath(path))
+            self._resume(os.fspath(storage.local(path)))
 
     def _resume(self, path: str) -> None:
         """``load_state`` once the net is initialized: ``resume.load``'s steps,

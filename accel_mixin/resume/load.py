@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from skorch.history import History
 
+from accel_mixin.checkpoint import storage
 from accel_mixin.checkpoint.dcp_folder import (
     METADATA,
     checkpoint_exception,
@@ -22,6 +23,7 @@ from accel_mixin.checkpoint.dcp_folder import (
     saved_keys,
     set_aside,
 )
+from accel_mixin.checkpoint.object_states import MARKER
 from accel_mixin.checkpoint.params import load_optimizer_state
 from accel_mixin.checkpoint.shard_damage import damaged_message
 from accel_mixin.checkpoint.v1_shards import (
@@ -62,7 +64,7 @@ __all__ = ["read", "restore_training", "restore_weights"]
 def read(net: NeuralNet, path: str) -> dict[str, Any]:
     """The training state at ``path``, for ``net``: a folder (sharded nets
     read all but what they load in place) or an earlier release's file."""
-    if os.path.isdir(path):
+    if storage.is_url(path) or os.path.isdir(path):
         return _read_folder(net, path)
     if not os.path.lexists(path):
         aside = set_aside(path)
@@ -92,8 +94,9 @@ def _read_folder(net: NeuralNet, path: str) -> dict[str, Any]:
     one process or DDP; a sharded net reads all but the modules, optimizers
     and best weights, which it loads into what it holds (``InFolder``)."""
     if not is_state_folder(path):
+        what = f"no {MARKER}" if storage.is_url(path) else f"a folder without {METADATA}"
         raise CheckpointError(
-            f"{path} is a folder without {METADATA}: not a training state saved by save_state, "
+            f"{path} has {what}: not a training state saved by save_state, "
             "or one whose save did not complete. Load a complete one (ResumeTraining finds "
             "the newest)."
         )

@@ -41,6 +41,7 @@ from accelerate.utils import gather_object
 from skorch.callbacks import Callback
 from skorch.callbacks import logging as skorch_logging
 
+from accel_mixin.checkpoint import storage
 from accel_mixin.checkpoint.atomic_files import atomic_write
 from accel_mixin.errors import CheckpointError
 from accel_mixin.resume.describe import Describer, fingerprint, init_defaults, name_of
@@ -285,7 +286,7 @@ def differs_from_newest(identity: RunIdentity, runs: dict[str, str]) -> str:
     of those with its name where it has one and some have."""
     named = {key: folder for key, folder in runs.items() if identity.name == _name(key)}
     runs = named if identity.name and named else runs
-    newest = max(runs, key=lambda run: os.path.getmtime(runs[run]))
+    newest = max(runs, key=lambda run: _updated(runs[run]))
     try:
         manifest = read_manifest(runs[newest])
     except CheckpointError:
@@ -298,16 +299,24 @@ def differs_from_newest(identity: RunIdentity, runs: dict[str, str]) -> str:
     return f"it differs from the newest, {newest}, in: {differs}"
 
 
+def _updated(folder: str) -> float:
+    """When the run folder ``folder`` last changed: on an object store, whose
+    folders have no time, when its manifest did."""
+    if storage.is_url(folder):
+        return storage.modified(storage.join(folder, MANIFEST))
+    return os.path.getmtime(folder)
+
+
 def run_folders(dirname: Path) -> dict[str, str]:
     """The run folders in ``dirname``, by run key (``RunIdentity.key``:
     the id, after the name for a named run)."""
-    if os.path.exists(dirname) and not os.path.isdir(dirname):
+    if storage.exists(dirname) and not storage.isdir(dirname):
         raise CheckpointError(
             f"{dirname} is a file, not a folder of runs: pass TrainingCheckpoint and "
             "ResumeTraining the name of a folder (created if missing)."
         )
     try:
-        names = os.listdir(dirname)
+        names = storage.listdir(dirname)
     except FileNotFoundError:
         return {}
     except NotADirectoryError as exc:
@@ -315,10 +324,12 @@ def run_folders(dirname: Path) -> dict[str, str]:
             f"{dirname} cannot be a folder of runs: a part of its path is a file. Pass "
             "TrainingCheckpoint and ResumeTraining the name of a folder."
         ) from exc
+    # on an object store, each name listed as a folder is one: no look each
+    isdir = (lambda _: True) if storage.is_url(dirname) else os.path.isdir
     return {
-        name[len(RUN_PREFIX) :]: os.path.join(dirname, name)
+        name[len(RUN_PREFIX) :]: storage.join(dirname, name)
         for name in sorted(names)
-        if name.startswith(RUN_PREFIX) and os.path.isdir(os.path.join(dirname, name))
+        if name.startswith(RUN_PREFIX) and isdir(storage.join(dirname, name))
     }
 
 
@@ -349,10 +360,9 @@ def find_run(runs: Mapping[str, str], wanted: str, own: RunIdentity | None = Non
 def read_manifest(folder: str) -> dict[str, Any] | None:
     """The manifest of a run folder, None where it has none yet; raises
     where it is not one that ``write_manifest`` wrote."""
-    path = os.path.join(folder, MANIFEST)
+    path = storage.join(folder, MANIFEST)
     try:
-        with open(path, encoding="utf-8") as f:
-            manifest = json.load(f)
+        manifest = json.loads(storage.read_bytes(path))
     except FileNotFoundError:
         return None
     except (ValueError, UnicodeDecodeError) as exc:
@@ -360,7 +370,7 @@ def read_manifest(folder: str) -> dict[str, Any] | None:
             f"{path} is not a readable run manifest ({type(exc).__name__}: {exc}). Restore it, "
             f"or delete the folder {folder} to drop that run."
         ) from exc
-    expected = os.path.basename(folder)[len(RUN_PREFIX) :]
+    expected = storage.split(folder)[1][len(RUN_PREFIX) :]
     if (
         not isinstance(manifest, dict)
         or manifest.get("format") != _FORMAT
@@ -392,4 +402,7 @@ def write_manifest(
         "identity": identity.described,
     }
     text = json.dumps(manifest, indent=1, sort_keys=True).encode()
-    atomic_write(os.path.join(folder, MANIFEST), lambda f: f.write(text))
+    if storage.is_url(folder):
+        storage.write_bytes(storage.join(folder, MANIFEST), text)
+    else:
+        atomic_write(os.path.join(folder, MANIFEST), lambda f: f.write(text))
