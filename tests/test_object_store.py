@@ -140,6 +140,19 @@ def test_an_unknown_protocol_names_the_package_to_install():
         net.load_params(f_params="nosuchfs://bucket/params.pt")
 
 
+def test_a_listing_sees_what_another_process_wrote_since(bucket):
+    """fsspec caches listings per client: another rank's client (here a
+    second one, as another process has) writes behind this one's back."""
+    import s3fs  # pylint: disable=import-outside-toplevel
+
+    storage.write_bytes(f"{bucket}/runs/a", b"1")
+    assert storage.listdir(f"{bucket}/runs") == ["a"]
+    other = s3fs.S3FileSystem(skip_instance_cache=True)
+    other.pipe_file(f"{bucket.removeprefix('s3://')}/runs/b", b"2")
+    assert sorted(storage.listdir(f"{bucket}/runs")) == ["a", "b"]
+    assert storage.exists(f"{bucket}/runs/b")
+
+
 def test_save_state_commits_a_new_version_and_removes_the_old(bucket):
     net = _net().fit(X, y)
     state = f"{bucket}/state"
