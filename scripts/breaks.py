@@ -2367,15 +2367,17 @@ BREAKS = [
         "    if False:\n",
         ("tests/test_parallelism.py",),
     ),
-    Break(
-        "parallelism-hsdp-accepted",
-        "parallelism",
-        "HSDP under FSDP2 is taken for sharding across every process",
-        "accel_mixin/distributed/parallelism.py",
-        "        if sharded(accelerator) and config.dp_replicate_enabled"
-        " and config.dp_shard_enabled:\n",
-        "        if False:\n",
-        ("tests/test_parallelism.py",),
+    launched(
+        "sharding-hsdp-cut-as-one-dimension",
+        "sharding",
+        "a full tensor loaded into HSDP is cut as if sharded across every process",
+        "accel_mixin/distributed/sharding.py",
+        "    return distribute_tensor(full, like.device_mesh, like.placements,"
+        " src_data_rank=None)\n",
+        "    from torch.distributed.tensor import Shard  # noqa: PLC0415\n\n"
+        "    placements = [Shard(0)] * like.device_mesh.ndim\n"
+        "    return distribute_tensor(full, like.device_mesh, placements, src_data_rank=None)\n",
+        ("tests/test_hsdp.py",),
     ),
     # --- issue 48: streams ---
     launched(

@@ -50,11 +50,9 @@ def _accelerator(config, fsdp2=True, backend="NO", precision="no"):
     )
 
 
-def test_hsdp_is_refused_until_it_is_handled():
-    hsdp = ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)
-    with pytest.raises(ValueError, match=r"HSDP yet \(ParallelismConfig\(dp_replicate_size=2"):
-        check_parallelism(_accelerator(hsdp))
-    # sharding across every process, and replicas without sharding, are the mixin's
+def test_data_parallelism_of_every_shape_is_accepted():
+    # HSDP: replicated across 2, sharded across 2 (trained in tests/test_hsdp.py)
+    check_parallelism(_accelerator(ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)))
     check_parallelism(_accelerator(ParallelismConfig(dp_shard_size=4)))
     check_parallelism(_accelerator(ParallelismConfig(dp_replicate_size=4), fsdp2=False))
 

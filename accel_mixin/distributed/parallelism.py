@@ -7,8 +7,14 @@ mixin prepares a DDP module with ``prepare_model`` (so that it can unwrap
 and rewrap it), which applies none of them: without a check the net would
 train without them and say nothing. Context and sequence parallelism also
 need the training step to split each sequence (``maybe_context_parallel``),
-which skorch's step does not. HSDP (``dp_replicate_size`` x
-``dp_shard_size`` under FSDP2) is not handled yet either.
+which skorch's step does not.
+
+HSDP (``dp_replicate_size`` x ``dp_shard_size`` under FSDP2) is data
+parallelism, and ``prepare_model`` applies it: accelerate's FSDP2
+preparation shards each module on the ``ParallelismConfig``'s 2-D mesh,
+replicated across its first dimension and sharded along its second; the
+training states, ``save_params``' gathering and resharding work on its
+DTensors as on FSDP2's (``tests/test_hsdp.py``).
 """
 
 from __future__ import annotations
@@ -59,15 +65,6 @@ def check_parallelism(accelerator: Accelerator) -> None:
                     f"AccelerateMixin cannot train with {name} (ParallelismConfig("
                     f"{dimension}_size={size})): {why}. {_ALTERNATIVES}"
                 )
-        if sharded(accelerator) and config.dp_replicate_enabled and config.dp_shard_enabled:
-            raise ValueError(
-                "AccelerateMixin does not train with HSDP yet (ParallelismConfig("
-                f"dp_replicate_size={config.dp_replicate_size}, "
-                f"dp_shard_size={config.dp_shard_size}) under FSDP2): its training "
-                "states, replica checks and resharding are built and proven for FSDP2 "
-                "sharding across every process. Shard across all processes "
-                "(dp_shard_size = the number of processes, or no ParallelismConfig)."
-            )
     # an enum in recent accelerate releases, a string in older ones
     backend = getattr(accelerator, "fp8_backend", None)
     backend = str(getattr(backend, "value", backend) or "NO")

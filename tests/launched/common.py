@@ -94,6 +94,22 @@ def make_fsdp_accelerator(fsdp_version=2, plugin=None, **kwargs):
     return accelerator
 
 
+def make_hsdp_accelerator(replicate, shard, **kwargs):
+    """Test only: ``make_fsdp_accelerator`` with HSDP, FSDP2 on a
+    ``replicate`` x ``shard`` mesh: the ``ParallelismConfig`` and its device
+    mesh set on the state as accelerate sets them on GPUs (on CPU it refuses
+    a ``ParallelismConfig`` of several processes, MULTI_CPU being no "multi
+    device" to it)."""
+    from accelerate.utils import ParallelismConfig
+
+    accelerator = make_fsdp_accelerator(**kwargs)
+    config = ParallelismConfig(dp_replicate_size=replicate, dp_shard_size=shard)
+    state = AcceleratorState()
+    state.parallelism_config = config
+    state.device_mesh = config.build_device_mesh("cpu")
+    return accelerator
+
+
 # the partial state's type before make_fsdp_accelerator set FSDP there
 _PARTIAL_TYPE = {}
 
@@ -104,6 +120,24 @@ def fresh_state():
     AcceleratorState._reset_state()  # pylint: disable=protected-access
     GradientState._reset_state()  # pylint: disable=protected-access
     PartialState._shared_state.update(_PARTIAL_TYPE)  # pylint: disable=protected-access
+
+
+def seeded_net(max_epochs, callbacks=(), accelerator=None, **kwargs):
+    """A net with Adam, batches of 16 and torch's seed 0, on a new
+    ``accelerator()`` (``make_accelerator`` by default) once the previous
+    accelerator state is forgotten."""
+    fresh_state()
+    torch.manual_seed(0)
+    return AcceleratedNet(
+        MLP,
+        accelerator=(accelerator or make_accelerator)(),
+        max_epochs=max_epochs,
+        batch_size=16,
+        optimizer=torch.optim.Adam,
+        verbose=0,
+        callbacks=list(callbacks),
+        **kwargs,
+    )
 
 
 def make_data(n=600, n_features=20, seed=0, noise=0.0):

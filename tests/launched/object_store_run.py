@@ -15,16 +15,12 @@ import signal
 import sys
 
 import numpy as np
-import torch
 from common import (
-    MLP,
-    AcceleratedNet,
     Checks,
-    fresh_state,
-    make_accelerator,
     make_data,
     make_fsdp_accelerator,
     report,
+    seeded_net,
     write_report,
 )
 from streams_run import Stop, StopAt
@@ -34,21 +30,6 @@ from accel_mixin.checkpoint import object_states, storage
 
 MODE, URL = sys.argv[1], sys.argv[2].rstrip("/")
 X, y = make_data(200)
-
-
-def new_net(max_epochs, callbacks=(), accelerator=make_accelerator, **kwargs):
-    fresh_state()
-    torch.manual_seed(0)
-    return AcceleratedNet(
-        MLP,
-        accelerator=accelerator(),
-        max_epochs=max_epochs,
-        batch_size=16,
-        optimizer=torch.optim.Adam,
-        verbose=0,
-        callbacks=list(callbacks),
-        **kwargs,
-    )
 
 
 def weights(net):
@@ -68,12 +49,12 @@ def resumed_against_uninterrupted(dirname, first, last, stop=None, **checkpoint)
         return [TrainingCheckpoint(dirname, keep_last=1, **checkpoint), ResumeTraining(dirname)]
 
     try:
-        new_net(first, [*callbacks(), *([stop] if stop else [])]).fit(X, y)
+        seeded_net(first, [*callbacks(), *([stop] if stop else [])]).fit(X, y)
     except Stop:
         pass
-    resumed = new_net(last, callbacks())
+    resumed = seeded_net(last, callbacks())
     resumed.fit(X, y)
-    alone = new_net(last)
+    alone = seeded_net(last)
     alone.fit(X, y)
     callbacks_ = dict(resumed.callbacks_)
     folder = callbacks_["TrainingCheckpoint"].run_folder_
@@ -110,7 +91,7 @@ if MODE == "nodes":
 
     @checks
     def params():
-        net = new_net(1)
+        net = seeded_net(1)
         net.fit(X, y)
         files = {
             "f_params": f"{URL}/params/params.pt",
@@ -118,7 +99,7 @@ if MODE == "nodes":
             "f_history": f"{URL}/params/history.json",
         }
         net.save_params(**files)
-        loaded = new_net(1).initialize()
+        loaded = seeded_net(1).initialize()
         loaded.load_params(**files)
         return {
             "furthest": furthest(weights(net), weights(loaded)),
@@ -128,7 +109,7 @@ if MODE == "nodes":
 
     @checks
     def sharded():
-        net = new_net(1, accelerator=make_fsdp_accelerator)
+        net = seeded_net(1, accelerator=make_fsdp_accelerator)
         net.fit(X, y)
         net.save_state(f"{URL}/sharded-state")
         net.save_params(f_params=f"{URL}/sharded-params.pt")
@@ -138,14 +119,14 @@ if MODE == "nodes":
     report(checks.results)
 
 elif MODE == "load":  # the sharded state of two processes, on one
-    net = new_net(1).initialize()
+    net = seeded_net(1).initialize()
     net.load_state(f"{URL}/sharded-state")
-    full = new_net(1).initialize()
+    full = seeded_net(1).initialize()
     full.load_params(f_params=f"{URL}/sharded-params.pt")
     report({"furthest": furthest(weights(net), weights(full)), "epochs": len(net.history)})
 
 elif MODE == "kill":
-    net = new_net(1)
+    net = seeded_net(1)
     net.fit(X, y)
     net.save_state(f"{URL}/state")
     saved = weights(net)
@@ -163,7 +144,7 @@ elif MODE == "kill":
 elif MODE == "killed":
     state = f"{URL}/state"
     left = sorted(storage.listdir(state))
-    net = new_net(1).initialize()
+    net = seeded_net(1).initialize()
     net.load_state(state)
     loaded = [w.tolist() for w in weights(net)]
     net.save_state(state)
