@@ -303,6 +303,7 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
             self._notify_batch(method_name, **cb_kwargs)
             return
         # every other notification is a section (notifications.py)
+        self._local.fit.everywhere = None  # callbacks may change between sections
         step = self._NOTIFIED.get(method_name)
         with Notification(self._coordinator, method_name) as notification:
             if step:
@@ -326,14 +327,21 @@ class AccelerateMixin(StepMixin, CheckpointingMixin):
             if not stepper.sync_gradients:
                 return  # partial sums of an accumulation window (stepping.py)
             stepper.unscale(self._optimizers_now())
+        fit = self._local.fit
+        if fit.everywhere is None:  # once between sections, not three times a batch
+            fit.everywhere = runs_everywhere(self.callbacks_)
         try:
-            self._notify_callbacks(method_name, **cb_kwargs)
+            self._notify_callbacks(method_name, fit.everywhere, **cb_kwargs)
         except BaseException as exc:
             batch_failed(self._coordinator, method_name, exc)
             raise
 
-    def _notify_callbacks(self, method_name: str, **cb_kwargs: Any) -> None:
-        if runs_everywhere(self.callbacks_):
+    def _notify_callbacks(
+        self, method_name: str, everywhere: bool | None = None, **cb_kwargs: Any
+    ) -> None:
+        if everywhere is None:
+            everywhere = runs_everywhere(self.callbacks_)
+        if everywhere:
             super().notify(method_name, **cb_kwargs)
             return
         with callbacks_of_this_rank(self, self._coordinator):

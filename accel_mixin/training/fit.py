@@ -48,6 +48,10 @@ class Fit:
     # while training batches run: (batches done, batches with real samples)
     position: tuple[int, int] | None = None
     epoch_start: EpochStart | None = None
+    # whether every rank runs all callbacks (notifications.runs_everywhere),
+    # for the per-batch notifications; None: to be looked at again, as every
+    # section notification (an epoch's begin, say) makes it
+    everywhere: bool | None = None
 
     def train_iterator_now(self) -> DataLoader | None:
         """The training dataloader of this fit, while it exists."""

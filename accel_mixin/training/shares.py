@@ -19,6 +19,7 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from accelerate.data_loader import IterableDatasetShard
 from skorch.dataset import get_len
@@ -45,10 +46,12 @@ def _partial_remainder(gradient_state: GradientState, num_processes: int) -> int
     """The real samples of an epoch's last global batch where accelerate
     padded it, else None: ``remainder`` is -1 with ``drop_last``, 0 where the
     data divides."""
-    remainder = gradient_state.remainder
-    if num_processes == 1 or not gradient_state.end_of_dataloader or not remainder or remainder < 0:
+    # end_of_dataloader first: it holds in an epoch's last batch only, and
+    # each of GradientState's properties walks its dataloader references
+    if num_processes == 1 or not gradient_state.end_of_dataloader:
         return None
-    return remainder
+    remainder = gradient_state.remainder
+    return remainder if remainder and remainder > 0 else None
 
 
 def real_samples(
@@ -64,7 +67,9 @@ def real_samples(
 
 def samples_in(batch: Any) -> int:
     """The samples of a batch: those of its first part, for a tuple or list."""
-    return get_len(batch[0]) if isinstance(batch, (tuple, list)) else get_len(batch)
+    first = batch[0] if isinstance(batch, (tuple, list)) else batch
+    # a tensor's or an array's length is len(); skorch's get_len walks any data
+    return len(first) if isinstance(first, (torch.Tensor, np.ndarray)) else get_len(first)
 
 
 def data_batch_size(dataloader: Any) -> int | None:
