@@ -264,8 +264,6 @@ def _remove(path: str) -> None:
 def set_aside(path: str | os.PathLike[str]) -> list[str]:
     """The committed folders that replacing ``path`` renamed aside and a
     crash left there (``commit_folder``), newest first."""
-    if storage.is_url(path):
-        return []  # an object store's state keeps its previous version until committed
     directory, name = os.path.split(os.path.abspath(os.fspath(path)))
     try:
         entries = os.listdir(directory)
@@ -443,7 +441,9 @@ def read_full(
         TensorStorageMetadata,
     )
 
-    metadata = reader(path).read_metadata()
+    # one reader for both reads: on an object store each looks up the commit marker
+    source = reader(path)
+    metadata = source.read_metadata()
     paths = metadata.planner_data or {}
     flat: dict[str, Any] = {}
     for fqn, item in metadata.state_dict_metadata.items():
@@ -459,7 +459,7 @@ def read_full(
         import torch.distributed.checkpoint as dcp  # pylint: disable=import-outside-toplevel
 
         planner = WeightsOnlyPlanner(torch_load_kwargs, flatten_state_dict=False)
-        dcp.load(flat, storage_reader=reader(path), planner=planner, no_dist=True)
+        dcp.load(flat, storage_reader=source, planner=planner, no_dist=True)
     # DCP loads into a shallow copy: tensors are filled in place, plain values
     # are in the planner's dict only
     flat.update((fqn, value) for fqn, value in planner.state_dict.items() if flat[fqn] is None)

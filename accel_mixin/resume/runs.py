@@ -302,9 +302,7 @@ def differs_from_newest(identity: RunIdentity, runs: dict[str, str]) -> str:
 def _updated(folder: str) -> float:
     """When the run folder ``folder`` last changed: on an object store, whose
     folders have no time, when its manifest did."""
-    if storage.is_url(folder):
-        return storage.modified(storage.join(folder, MANIFEST))
-    return os.path.getmtime(folder)
+    return storage.modified(storage.join(folder, MANIFEST) if storage.is_url(folder) else folder)
 
 
 def run_folders(dirname: Path) -> dict[str, str]:
